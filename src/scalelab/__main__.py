@@ -1,0 +1,3 @@
+from scalelab.cli.main import main
+
+raise SystemExit(main())

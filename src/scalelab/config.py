@@ -1,0 +1,109 @@
+"""Typed run configuration. The resolved config is written into every record."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from scalelab.errors import UsageError
+from scalelab.precision import PRECISIONS
+
+DEVICES = ("cpu", "cuda")
+
+
+def opt(default: Any, help: str) -> Any:
+    """A config field with its help text; the CLI builds `--flag` options from these."""
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """One run of one workload under one strategy."""
+
+    workload: str = field(metadata={"help": "Registered workload name (`scalelab list`)."})
+    strategy: str = opt("local", "Registered strategy name.")
+    batch: int = opt(
+        8,
+        "Items per forward pass (inference) or per optimizer step, all ranks together (training).",
+    )
+    device: str = opt("cpu", "Where the `local` strategy computes: cpu or cuda.")
+    dtype: str = opt(
+        "fp32", "Numeric precision: fp64, fp32, tf32, bf16 or fp16 (bf16/fp16 via autocast)."
+    )
+    iters: int = opt(5, "Timed iterations (inference); the median is reported.")
+    warmup: int = opt(2, "Untimed iterations before timing (allocator, cuDNN autotune, caches).")
+    check: bool = opt(
+        False, "Compare the output with the float64 NumPy oracle; exit 1 if over tolerance."
+    )
+    seed: int = opt(0, "Seeds weights, synthetic inputs and data splits.")
+    quiet: bool = opt(False, "No progress lines on stderr.")
+    threads: int | None = opt(None, "torch intra-op threads on CPU (None: torch's default).")
+
+    # Workload shape options (each workload reads the ones it needs).
+    image_size: int | None = opt(
+        None, "Input height = width for image workloads (None: the workload's native size)."
+    )
+    num_classes: int | None = opt(None, "Output classes (None: the workload's native count).")
+    hidden: int = opt(512, "Hidden width of the mlp.")
+    convs: int = opt(8, "deepstack: number of identical conv layers.")
+    fcs: int = opt(2, "deepstack: number of identical linear layers.")
+    data_dir: str | None = opt(None, "Folder with the real data set; synthetic inputs when None.")
+    weights: str | None = opt(
+        None, "state_dict (.pt) or safetensors file to load instead of seeded random weights."
+    )
+    save_weights: str | None = opt(None, "Write the (trained) weights here after the run.")
+
+    # Training.
+    train: bool = opt(False, "Train instead of inference.")
+    epochs: int = opt(1, "Passes over the training set.")
+    steps: int | None = opt(
+        None, "Stop after this many optimizer steps in total (None: run all epochs)."
+    )
+    lr: float = opt(0.1, "SGD learning rate.")
+    momentum: float = opt(0.0, "SGD momentum.")
+    l2: float = opt(
+        1e-4,
+        "L2 regularisation strength lambda: loss += lambda/2 * sum(W**2) over weight matrices.",
+    )
+    train_size: int = opt(
+        8000, "mlp: items in the seeded training split when only the MNIST test set is present."
+    )
+    heldout_size: int = opt(2000, "mlp: items in the held-out split.")
+
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Strategy-specific options (ranks, split, ...), kept so records stay complete."""
+
+    def __post_init__(self) -> None:
+        positive = {
+            "batch": self.batch,
+            "iters": self.iters,
+            "epochs": self.epochs,
+            "hidden": self.hidden,
+            "train_size": self.train_size,
+            "heldout_size": self.heldout_size,
+        }
+        for name, value in positive.items():
+            if value < 1:
+                raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if self.warmup < 0:
+            raise UsageError(f"--warmup must be >= 0, got {self.warmup}")
+        if self.steps is not None and self.steps < 1:
+            raise UsageError(f"--steps must be >= 1, got {self.steps}")
+        if self.threads is not None and self.threads < 1:
+            raise UsageError(f"--threads must be >= 1, got {self.threads}")
+        if self.dtype not in PRECISIONS:
+            raise UsageError(f"unknown dtype {self.dtype!r} (known: {', '.join(PRECISIONS)})")
+        if self.device not in DEVICES:
+            raise UsageError(f"unknown device {self.device!r} (known: {', '.join(DEVICES)})")
+        if not self.lr > 0:
+            raise UsageError(f"--lr must be > 0, got {self.lr}")
+        if self.convs < 1 or self.fcs < 1:
+            raise UsageError("--convs and --fcs must be >= 1")
+        if self.data_dir is not None and not Path(self.data_dir).is_dir():
+            raise UsageError(f"--data-dir {self.data_dir}: no such directory")
+        if self.weights is not None and not Path(self.weights).is_file():
+            raise UsageError(f"--weights {self.weights}: no such file")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

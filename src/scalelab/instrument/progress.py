@@ -1,0 +1,42 @@
+"""Progress on long work: a live line on a terminal, one line per milestone otherwise."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+
+class Progress:
+    """Rank 0 reports; other ranks stay quiet (enabled=False)."""
+
+    def __init__(self, total: int, label: str, enabled: bool = True) -> None:
+        self.total = max(total, 1)
+        self.label = label
+        self.enabled = enabled
+        self.tty = sys.stderr.isatty()
+        self.start = time.perf_counter()
+        self._last = 0.0
+
+    def update(self, done: int, **fields: float) -> None:
+        if not (self.enabled and self.tty):
+            return
+        now = time.perf_counter()
+        if now - self._last < 0.2 and done < self.total:
+            return
+        self._last = now
+        sys.stderr.write("\r" + self._line(done, fields) + "\033[K")
+        sys.stderr.flush()
+
+    def milestone(self, done: int, **fields: float) -> None:
+        """Always printed (e.g. once per epoch), so logs of non-interactive runs show progress."""
+        if not self.enabled:
+            return
+        line = self._line(done, fields)
+        sys.stderr.write(f"\r{line}\033[K\n" if self.tty else f"{line}\n")
+        sys.stderr.flush()
+
+    def _line(self, done: int, fields: dict[str, float]) -> str:
+        elapsed = time.perf_counter() - self.start
+        eta = elapsed / done * (self.total - done) if done else float("nan")
+        extra = " ".join(f"{k}={v:.4g}" for k, v in fields.items())
+        return f"{self.label} {done}/{self.total} {extra} elapsed={elapsed:.1f}s eta={eta:.1f}s"

@@ -1,0 +1,84 @@
+"""Run records: one JSON object per line in a results file, appended atomically.
+
+A record is the unit every analysis reads: config, environment, git commit, metrics and the
+per-rank phases. Appends are a single O_APPEND write under an exclusive lock, so concurrent
+ranks or a crash mid-run never leave half a line.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import fcntl
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+from scalelab.errors import UsageError
+
+SCHEMA = "scalelab.run/1"
+DEFAULT_RESULTS = Path("scalelab-results") / "runs.jsonl"
+
+
+def new_record(**fields: Any) -> dict[str, Any]:
+    now = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    return {"schema": SCHEMA, "id": uuid.uuid4().hex[:12], "time": now, **fields}
+
+
+def append_record(path: str | os.PathLike, record: dict[str, Any]) -> None:
+    line = (json.dumps(record, default=_jsonable, allow_nan=True) + "\n").encode()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        written = os.write(fd, line)
+        if written != len(line):  # disk full: cut back to the last whole line
+            os.ftruncate(fd, os.fstat(fd).st_size - written)
+            raise OSError(f"short write to {path}")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """Records from a .jsonl file or every .jsonl/.json record file under a folder."""
+    path = Path(path)
+    if path.is_dir():
+        files = sorted([*path.rglob("*.jsonl"), *path.rglob("*.json")])
+    elif path.is_file():
+        files = [path]
+    else:
+        raise UsageError(f"{path}: no such results file or folder")
+    records = [rec for f in files for rec in _read_file(f)]
+    if not records:
+        raise UsageError(f"{path}: holds no scalelab records")
+    return records
+
+
+def _read_file(path: Path) -> list[dict[str, Any]]:
+    text = path.read_text()
+    lines = [text] if path.suffix == ".json" else text.splitlines()
+    out = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            raise UsageError(f"{path}:{n}: not JSON (is this a scalelab results file?)") from None
+        items = rec if isinstance(rec, list) else [rec]
+        for item in items:
+            if not isinstance(item, dict) or not str(item.get("schema", "")).startswith("scalelab."):
+                raise UsageError(f"{path}:{n}: not a scalelab record (no scalelab schema field)")
+            out.append(item)
+    return out
+
+
+def _jsonable(obj: Any) -> Any:
+    if hasattr(obj, "item"):
+        return obj.item()
+    if isinstance(obj, Path):
+        return str(obj)
+    raise TypeError(f"cannot store {type(obj).__name__} in a record")

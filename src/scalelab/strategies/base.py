@@ -1,0 +1,91 @@
+"""The strategy interface: how a run places data, moves it and gathers it.
+
+A strategy receives a built model and (on the root rank) the inputs in transport form; it
+returns the gathered output and its timings. The workload never learns which strategy ran it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+from torch import nn
+
+from scalelab.comm import Comm, SelfComm
+from scalelab.config import RunConfig
+from scalelab.errors import UsageError
+from scalelab.instrument.timer import Timings
+from scalelab.precision import Precision, get_precision
+from scalelab.registry import Registry
+from scalelab.workloads.base import Inputs, Workload
+
+
+@dataclass
+class TrainHistory:
+    """Per-epoch training loss (mean over steps) and held-out accuracy (fraction correct)."""
+
+    loss: list[float] = field(default_factory=list)
+    accuracy: list[float] = field(default_factory=list)
+    steps: int = 0
+    items: int = 0  # items trained on, all ranks together
+
+
+@dataclass
+class RunOutput:
+    """What a strategy hands back to the runner.
+
+    timings: this rank's per-iteration walls and phase laps (training: one lap per epoch).
+    rank_phases: every rank's median phase seconds, on the root rank only.
+    output: the gathered model output as float64 (root only; None when not gathered).
+    items_per_iter: items processed by all ranks in one timed iteration.
+    """
+
+    timings: Timings
+    rank_phases: list[dict[str, float]] | None
+    output: np.ndarray | None
+    items_per_iter: int
+    bytes_moved: dict[str, int] = field(default_factory=dict)
+    history: TrainHistory | None = None
+    model: nn.Module | None = None  # the trained model, for --save-weights
+    notes: dict[str, Any] = field(default_factory=dict)
+
+
+class Strategy(ABC):
+    """Base of every strategy; subclasses register with @STRATEGIES.register(name, line)."""
+
+    name: ClassVar[str]
+    needs_data_everywhere: ClassVar[bool] = False  # every rank reads the training data itself
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        self.precision: Precision = get_precision(cfg.dtype)
+        self.comm: Comm = self.make_comm()
+
+    def make_comm(self) -> Comm:
+        return SelfComm()
+
+    @property
+    def is_root(self) -> bool:
+        return self.comm.is_root
+
+    def validate(self, workload: Workload) -> None:
+        """Check the topology and options against the workload before anything runs."""
+
+    @abstractmethod
+    def infer(self, workload: Workload, model: nn.Module, inputs: Inputs | None) -> RunOutput:
+        """Timed inference of inputs (present on the root rank) through model."""
+
+    def train(self, workload: Workload, model: nn.Module,
+              data: tuple[Inputs, Inputs] | None) -> RunOutput:
+        raise UsageError(f"strategy {self.name} does not train; drop --train")
+
+    def gather_phases(self, timings: Timings) -> list[dict[str, float]] | None:
+        return self.comm.gather_object(timings.phase_medians())
+
+    def close(self) -> None:
+        self.comm.close()
+
+
+STRATEGIES: Registry[type[Strategy]] = Registry("strategy")

@@ -1,0 +1,102 @@
+"""What every torch-executing strategy shares: device placement, precision, the timed
+inference step and the training loop. Distributed strategies override the hooks where data
+and gradients cross ranks (shard, reduce_gradients, all_sum) and nothing else."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+
+import numpy as np
+import torch
+from torch import nn
+
+from scalelab.errors import UsageError
+from scalelab.instrument.timer import PhaseTimer, device_sync, timed_iterations
+from scalelab.strategies.base import RunOutput, Strategy, TrainHistory
+from scalelab.train.loop import train_epochs
+from scalelab.workloads.base import Inputs, Workload
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA GPU is visible to torch on this machine")
+    return torch.device(name)
+
+
+class TorchStrategy(Strategy):
+    """Runs the torch model on one device per process."""
+
+    def __init__(self, cfg) -> None:
+        super().__init__(cfg)
+        self.device = self.pick_device()
+        if cfg.threads is not None:
+            torch.set_num_threads(cfg.threads)
+        if self.device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = self.precision.tf32
+            torch.backends.cudnn.allow_tf32 = self.precision.tf32
+            torch.backends.cudnn.benchmark = True
+        if self.precision.autocast is torch.float16 and self.device.type == "cpu" and cfg.train:
+            raise UsageError("--dtype fp16 training needs a GPU (no grad scaler on CPU); use bf16")
+        self.timer = PhaseTimer(device_sync(self.device), nvtx=self.device.type == "cuda")
+
+    def pick_device(self) -> torch.device:
+        return resolve_device(self.cfg.device)
+
+    # --- hooks distributed strategies override ---------------------------------------------
+    def shard(self, batch: Inputs) -> Inputs:
+        """This rank's share of a global training batch."""
+        return batch
+
+    def reduce_gradients(self, model: nn.Module, timer: PhaseTimer) -> None:
+        """Combine gradients across ranks (identity in one process)."""
+
+    def all_sum(self, value: float) -> float:
+        return value
+
+    # --- helpers ---------------------------------------------------------------------------
+    def autocast(self) -> AbstractContextManager:
+        if self.precision.autocast is None:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.precision.autocast)
+
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cuda" and not t.is_cuda:
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
+
+    def place(self, model: nn.Module) -> nn.Module:
+        return model.to(device=self.device, dtype=self.precision.storage)
+
+    def forward(self, workload: Workload, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode(), self.autocast():
+            return model(workload.prepare(x).to(self.precision.storage))
+
+    # --- the two modes ---------------------------------------------------------------------
+    def infer(self, workload: Workload, model: nn.Module, inputs: Inputs | None) -> RunOutput:
+        assert inputs is not None
+        model = self.place(model)
+        host_x = inputs.x.pin_memory() if self.device.type == "cuda" else inputs.x
+
+        def step() -> torch.Tensor:
+            with self.timer.phase("h2d"):
+                x = host_x.to(self.device, non_blocking=True)
+            with self.timer.phase("compute"):
+                out = self.forward(workload, model, x)
+            with self.timer.phase("d2h"):
+                return out.to("cpu", torch.float64)
+
+        timings, out = timed_iterations(step, self.timer, self.cfg.warmup, self.cfg.iters)
+        return RunOutput(timings, [timings.phase_medians()], np.asarray(out), len(inputs),
+                         {"h2d": inputs.x.nbytes})
+
+    def train(self, workload: Workload, model: nn.Module,
+              data: tuple[Inputs, Inputs] | None) -> RunOutput:
+        assert data is not None
+        train, heldout = data
+        model = self.place(model)
+        history = TrainHistory()
+        timings = train_epochs(self, workload, model, train, heldout, self.timer, history)
+        items_per_epoch = history.items / max(len(timings.walls), 1)
+        return RunOutput(timings, self.comm.gather_object(timings.phase_totals()), None,
+                         round(items_per_epoch),
+                         history=history, model=model)

@@ -1,0 +1,206 @@
+"""What every workload provides: a model, inputs in their transport form, a cost table and
+(where one exists) a float64 NumPy oracle. A workload never knows which strategy runs it."""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import torch
+from torch import nn
+
+from scalelab.config import RunConfig
+from scalelab.errors import UsageError
+from scalelab.registry import Registry
+
+
+@dataclass
+class Inputs:
+    """A batch in its transport form: the smallest faithful encoding that crosses a wire.
+
+    x: (N, ...) uint8 pixels, uint8 character indices, or float32 where the source is float.
+    y: (N,) int64 labels, or None for unlabeled synthetic inference inputs.
+    """
+
+    x: torch.Tensor
+    y: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.x.shape[0]
+
+    def slice(self, start: int, stop: int) -> Inputs:
+        return Inputs(self.x[start:stop], None if self.y is None else self.y[start:stop])
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One row of a workload's analytic cost table, per input item (batch 1).
+
+    flops counts multiply and add as two operations (2*MACs for conv/linear), the convention of
+    torch.utils.flop_counter. Bytes moved at batch N and element size b are
+    b * (N * (in_elems + out_elems) + params): read input and weights, write output once.
+    """
+
+    name: str  # as in the seed tables: c1, lrn1, pool1, fc6, ...
+    kind: str  # conv, linear, relu, lrn, maxpool, layernorm, batchnorm, softmax, add, ...
+    out_shape: tuple[int, ...]  # per item, e.g. (96, 55, 55)
+    params: int
+    flops: int  # per item
+    in_elems: int  # per item
+    out_elems: int  # per item
+    module: str | None = None  # dotted path of the nn.Module computing it (FlopCounter check)
+
+    def bytes_moved(self, batch: int, itemsize: int) -> int:
+        return itemsize * (batch * (self.in_elems + self.out_elems) + self.params)
+
+
+def conv_cost(name: str, module: str | None, c_in: int, in_hw: tuple[int, ...], c_out: int,
+              kernel: tuple[int, ...], out_hw: tuple[int, ...], bias: bool = True) -> LayerCost:
+    """Convolution (1-D or 2-D): FLOPs = 2 * C_out * C_in * prod(kernel) * prod(out spatial)."""
+    k = math.prod(kernel)
+    params = c_out * c_in * k + (c_out if bias else 0)
+    flops = 2 * c_out * c_in * k * math.prod(out_hw)
+    return LayerCost(name, "conv", (c_out, *out_hw), params, flops,
+                     c_in * math.prod(in_hw), c_out * math.prod(out_hw), module)
+
+
+def linear_cost(name: str, module: str | None, n_in: int, n_out: int,
+                bias: bool = True) -> LayerCost:
+    """Fully connected: FLOPs = 2 * n_in * n_out (the bias add is not counted, as FlopCounter)."""
+    return LayerCost(name, "linear", (n_out,), n_in * n_out + (n_out if bias else 0),
+                     2 * n_in * n_out, n_in, n_out, module)
+
+
+def elementwise_cost(name: str, kind: str, shape: tuple[int, ...], flops_per_elem: int = 1,
+                     params: int = 0, out_shape: tuple[int, ...] | None = None,
+                     module: str | None = None) -> LayerCost:
+    """ReLU, norms, pools, softmax: FLOPs = flops_per_elem * elements of the input."""
+    out_shape = shape if out_shape is None else out_shape
+    n_in = math.prod(shape)
+    return LayerCost(name, kind, out_shape, params, flops_per_elem * n_in, n_in,
+                     math.prod(out_shape), module)
+
+
+@contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """Seed torch inside a forked RNG so building a model leaves the global stream alone."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+class Workload(ABC):
+    """A model plus its inputs, its cost model and its oracle."""
+
+    name: ClassVar[str]
+    item: ClassVar[str] = "images"  # what throughput counts: images, inputs, ...
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise UsageError for options this workload cannot honour (e.g. image too small)."""
+
+    # --- the model -----------------------------------------------------------------------
+    @abstractmethod
+    def _build(self) -> nn.Module:
+        """Construct the module; weights are drawn from torch's (seeded) default init."""
+
+    def build_model(self) -> nn.Module:
+        with seeded(self.cfg.seed):
+            model = self._build()
+        return model.eval()
+
+    # --- inputs --------------------------------------------------------------------------
+    @abstractmethod
+    def synthetic_inputs(self, n: int, seed: int) -> Inputs:
+        """n items of the right shape and transport dtype, deterministic in seed."""
+
+    def real_inputs(self, n: int) -> Inputs:
+        """The first n items of the real data set in cfg.data_dir."""
+        raise UsageError(f"workload {self.name} reads no data set; drop --data-dir")
+
+    def inputs(self, n: int) -> Inputs:
+        if self.cfg.data_dir is not None:
+            return self.real_inputs(n)
+        return self.synthetic_inputs(n, self.cfg.seed + 1)
+
+    def training_data(self) -> tuple[Inputs, Inputs]:
+        """(train, held-out) sets for --train; synthetic unless cfg.data_dir names real data."""
+        n_train, n_held = self.cfg.train_size, self.cfg.heldout_size
+        if self.cfg.data_dir is not None:
+            data = self.real_inputs(n_train + n_held)
+        else:
+            data = self.synthetic_inputs(n_train + n_held, self.cfg.seed + 1)
+        return split_seeded(data, n_train, n_held, self.cfg.seed)
+
+    @abstractmethod
+    def prepare(self, x: torch.Tensor) -> torch.Tensor:
+        """Transport form -> model input, on x's device: uint8 -> float, indices -> one-hot."""
+
+    # --- cost model ----------------------------------------------------------------------
+    @abstractmethod
+    def cost_table(self) -> list[LayerCost]:
+        """Per-layer analytic costs for one item, in execution order."""
+
+    def flops_per_item(self) -> int:
+        return sum(layer.flops for layer in self.cost_table())
+
+    # --- oracle --------------------------------------------------------------------------
+    def reference_forward(self, params: dict[str, np.ndarray], x: np.ndarray) -> np.ndarray:
+        """Float64 NumPy forward from the layer definitions, independent of torch.
+
+        params: the model's state_dict as float64 arrays; x: transport-form inputs (N, ...).
+        Returns the same quantity the model's forward returns (logits), shape (N, classes).
+        """
+        raise UsageError(f"workload {self.name} has no NumPy float64 reference")
+
+    @classmethod
+    def has_reference(cls) -> bool:
+        return cls.reference_forward is not Workload.reference_forward
+
+    def reference_train_step(self, params: dict[str, np.ndarray], x: np.ndarray,
+                             y: np.ndarray) -> float:
+        """One float64 SGD step on transport-form x, labels y, updating params in place.
+
+        Returns the batch's mean loss before the update. Only workloads with a hand-written
+        NumPy backward implement it (the `serial` strategy's training path).
+        """
+        raise UsageError(f"workload {self.name} has no NumPy float64 training reference")
+
+    # --- training ------------------------------------------------------------------------
+    def loss(self, model: nn.Module, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy over the batch (workloads add regularisation terms here)."""
+        return nn.functional.cross_entropy(logits.float(), y)
+
+    def optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.SGD(model.parameters(), lr=self.cfg.lr, momentum=self.cfg.momentum)
+
+
+def split_seeded(data: Inputs, n_train: int, n_held: int, seed: int) -> tuple[Inputs, Inputs]:
+    """A seeded random split into (train, held-out); refuses to invent items."""
+    if n_train + n_held > len(data):
+        raise UsageError(
+            f"need {n_train} training + {n_held} held-out items but the data has {len(data)}; "
+            "lower --train-size/--heldout-size"
+        )
+    perm = torch.randperm(len(data), generator=torch.Generator().manual_seed(seed))
+    train_idx, held_idx = perm[:n_train], perm[n_train:n_train + n_held]
+    pick = lambda idx: Inputs(data.x[idx], None if data.y is None else data.y[idx])  # noqa: E731
+    return pick(train_idx), pick(held_idx)
+
+
+def state_dict_float64(model: nn.Module) -> dict[str, np.ndarray]:
+    """The model's parameters and buffers as float64 NumPy arrays, for the oracle."""
+    return {k: v.detach().cpu().double().numpy() for k, v in model.state_dict().items()}
+
+
+# Workload classes by name; each workload module registers itself with
+# @WORKLOADS.register("name", "one-line description").
+WORKLOADS: Registry[type[Workload]] = Registry("workload")
