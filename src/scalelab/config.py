@@ -71,6 +71,46 @@ class RunConfig:
     )
     heldout_size: int = opt(2000, "mlp: items in the held-out split.")
 
+    # Distributed execution (MPI, torch.distributed).
+    ranks: int = opt(
+        1, "Processes to run; scalelab starts mpiexec/torchrun when not already inside one."
+    )
+    split: str = opt(
+        "batch", "How mpi/nccl strategies divide inference: broadcast, batch or spatial."
+    )
+    overlap: bool = opt(
+        False, "mpi-gpu: pipeline copies, compute and MPI over chunks on CUDA streams."
+    )
+    chunks: int = opt(4, "mpi-gpu --overlap: chunks per rank's batch.")
+    oversubscribe_gpus: bool = opt(False, "Allow more ranks than GPUs on a node (warned).")
+    nonblocking: bool = opt(
+        False, "mpi-dp: start layer 2's gradient reduction before layer 1's backward ends."
+    )
+    global_batch: int | None = opt(
+        None, "ddp: global batch over all ranks (strong scaling); else --batch per rank."
+    )
+    amp: str | None = opt(None, "ddp: autocast dtype bf16 or fp16 (fp16 with a grad scaler).")
+    bucket_mb: float = opt(25.0, "ddp: gradient bucket size in MB.")
+    channels_last: bool = opt(False, "Use channels_last memory format for image models.")
+    compile: bool = opt(False, "torch.compile the model.")
+    workers: int = opt(0, "DataLoader worker processes.")
+    ckpt_every: int | None = opt(
+        None, "Write a checkpoint every N optimizer steps (and at the end)."
+    )
+    ckpt_dir: str | None = opt(None, "Folder for checkpoints (default: next to --out).")
+    resume: str | None = opt(None, "Checkpoint to resume training from.")
+    compare_devices: bool = opt(
+        False, "mlp: train on CPU and GPU from the same weights and report the difference."
+    )
+
+    # Instrumentation.
+    trace: str | None = opt(None, "Folder for torch.profiler traces, one rank{r}.json.gz per rank.")
+    nvml: bool = opt(False, "Sample GPU memory, power and utilisation with NVML during the run.")
+    per_layer: bool = opt(False, "Time each layer and record its output bytes and peak memory.")
+    fast: bool = opt(
+        False, "Use the fast single-device path (fused kernels, graphs) where available."
+    )
+
     extra: dict[str, Any] = field(default_factory=dict)
     """Strategy-specific options (ranks, split, ...), kept so records stay complete."""
 
@@ -92,6 +132,10 @@ class RunConfig:
             raise UsageError(f"--steps must be >= 1, got {self.steps}")
         if self.threads is not None and self.threads < 1:
             raise UsageError(f"--threads must be >= 1, got {self.threads}")
+        if self.ranks < 1 or self.chunks < 1:
+            raise UsageError("--ranks and --chunks must be >= 1")
+        if self.amp not in (None, "bf16", "fp16"):
+            raise UsageError(f"--amp must be bf16 or fp16, got {self.amp!r}")
         if self.dtype not in PRECISIONS:
             raise UsageError(f"unknown dtype {self.dtype!r} (known: {', '.join(PRECISIONS)})")
         if self.device not in DEVICES:

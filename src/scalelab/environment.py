@@ -28,9 +28,11 @@ def cpu_model() -> str:
 def gpu_info() -> dict[str, Any]:
     if not torch.cuda.is_available():
         return {"gpu_count": 0, "gpu_name": None, "driver": None}
-    return {"gpu_count": torch.cuda.device_count(),
-            "gpu_name": torch.cuda.get_device_name(0),
-            "driver": nvidia_driver()}
+    return {
+        "gpu_count": torch.cuda.device_count(),
+        "gpu_name": torch.cuda.get_device_name(0),
+        "driver": nvidia_driver(),
+    }
 
 
 def nvidia_driver() -> str | None:
@@ -43,8 +45,13 @@ def nvidia_driver() -> str | None:
     except Exception:  # nvidia-ml-py absent or no NVML: fall back to nvidia-smi
         pass
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=10, check=True)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        )
         return out.stdout.splitlines()[0].strip()
     except (OSError, subprocess.SubprocessError, IndexError):
         return None
@@ -68,10 +75,20 @@ def git_commit() -> dict[str, Any]:
     """Commit of the scalelab checkout this code runs from (None when installed from a wheel)."""
     here = Path(__file__).resolve().parent
     try:
-        head = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True,
-                              text=True, timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--", "."],
-                               capture_output=True, text=True, timeout=10, check=True).stdout
+        head = subprocess.run(
+            ["git", "-C", str(here), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(here), "status", "--porcelain", "--", "."],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return {"git_commit": None, "git_dirty": None}
     return {"git_commit": head, "git_dirty": bool(dirty.strip())}

@@ -38,6 +38,4 @@ def get_precision(name: str) -> Precision:
     try:
         return PRECISIONS[name]
     except KeyError:
-        raise UsageError(
-            f"unknown dtype {name!r} (known: {', '.join(PRECISIONS)})"
-        ) from None
+        raise UsageError(f"unknown dtype {name!r} (known: {', '.join(PRECISIONS)})") from None

@@ -70,7 +70,9 @@ def _read_file(path: Path) -> list[dict[str, Any]]:
             raise UsageError(f"{path}:{n}: not JSON (is this a scalelab results file?)") from None
         items = rec if isinstance(rec, list) else [rec]
         for item in items:
-            if not isinstance(item, dict) or not str(item.get("schema", "")).startswith("scalelab."):
+            if not isinstance(item, dict) or not str(item.get("schema", "")).startswith(
+                "scalelab."
+            ):
                 raise UsageError(f"{path}:{n}: not a scalelab record (no scalelab schema field)")
             out.append(item)
     return out

@@ -5,6 +5,7 @@ Every rank executes this; only the root rank checks, writes the record and print
 
 from __future__ import annotations
 
+import sys
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,7 @@ from scalelab import environment
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
 from scalelab.oracle.check import CheckResult, check_output
+from scalelab.precision import PRECISIONS, Precision
 from scalelab.record import append_record, new_record
 from scalelab.strategies import STRATEGIES, RunOutput, Strategy
 from scalelab.weights import load_weights, save_weights
@@ -38,58 +40,101 @@ def execute(cfg: RunConfig, results: Path | None) -> RunReport:
     workload = WORKLOADS.get(cfg.workload)(cfg)
     strategy = STRATEGIES.get(cfg.strategy)(cfg)
     try:
-        strategy.validate(workload)
-        model = workload.build_model()
-        if cfg.weights is not None:
-            load_weights(model, cfg.weights)
-        reference_params = state_dict_float64(model) if cfg.check else None
-        try:
-            output, inputs = _run_mode(strategy, workload, model)
-        except UsageError:
-            raise
-        except Exception as exc:
-            _record_failure(strategy, cfg, results, exc)
-            raise
-        if not strategy.is_root:
-            return RunReport(None, None)
-        check = None
-        if cfg.check:
-            ref = workload.reference_forward(reference_params, inputs.x.numpy())
-            check = check_output(output.output, ref, strategy.precision.tolerance)
-        if cfg.save_weights is not None and output.model is not None:
-            save_weights(output.model, cfg.save_weights)
-        record = build_record(cfg, workload, strategy, output, check)
-        if results is not None:
-            append_record(results, record)
-        return RunReport(record, check)
+        return _execute(cfg, workload, strategy, results)
+    except BaseException as exc:
+        if strategy.comm.size > 1 and not isinstance(exc, SystemExit):
+            # One rank failing alone would leave the others blocked in a collective.
+            sys.stderr.write(
+                f"scalelab: rank {strategy.comm.rank}: {type(exc).__name__}: "
+                f"{exc}; aborting all ranks\n"
+            )
+            sys.stderr.flush()
+            strategy.comm.abort(exc.exit_code if isinstance(exc, UsageError) else 1)
+        raise
     finally:
         strategy.close()
 
 
-def _run_mode(strategy: Strategy, workload: Workload,
-              model: Any) -> tuple[RunOutput, Inputs | None]:
+def _execute(
+    cfg: RunConfig, workload: Workload, strategy: Strategy, results: Path | None
+) -> RunReport:
+    if cfg.ranks > 1 and strategy.comm.size != cfg.ranks:
+        raise UsageError(f"--ranks {cfg.ranks} but the launcher started {strategy.comm.size}")
+    strategy.validate(workload)
+    model = workload.build_model()
+    if cfg.weights is not None:
+        load_weights(model, cfg.weights)
+    reference_params = state_dict_float64(model) if cfg.check else None
+    try:
+        output, inputs = _run_mode(strategy, workload, model)
+    except UsageError:
+        raise
+    except Exception as exc:
+        _record_failure(strategy, cfg, results, exc)
+        raise
+    if not strategy.is_root:
+        return RunReport(None, None)
+    check = None
+    if cfg.check:
+        ref = workload.reference_forward(reference_params, inputs.x.numpy())
+        check = check_output(
+            output.output, ref, strategy.precision.tolerance, digest_tolerance(strategy.precision)
+        )
+    if cfg.save_weights is not None and output.model is not None:
+        save_weights(output.model, cfg.save_weights)
+    record = build_record(cfg, workload, strategy, output, check)
+    if results is not None:
+        append_record(results, record)
+    return RunReport(record, check)
+
+
+def digest_tolerance(precision: Precision) -> float:
+    """fp64 and fp32 runs share the fp32 digest grid, so serial and local digests compare."""
+    return max(precision.tolerance, PRECISIONS["fp32"].tolerance)
+
+
+def _run_mode(
+    strategy: Strategy, workload: Workload, model: Any
+) -> tuple[RunOutput, Inputs | None]:
     cfg = strategy.cfg
     if cfg.train:
-        data = workload.training_data() if strategy.is_root or strategy.needs_data_everywhere \
-            else None
+        data = (
+            workload.training_data() if strategy.is_root or strategy.needs_data_everywhere else None
+        )
         return strategy.train(workload, model, data), None
     inputs = workload.inputs(cfg.batch) if strategy.is_root else None
     return strategy.infer(workload, model, inputs), inputs
 
 
-def _record_failure(strategy: Strategy, cfg: RunConfig, results: Path | None,
-                    exc: BaseException) -> None:
+def _record_failure(
+    strategy: Strategy, cfg: RunConfig, results: Path | None, exc: BaseException
+) -> None:
     if results is None or not strategy.is_root:
         return
-    append_record(results, new_record(
-        status="failed", error=f"{type(exc).__name__}: {exc}",
-        traceback=traceback.format_exc(limit=8), workload=cfg.workload, strategy=cfg.strategy,
-        mode="train" if cfg.train else "infer", ranks=strategy.comm.size,
-        config=cfg.to_dict(), env=environment.collect(), **environment.git_commit()))
+    append_record(
+        results,
+        new_record(
+            status="failed",
+            error=f"{type(exc).__name__}: {exc}",
+            traceback=traceback.format_exc(limit=8),
+            workload=cfg.workload,
+            strategy=cfg.strategy,
+            mode="train" if cfg.train else "infer",
+            ranks=strategy.comm.size,
+            config=cfg.to_dict(),
+            env=environment.collect(),
+            **environment.git_commit(),
+        ),
+    )
 
 
-def build_record(cfg: RunConfig, workload: Workload, strategy: Strategy, out: RunOutput,
-                 check: CheckResult | None) -> dict[str, Any]:
+def build_record(
+    cfg: RunConfig,
+    workload: Workload,
+    strategy: Strategy,
+    out: RunOutput,
+    check: CheckResult | None,
+) -> dict[str, Any]:
     timings = out.timings
     if out.history is not None:  # training: the whole run (evaluation excluded) is one wall
         wall = sum(timings.walls)
@@ -102,45 +147,76 @@ def build_record(cfg: RunConfig, workload: Workload, strategy: Strategy, out: Ru
     # A training step costs ~3 forwards (backward = grad wrt activations + grad wrt weights).
     flops = workload.flops_per_item() * items * (3 if out.history is not None else 1)
     rec = new_record(
-        status="ok", workload=cfg.workload, strategy=cfg.strategy,
-        mode="train" if cfg.train else "infer", ranks=strategy.comm.size,
-        precision=strategy.precision.name, config=cfg.to_dict(), env=environment.collect(),
-        **environment.git_commit(), items=items, iters=len(timings.walls), wall_s=wall, wall_spread_s=timings.spread(),
-        walls_s=timings.walls, throughput=items / wall if wall > 0 else float("nan"),
-        item_unit=workload.item, phases=phases, rank_phases=out.rank_phases,
-        bytes=out.bytes_moved, flops_per_item=workload.flops_per_item(),
-        achieved_tflops=flops / wall / 1e12 if wall > 0 else float("nan"), **out.notes,
+        status="ok",
+        workload=cfg.workload,
+        strategy=cfg.strategy,
+        mode="train" if cfg.train else "infer",
+        ranks=strategy.comm.size,
+        precision=strategy.precision.name,
+        config=cfg.to_dict(),
+        env=environment.collect(),
+        **environment.git_commit(),
+        items=items,
+        iters=len(timings.walls),
+        wall_s=wall,
+        wall_spread_s=timings.spread(),
+        walls_s=timings.walls,
+        throughput=items / wall if wall > 0 else float("nan"),
+        item_unit=workload.item,
+        phases=phases,
+        rank_phases=out.rank_phases,
+        bytes=out.bytes_moved,
+        flops_per_item=workload.flops_per_item(),
+        achieved_tflops=flops / wall / 1e12 if wall > 0 else float("nan"),
+        **out.notes,
     )
     if check is not None:
-        rec.update(relerr=check.relerr, tolerance=check.tolerance, digest=check.digest,
-                   reference_digest=check.reference_digest, check_passed=check.passed)
+        rec.update(
+            relerr=check.relerr,
+            tolerance=check.tolerance,
+            digest=check.digest,
+            reference_digest=check.reference_digest,
+            check_passed=check.passed,
+        )
     if out.history is not None:
-        rec.update(loss=out.history.loss, accuracy=out.history.accuracy,
-                   steps=out.history.steps)
+        rec.update(loss=out.history.loss, accuracy=out.history.accuracy, steps=out.history.steps)
     return rec
 
 
 def format_summary(rec: dict[str, Any]) -> str:
     """A few human lines for the terminal; the record holds everything else."""
     cfg = rec["config"]
-    head = (f"{rec['workload']} | {rec['strategy']} x{rec['ranks']} | {cfg['device']} "
-            f"{rec['precision']} | batch {cfg['batch']}")
+    head = (
+        f"{rec['workload']} | {rec['strategy']} x{rec['ranks']} | {cfg['device']} "
+        f"{rec['precision']} | batch {cfg['batch']}"
+    )
     unit = rec["item_unit"]
     if rec["mode"] == "train":
-        timing = (f"  trained {rec['items']} {unit} in {rec['steps']} steps: "
-                  f"{rec['wall_s']:.3f} s, {rec['throughput']:.1f} {unit}/s")
+        timing = (
+            f"  trained {rec['items']} {unit} in {rec['steps']} steps: "
+            f"{rec['wall_s']:.3f} s, {rec['throughput']:.1f} {unit}/s"
+        )
     else:
         spread = rec["wall_spread_s"]
-        timing = (f"  wall {rec['wall_s'] * 1e3:.2f} ms (median of {rec['iters']}, "
-                  f"min {spread['min'] * 1e3:.2f}, max {spread['max'] * 1e3:.2f}) | "
-                  f"{rec['throughput']:.1f} {unit}/s | {rec['achieved_tflops'] * 1e3:.2f} GFLOP/s")
+        timing = (
+            f"  wall {rec['wall_s'] * 1e3:.2f} ms (median of {rec['iters']}, "
+            f"min {spread['min'] * 1e3:.2f}, max {spread['max'] * 1e3:.2f}) | "
+            f"{rec['throughput']:.1f} {unit}/s | {rec['achieved_tflops'] * 1e3:.2f} GFLOP/s"
+        )
     top = {k: v for k, v in rec["phases"].items() if "/" not in k}
-    lines = [head, timing, "  phases: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in top.items())]
+    lines = [
+        head,
+        timing,
+        "  phases: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in top.items()),
+    ]
     if "relerr" in rec:
         verdict = "ok" if rec["check_passed"] else "FAILED"
-        lines.append(f"  check: relerr {rec['relerr']:.2e} (tolerance {rec['tolerance']:.0e}) "
-                     f"{verdict} | digest {rec['digest']} (float64 oracle {rec['reference_digest']})")
+        lines.append(
+            f"  check: relerr {rec['relerr']:.2e} (tolerance {rec['tolerance']:.0e}) "
+            f"{verdict} | digest {rec['digest']} (float64 oracle {rec['reference_digest']})"
+        )
     if rec["mode"] == "train":
-        lines.append(f"  final loss {rec['loss'][-1]:.4f} | held-out accuracy "
-                     f"{rec['accuracy'][-1]:.4f}")
+        lines.append(
+            f"  final loss {rec['loss'][-1]:.4f} | held-out accuracy {rec['accuracy'][-1]:.4f}"
+        )
     return "\n".join(lines)

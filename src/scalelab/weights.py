@@ -17,9 +17,16 @@ from torch import nn
 from scalelab.errors import UsageError
 
 SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
 }
 DTYPE_NAMES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
@@ -28,7 +35,7 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     data = path.read_bytes()
     try:
         (size,) = struct.unpack("<Q", data[:8])
-        header = json.loads(data[8:8 + size])
+        header = json.loads(data[8 : 8 + size])
         base = 8 + size
         tensors = {}
         for name, info in header.items():
@@ -36,7 +43,7 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
                 continue
             begin, end = info["data_offsets"]
             dtype = SAFETENSORS_DTYPES[info["dtype"]]
-            buf = bytearray(data[base + begin:base + end])
+            buf = bytearray(data[base + begin : base + end])
             t = torch.frombuffer(buf, dtype=dtype) if buf else torch.empty(0, dtype=dtype)
             tensors[name] = t.reshape(info["shape"])
     except (struct.error, ValueError, KeyError, RuntimeError) as exc:
@@ -48,8 +55,11 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     header, chunks, offset = {}, [], 0
     for name, t in tensors.items():
         raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-        header[name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + len(raw)]}
+        header[name] = {
+            "dtype": DTYPE_NAMES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + len(raw)],
+        }
         chunks.append(raw)
         offset += len(raw)
     blob = json.dumps(header).encode()
@@ -66,22 +76,26 @@ def load_weights(model: nn.Module, path: str) -> None:
         try:
             state = torch.load(p, map_location="cpu", weights_only=True)
         except Exception as exc:  # torch raises several unrelated types for a bad file
-            raise UsageError(f"--weights {p}: not a torch state_dict ({type(exc).__name__})") \
-                from None
+            raise UsageError(
+                f"--weights {p}: not a torch state_dict ({type(exc).__name__})"
+            ) from None
     if not isinstance(state, dict):
         raise UsageError(f"--weights {p}: holds a {type(state).__name__}, not a state_dict")
     check_state_dict(model.state_dict(), state, p)
     model.load_state_dict(state)
 
 
-def check_state_dict(want: dict[str, torch.Tensor], got: dict[str, torch.Tensor],
-                     path: Path) -> None:
+def check_state_dict(
+    want: dict[str, torch.Tensor], got: dict[str, torch.Tensor], path: Path
+) -> None:
     for key, tensor in want.items():
         if key not in got:
             raise UsageError(f"--weights {path}: missing key {key!r} (shape {tuple(tensor.shape)})")
         if tuple(got[key].shape) != tuple(tensor.shape):
-            raise UsageError(f"--weights {path}: key {key!r} has shape {tuple(got[key].shape)}, "
-                             f"the model needs {tuple(tensor.shape)}")
+            raise UsageError(
+                f"--weights {path}: key {key!r} has shape {tuple(got[key].shape)}, "
+                f"the model needs {tuple(tensor.shape)}"
+            )
     extra = [k for k in got if k not in want]
     if extra:
         raise UsageError(f"--weights {path}: unexpected key {extra[0]!r} (another workload?)")

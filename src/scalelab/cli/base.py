@@ -16,4 +16,3 @@ class Command:
 
 
 COMMANDS: Registry[Command] = Registry("command")
-

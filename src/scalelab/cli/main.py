@@ -36,7 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    args.argv = list(argv)  # a launcher re-runs exactly this command line on every rank
     try:
         return args.handler(args)
     except UsageError as exc:
@@ -51,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         if os.environ.get("SCALELAB_DEBUG"):
             raise
-        sys.stderr.write(f"scalelab {args.command}: internal error: {type(exc).__name__}: {exc} "
-                         "(set SCALELAB_DEBUG=1 for the traceback)\n")
+        sys.stderr.write(
+            f"scalelab {args.command}: internal error: {type(exc).__name__}: {exc} "
+            "(set SCALELAB_DEBUG=1 for the traceback)\n"
+        )
         return 1

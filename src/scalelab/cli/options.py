@@ -31,12 +31,20 @@ def add_config_options(parser: argparse.ArgumentParser, skip: set[str] = frozens
         if kind is bool:
             parser.add_argument(flag, action="store_true", default=None, help=help_text)
         else:
-            parser.add_argument(flag, type=kind, default=None, metavar=f.name.upper(),
-                                help=f"{help_text} (default: {f.default})")
+            parser.add_argument(
+                flag,
+                type=kind,
+                default=None,
+                metavar=f.name.upper(),
+                help=f"{help_text} (default: {f.default})",
+            )
 
 
 def config_from_args(args: argparse.Namespace, **overrides: Any) -> RunConfig:
     """RunConfig from the parsed flags: only the flags the user gave override the defaults."""
-    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(RunConfig)
-             if f.name not in SKIP and getattr(args, f.name, None) is not None}
+    given = {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(RunConfig)
+        if f.name not in SKIP and getattr(args, f.name, None) is not None
+    }
     return RunConfig(**{**given, **overrides})

@@ -1,5 +1,5 @@
 """Communication layer: one interface over mpi4py and torch.distributed."""
 
-from scalelab.comm.base import Comm, SelfComm
+from scalelab.comm.base import Comm, Request, SelfComm, even_counts
 
-__all__ = ["Comm", "SelfComm"]
+__all__ = ["Comm", "Request", "SelfComm", "even_counts"]

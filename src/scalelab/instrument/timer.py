@@ -27,8 +27,9 @@ def device_sync(device: torch.device) -> Callable[[], None]:
 class PhaseTimer:
     """Accumulates wall seconds per phase path until `lap()` hands them over and resets."""
 
-    def __init__(self, sync: Callable[[], None] = lambda: None, enabled: bool = True,
-                 nvtx: bool = False) -> None:
+    def __init__(
+        self, sync: Callable[[], None] = lambda: None, enabled: bool = True, nvtx: bool = False
+    ) -> None:
         self.sync = sync
         self.enabled = enabled
         self.nvtx = nvtx and torch.cuda.is_available()
@@ -97,12 +98,20 @@ class Timings:
         return totals
 
     def spread(self) -> dict[str, float]:
-        return {"min": min(self.walls), "max": max(self.walls),
-                "stdev": statistics.pstdev(self.walls) if len(self.walls) > 1 else 0.0}
+        return {
+            "min": min(self.walls),
+            "max": max(self.walls),
+            "stdev": statistics.pstdev(self.walls) if len(self.walls) > 1 else 0.0,
+        }
 
 
-def timed_iterations(step: Callable[[], object], timer: PhaseTimer, warmup: int, iters: int,
-                     barrier: Callable[[], None] = lambda: None) -> tuple[Timings, object]:
+def timed_iterations(
+    step: Callable[[], object],
+    timer: PhaseTimer,
+    warmup: int,
+    iters: int,
+    barrier: Callable[[], None] = lambda: None,
+) -> tuple[Timings, object]:
     """Warm up, then time `iters` calls of step: sync + barrier before each clock read.
 
     Returns the timings and the last step's result (used for the correctness check, which

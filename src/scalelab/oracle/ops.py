@@ -10,8 +10,9 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 
-def conv2d(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, stride: int = 1,
-           pad: int = 0) -> np.ndarray:
+def conv2d(
+    x: np.ndarray, w: np.ndarray, b: np.ndarray | None, stride: int = 1, pad: int = 0
+) -> np.ndarray:
     """x (N, C, H, W), w (K, C, R, S) -> (N, K, Ho, Wo), Ho = (H + 2*pad - R) // stride + 1."""
     n, c, _, _ = x.shape
     k, _, r, s = w.shape
@@ -26,8 +27,9 @@ def conv2d(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, stride: int = 1,
     return out.reshape(n, ho, wo, k).transpose(0, 3, 1, 2)
 
 
-def conv1d(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, stride: int = 1,
-           pad: int = 0) -> np.ndarray:
+def conv1d(
+    x: np.ndarray, w: np.ndarray, b: np.ndarray | None, stride: int = 1, pad: int = 0
+) -> np.ndarray:
     """x (N, C, L), w (K, C, R) -> (N, K, Lo), Lo = (L + 2*pad - R) // stride + 1."""
     n, c, _ = x.shape
     k, _, r = w.shape
@@ -79,8 +81,9 @@ def linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None) -> np.ndarray:
     return out if b is None else out + b
 
 
-def lrn(x: np.ndarray, size: int = 5, alpha: float = 1e-4, beta: float = 0.75,
-        k: float = 2.0) -> np.ndarray:
+def lrn(
+    x: np.ndarray, size: int = 5, alpha: float = 1e-4, beta: float = 0.75, k: float = 2.0
+) -> np.ndarray:
     """Local response normalisation across channels, x (N, C, ...).
 
     b_c = a_c / (k + alpha/size * sum_{c' = c - size//2}^{c + (size-1)//2} a_{c'}^2) ** beta,
@@ -101,8 +104,14 @@ def layernorm(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, eps: float = 1
     return (x - mean) / np.sqrt(var + eps) * gamma + beta
 
 
-def batchnorm_eval(x: np.ndarray, mean: np.ndarray, var: np.ndarray, gamma: np.ndarray,
-                   beta: np.ndarray, eps: float = 1e-5) -> np.ndarray:
+def batchnorm_eval(
+    x: np.ndarray,
+    mean: np.ndarray,
+    var: np.ndarray,
+    gamma: np.ndarray,
+    beta: np.ndarray,
+    eps: float = 1e-5,
+) -> np.ndarray:
     """Inference-mode batch norm over channel axis 1 with running statistics."""
     shape = (1, -1) + (1,) * (x.ndim - 2)
     scale = gamma / np.sqrt(var + eps)

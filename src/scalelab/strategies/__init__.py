@@ -1,6 +1,15 @@
 """Strategies: one module per way of executing a workload. Importing fills the registry."""
 
-from scalelab.strategies import local, serial  # noqa: F401
+from scalelab.strategies import (  # noqa: F401
+    ddp,
+    local,
+    mpi_cpu,
+    mpi_dp,
+    mpi_gpu,
+    nccl,
+    serial,
+    tensor,
+)
 from scalelab.strategies.base import STRATEGIES, RunOutput, Strategy
 
 __all__ = ["STRATEGIES", "RunOutput", "Strategy"]

@@ -57,6 +57,7 @@ class Strategy(ABC):
 
     name: ClassVar[str]
     needs_data_everywhere: ClassVar[bool] = False  # every rank reads the training data itself
+    launcher: ClassVar[str | None] = None  # "mpi" or "torchrun": who starts its ranks
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
@@ -77,8 +78,9 @@ class Strategy(ABC):
     def infer(self, workload: Workload, model: nn.Module, inputs: Inputs | None) -> RunOutput:
         """Timed inference of inputs (present on the root rank) through model."""
 
-    def train(self, workload: Workload, model: nn.Module,
-              data: tuple[Inputs, Inputs] | None) -> RunOutput:
+    def train(
+        self, workload: Workload, model: nn.Module, data: tuple[Inputs, Inputs] | None
+    ) -> RunOutput:
         raise UsageError(f"strategy {self.name} does not train; drop --train")
 
     def gather_phases(self, timings: Timings) -> list[dict[str, float]] | None:

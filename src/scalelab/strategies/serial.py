@@ -43,8 +43,10 @@ class SerialStrategy(Strategy):
     def validate(self, workload: Workload) -> None:
         if not workload.has_reference():
             have = ", ".join(n for n in WORKLOADS.names() if WORKLOADS.get(n).has_reference())
-            raise UsageError(f"strategy serial needs a NumPy reference, which {workload.name} "
-                             f"lacks (workloads with one: {have})")
+            raise UsageError(
+                f"strategy serial needs a NumPy reference, which {workload.name} "
+                f"lacks (workloads with one: {have})"
+            )
         if self.cfg.device != "cpu":
             raise UsageError("strategy serial runs on the CPU only; drop --device")
 
@@ -60,8 +62,9 @@ class SerialStrategy(Strategy):
             timings, out = timed_iterations(step, self.timer, self.cfg.warmup, self.cfg.iters)
         return RunOutput(timings, [timings.phase_medians()], np.asarray(out), len(inputs))
 
-    def train(self, workload: Workload, model: nn.Module,
-              data: tuple[Inputs, Inputs] | None) -> RunOutput:
+    def train(
+        self, workload: Workload, model: nn.Module, data: tuple[Inputs, Inputs] | None
+    ) -> RunOutput:
         assert data is not None
         train, heldout = data
         params = state_dict_float64(model)
@@ -70,11 +73,18 @@ class SerialStrategy(Strategy):
             timings = self._train_epochs(workload, params, train, heldout, history)
         model.load_state_dict({k: torch.from_numpy(v) for k, v in params.items()})
         items = round(history.items / max(len(timings.walls), 1))
-        return RunOutput(timings, [timings.phase_totals()], None, items, history=history,
-                         model=model)
+        return RunOutput(
+            timings, [timings.phase_totals()], None, items, history=history, model=model
+        )
 
-    def _train_epochs(self, workload: Workload, params: dict[str, np.ndarray], train: Inputs,
-                      heldout: Inputs, history: TrainHistory) -> Timings:
+    def _train_epochs(
+        self,
+        workload: Workload,
+        params: dict[str, np.ndarray],
+        train: Inputs,
+        heldout: Inputs,
+        history: TrainHistory,
+    ) -> Timings:
         """The same batches in the same order as the torch loop, in float64 NumPy."""
         cfg = self.cfg
         n_steps = total_steps(len(train), cfg.batch, cfg.epochs, cfg.steps)
@@ -86,8 +96,9 @@ class SerialStrategy(Strategy):
             for part in batch_slices(len(train), cfg.batch):
                 idx = order[part]
                 with self.timer.phase("compute"):
-                    loss = workload.reference_train_step(params, train.x[idx].numpy(),
-                                                         train.y[idx].numpy())
+                    loss = workload.reference_train_step(
+                        params, train.x[idx].numpy(), train.y[idx].numpy()
+                    )
                 loss_sum, items = loss_sum + loss * len(idx), items + len(idx)
                 history.steps += 1
                 progress.update(history.steps)
@@ -97,8 +108,12 @@ class SerialStrategy(Strategy):
             history.items += items
             history.loss.append(loss_sum / items)
             history.accuracy.append(reference_accuracy(workload, params, heldout))
-            progress.milestone(history.steps, epoch=epoch + 1, loss=history.loss[-1],
-                               heldout_acc=history.accuracy[-1])
+            progress.milestone(
+                history.steps,
+                epoch=epoch + 1,
+                loss=history.loss[-1],
+                heldout_acc=history.accuracy[-1],
+            )
             if history.steps >= n_steps:
                 break
         return timings

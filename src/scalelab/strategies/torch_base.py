@@ -86,17 +86,28 @@ class TorchStrategy(Strategy):
                 return out.to("cpu", torch.float64)
 
         timings, out = timed_iterations(step, self.timer, self.cfg.warmup, self.cfg.iters)
-        return RunOutput(timings, [timings.phase_medians()], np.asarray(out), len(inputs),
-                         {"h2d": inputs.x.nbytes})
+        return RunOutput(
+            timings,
+            [timings.phase_medians()],
+            np.asarray(out),
+            len(inputs),
+            {"h2d": inputs.x.nbytes},
+        )
 
-    def train(self, workload: Workload, model: nn.Module,
-              data: tuple[Inputs, Inputs] | None) -> RunOutput:
+    def train(
+        self, workload: Workload, model: nn.Module, data: tuple[Inputs, Inputs] | None
+    ) -> RunOutput:
         assert data is not None
         train, heldout = data
         model = self.place(model)
         history = TrainHistory()
         timings = train_epochs(self, workload, model, train, heldout, self.timer, history)
         items_per_epoch = history.items / max(len(timings.walls), 1)
-        return RunOutput(timings, self.comm.gather_object(timings.phase_totals()), None,
-                         round(items_per_epoch),
-                         history=history, model=model)
+        return RunOutput(
+            timings,
+            self.comm.gather_object(timings.phase_totals()),
+            None,
+            round(items_per_epoch),
+            history=history,
+            model=model,
+        )

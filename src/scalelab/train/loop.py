@@ -33,8 +33,14 @@ def total_steps(n: int, batch: int, epochs: int, limit: int | None) -> int:
     return steps if limit is None else min(steps, limit)
 
 
-def train_step(strategy: TorchStrategy, workload: Workload, model: nn.Module,
-               opt: torch.optim.Optimizer, batch: Inputs, timer: PhaseTimer) -> torch.Tensor:
+def train_step(
+    strategy: TorchStrategy,
+    workload: Workload,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    batch: Inputs,
+    timer: PhaseTimer,
+) -> torch.Tensor:
     """One optimizer step on this rank's share of a global batch; returns the summed loss
     (loss * local items, detached) so epoch means weigh short batches correctly."""
     local = strategy.shard(batch)
@@ -54,8 +60,9 @@ def train_step(strategy: TorchStrategy, workload: Workload, model: nn.Module,
 
 
 @torch.no_grad()
-def evaluate(strategy: TorchStrategy, workload: Workload, model: nn.Module, data: Inputs,
-             batch: int) -> float:
+def evaluate(
+    strategy: TorchStrategy, workload: Workload, model: nn.Module, data: Inputs, batch: int
+) -> float:
     """Held-out accuracy (fraction of items whose arg-max class is the label)."""
     model.eval()
     correct = 0
@@ -68,9 +75,15 @@ def evaluate(strategy: TorchStrategy, workload: Workload, model: nn.Module, data
     return correct / max(len(data), 1)
 
 
-def train_epochs(strategy: TorchStrategy, workload: Workload, model: nn.Module,
-                 train: Inputs, heldout: Inputs, timer: PhaseTimer,
-                 history: TrainHistory) -> Timings:
+def train_epochs(
+    strategy: TorchStrategy,
+    workload: Workload,
+    model: nn.Module,
+    train: Inputs,
+    heldout: Inputs,
+    timer: PhaseTimer,
+    history: TrainHistory,
+) -> Timings:
     """Train for cfg.epochs (or cfg.steps); one timing lap per epoch, evaluation untimed."""
     cfg = strategy.cfg
     opt = workload.optimizer(model)
@@ -85,7 +98,9 @@ def train_epochs(strategy: TorchStrategy, workload: Workload, model: nn.Module,
         start = time.perf_counter()
         for part in batch_slices(len(train), cfg.batch):
             idx = order[part]
-            loss_sum += train_step(strategy, workload, model, opt, Inputs(train.x[idx], train.y[idx]), timer)
+            loss_sum += train_step(
+                strategy, workload, model, opt, Inputs(train.x[idx], train.y[idx]), timer
+            )
             items += len(idx)
             history.steps += 1
             progress.update(history.steps)
@@ -96,8 +111,9 @@ def train_epochs(strategy: TorchStrategy, workload: Workload, model: nn.Module,
         history.items += items
         history.loss.append(strategy.all_sum(float(loss_sum)) / items)
         history.accuracy.append(evaluate(strategy, workload, model, heldout, max(cfg.batch, 500)))
-        progress.milestone(history.steps, epoch=epoch + 1, loss=history.loss[-1],
-                           heldout_acc=history.accuracy[-1])
+        progress.milestone(
+            history.steps, epoch=epoch + 1, loss=history.loss[-1], heldout_acc=history.accuracy[-1]
+        )
         if history.steps >= n_steps:
             break
     model.eval()

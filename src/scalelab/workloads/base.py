@@ -59,31 +59,63 @@ class LayerCost:
         return itemsize * (batch * (self.in_elems + self.out_elems) + self.params)
 
 
-def conv_cost(name: str, module: str | None, c_in: int, in_hw: tuple[int, ...], c_out: int,
-              kernel: tuple[int, ...], out_hw: tuple[int, ...], bias: bool = True) -> LayerCost:
+def conv_cost(
+    name: str,
+    module: str | None,
+    c_in: int,
+    in_hw: tuple[int, ...],
+    c_out: int,
+    kernel: tuple[int, ...],
+    out_hw: tuple[int, ...],
+    bias: bool = True,
+) -> LayerCost:
     """Convolution (1-D or 2-D): FLOPs = 2 * C_out * C_in * prod(kernel) * prod(out spatial)."""
     k = math.prod(kernel)
     params = c_out * c_in * k + (c_out if bias else 0)
     flops = 2 * c_out * c_in * k * math.prod(out_hw)
-    return LayerCost(name, "conv", (c_out, *out_hw), params, flops,
-                     c_in * math.prod(in_hw), c_out * math.prod(out_hw), module)
+    return LayerCost(
+        name,
+        "conv",
+        (c_out, *out_hw),
+        params,
+        flops,
+        c_in * math.prod(in_hw),
+        c_out * math.prod(out_hw),
+        module,
+    )
 
 
-def linear_cost(name: str, module: str | None, n_in: int, n_out: int,
-                bias: bool = True) -> LayerCost:
+def linear_cost(
+    name: str, module: str | None, n_in: int, n_out: int, bias: bool = True
+) -> LayerCost:
     """Fully connected: FLOPs = 2 * n_in * n_out (the bias add is not counted, as FlopCounter)."""
-    return LayerCost(name, "linear", (n_out,), n_in * n_out + (n_out if bias else 0),
-                     2 * n_in * n_out, n_in, n_out, module)
+    return LayerCost(
+        name,
+        "linear",
+        (n_out,),
+        n_in * n_out + (n_out if bias else 0),
+        2 * n_in * n_out,
+        n_in,
+        n_out,
+        module,
+    )
 
 
-def elementwise_cost(name: str, kind: str, shape: tuple[int, ...], flops_per_elem: int = 1,
-                     params: int = 0, out_shape: tuple[int, ...] | None = None,
-                     module: str | None = None) -> LayerCost:
+def elementwise_cost(
+    name: str,
+    kind: str,
+    shape: tuple[int, ...],
+    flops_per_elem: int = 1,
+    params: int = 0,
+    out_shape: tuple[int, ...] | None = None,
+    module: str | None = None,
+) -> LayerCost:
     """ReLU, norms, pools, softmax: FLOPs = flops_per_elem * elements of the input."""
     out_shape = shape if out_shape is None else out_shape
     n_in = math.prod(shape)
-    return LayerCost(name, kind, out_shape, params, flops_per_elem * n_in, n_in,
-                     math.prod(out_shape), module)
+    return LayerCost(
+        name, kind, out_shape, params, flops_per_elem * n_in, n_in, math.prod(out_shape), module
+    )
 
 
 @contextmanager
@@ -165,8 +197,9 @@ class Workload(ABC):
     def has_reference(cls) -> bool:
         return cls.reference_forward is not Workload.reference_forward
 
-    def reference_train_step(self, params: dict[str, np.ndarray], x: np.ndarray,
-                             y: np.ndarray) -> float:
+    def reference_train_step(
+        self, params: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray
+    ) -> float:
         """One float64 SGD step on transport-form x, labels y, updating params in place.
 
         Returns the batch's mean loss before the update. Only workloads with a hand-written
@@ -191,7 +224,7 @@ def split_seeded(data: Inputs, n_train: int, n_held: int, seed: int) -> tuple[In
             "lower --train-size/--heldout-size"
         )
     perm = torch.randperm(len(data), generator=torch.Generator().manual_seed(seed))
-    train_idx, held_idx = perm[:n_train], perm[n_train:n_train + n_held]
+    train_idx, held_idx = perm[:n_train], perm[n_train : n_train + n_held]
     pick = lambda idx: Inputs(data.x[idx], None if data.y is None else data.y[idx])  # noqa: E731
     return pick(train_idx), pick(held_idx)
 

@@ -1,3 +1,16 @@
 """One module per subcommand; importing this package registers them in COMMANDS."""
 
-from scalelab.cli.commands import demo, env, layers, listing, run  # noqa: F401
+from scalelab.cli.commands import (  # noqa: F401
+    ceilings,
+    demo,
+    env,
+    layers,
+    listing,
+    report,
+    roofline,
+    run,
+    scaling,
+    slurm,
+    sweep,
+    versions,
+)

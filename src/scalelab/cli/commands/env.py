@@ -24,4 +24,5 @@ def run(args: argparse.Namespace) -> int:
 
 
 COMMANDS.register("env", "GPU, driver, CUDA, torch, MPI library, CPU and git commit")(
-    Command(add_arguments, run))
+    Command(add_arguments, run)
+)

@@ -20,12 +20,16 @@ def run(args: argparse.Namespace) -> int:
     workload = WORKLOADS.get(cfg.workload)(cfg)
     itemsize = get_precision(cfg.dtype).itemsize
     rows = workload.cost_table()
-    print(f"{'layer':<14}{'kind':<11}{'output (per item)':<22}{'params':>12}"
-          f"{'MFLOP':>12}{'MB moved':>11}   (batch {cfg.batch}, {cfg.dtype})")
+    print(
+        f"{'layer':<14}{'kind':<11}{'output (per item)':<22}{'params':>12}"
+        f"{'MFLOP':>12}{'MB moved':>11}   (batch {cfg.batch}, {cfg.dtype})"
+    )
     for r in rows:
         shape = "x".join(map(str, r.out_shape))
-        print(f"{r.name:<14}{r.kind:<11}{shape:<22}{r.params:>12,}"
-              f"{r.flops * cfg.batch / 1e6:>12.1f}{r.bytes_moved(cfg.batch, itemsize) / 1e6:>11.2f}")
+        print(
+            f"{r.name:<14}{r.kind:<11}{shape:<22}{r.params:>12,}"
+            f"{r.flops * cfg.batch / 1e6:>12.1f}{r.bytes_moved(cfg.batch, itemsize) / 1e6:>11.2f}"
+        )
     total = sum(r.flops for r in rows) * cfg.batch
     params = sum(r.params for r in rows)
     print(f"{'total':<47}{params:>12,}{total / 1e6:>12.1f}")
@@ -33,4 +37,5 @@ def run(args: argparse.Namespace) -> int:
 
 
 COMMANDS.register("layers", "the analytic per-layer cost table of a workload")(
-    Command(add_arguments, run))
+    Command(add_arguments, run)
+)

@@ -22,8 +22,10 @@ def _section(title: str, registry: Registry) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     lines = _section("workloads", WORKLOADS) + [""] + _section("strategies", STRATEGIES)
-    lines += ["", "dtypes: " + ", ".join(f"{p.name} (tol {p.tolerance:g})"
-                                         for p in PRECISIONS.values())]
+    lines += [
+        "",
+        "dtypes: " + ", ".join(f"{p.name} (tol {p.tolerance:g})" for p in PRECISIONS.values()),
+    ]
     print("\n".join(lines))
     return 0
 

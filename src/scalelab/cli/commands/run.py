@@ -9,22 +9,33 @@ from pathlib import Path
 
 from scalelab.cli.base import COMMANDS, Command
 from scalelab.cli.options import add_config_options, config_from_args
+from scalelab.comm.launch import inside_launcher, relaunch
 from scalelab.record import DEFAULT_RESULTS
 from scalelab.runner import execute, format_summary
+from scalelab.strategies import STRATEGIES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("workload", help="workload name (scalelab list)")
     add_config_options(p)
-    p.add_argument("--out", default=str(DEFAULT_RESULTS),
-                   help=f"results file the record is appended to (default: {DEFAULT_RESULTS})")
+    p.add_argument(
+        "--out",
+        default=str(DEFAULT_RESULTS),
+        help=f"results file the record is appended to (default: {DEFAULT_RESULTS})",
+    )
     p.add_argument("--no-record", action="store_true", help="write no record")
-    p.add_argument("--json", action="store_true",
-                   help="print the record as one line of JSON, the last line printed")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print the record as one line of JSON, the last line printed",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args, workload=args.workload)
+    launcher = STRATEGIES.get(cfg.strategy).launcher
+    if launcher is not None and cfg.ranks > 1 and not inside_launcher(launcher):
+        return relaunch(launcher, cfg.ranks, args.argv)
     report = execute(cfg, None if args.no_record else Path(args.out))
     if report.record is None:  # not the root rank
         return report.exit_code
@@ -38,4 +49,5 @@ def run(args: argparse.Namespace) -> int:
 
 
 COMMANDS.register("run", "run one workload under one strategy and append a record")(
-    Command(add_arguments, run))
+    Command(add_arguments, run)
+)
