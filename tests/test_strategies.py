@@ -10,6 +10,10 @@ SMALL = {
     "alexnet": {"image_size": 67, "batch": 3},
     "charcnn": {"batch": 2},
     "mlp": {"batch": 5, "hidden": 32},
+    "resnet18": {"batch": 2},
+    "resnet18-cifar": {"batch": 2, "image_size": 12},
+    "vgg16": {"batch": 2, "image_size": 32, "num_classes": 10},
+    "deepstack": {"batch": 2, "image_size": 8, "convs": 3, "fcs": 1},
 }
 
 

@@ -93,7 +93,7 @@ def train_epochs(
     model.train()
     for epoch in range(cfg.epochs):
         order = batch_order(len(train), epoch, cfg.seed)
-        loss_sum, items = torch.zeros((), device=strategy.device), 0
+        loss_sum, items = torch.zeros((), dtype=torch.float64, device=strategy.device), 0
         timer.sync()
         start = time.perf_counter()
         for part in batch_slices(len(train), cfg.batch):

@@ -172,7 +172,9 @@ class AlexNet(Workload):
         return Inputs(torch.randint(0, 256, (n, 3, s, s), generator=gen, dtype=torch.uint8))
 
     def prepare(self, x: torch.Tensor) -> torch.Tensor:
-        return x.float() / 255  # on x's device; the model casts to its own dtype
+        # * (1/255), not / 255: CUDA turns a scalar division into a reciprocal multiply, so
+        # only the multiply gives the same float32 bits on CPU, CUDA and NumPy.
+        return x.float() * (1 / 255)  # on x's device; the model casts to its own dtype
 
     # --- cost model ----------------------------------------------------------------------
     def cost_table(self) -> list[LayerCost]:
@@ -195,7 +197,7 @@ class AlexNet(Workload):
     def reference_forward(self, params: dict[str, np.ndarray], x: np.ndarray) -> np.ndarray:
         # Start from prepare()'s float32 pixels, not the exact x/255: every strategy sees
         # those rounded values, and the 6e-8 input rounding would swamp an fp64 comparison.
-        h = (np.asarray(x).astype(np.float32) / np.float32(255)).astype(np.float64)
+        h = (np.asarray(x).astype(np.float32) * np.float32(1 / 255)).astype(np.float64)
         for layer in TRUNK:
             h = _reference_step(layer, params, h)
         h = h.reshape(h.shape[0], -1)  # (N, 256*s*s), channel-major as torch.flatten

@@ -210,7 +210,9 @@ class Workload(ABC):
     # --- training ------------------------------------------------------------------------
     def loss(self, model: nn.Module, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy over the batch (workloads add regularisation terms here)."""
-        return nn.functional.cross_entropy(logits.float(), y)
+        # Half-precision logits are upcast for a stable softmax; fp64 stays fp64 (oracle runs).
+        wide = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+        return nn.functional.cross_entropy(wide, y)
 
     def optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         return torch.optim.SGD(model.parameters(), lr=self.cfg.lr, momentum=self.cfg.momentum)
@@ -231,7 +233,8 @@ def split_seeded(data: Inputs, n_train: int, n_held: int, seed: int) -> tuple[In
 
 def state_dict_float64(model: nn.Module) -> dict[str, np.ndarray]:
     """The model's parameters and buffers as float64 NumPy arrays, for the oracle."""
-    return {k: v.detach().cpu().double().numpy() for k, v in model.state_dict().items()}
+    # .copy(): for a float64 CPU model .double().numpy() is a view an optimizer would mutate.
+    return {k: v.detach().cpu().double().numpy().copy() for k, v in model.state_dict().items()}
 
 
 # Workload classes by name; each workload module registers itself with
