@@ -103,6 +103,18 @@ class RunConfig:
         False, "mlp: train on CPU and GPU from the same weights and report the difference."
     )
 
+    # Model parallelism.
+    stages: int = opt(2, "pipeline: number of stages (one rank or GPU each).")
+    microbatches: int = opt(4, "pipeline: micro-batches per batch (GPipe).")
+    schedule: str = opt("gpipe", "pipeline: gpipe or 1f1b.")
+    balance: str = opt(
+        "auto", "pipeline: 'auto' (equalise measured layer time) or a list like 5,7."
+    )
+    placement: str = opt(
+        "pipeline", "pipeline: 'pipeline' (ranks, micro-batches) or 'manual' (GPUs of one process)."
+    )
+    swap_relu_pool: bool = opt(False, "vgg16/alexnet: apply max-pool before ReLU (they commute).")
+
     # Instrumentation.
     trace: str | None = opt(None, "Folder for torch.profiler traces, one rank{r}.json.gz per rank.")
     nvml: bool = opt(False, "Sample GPU memory, power and utilisation with NVML during the run.")

@@ -7,6 +7,7 @@ from scalelab.strategies import (  # noqa: F401
     mpi_dp,
     mpi_gpu,
     nccl,
+    pipeline,
     serial,
     tensor,
 )

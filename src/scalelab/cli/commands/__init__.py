@@ -4,6 +4,7 @@ from scalelab.cli.commands import (  # noqa: F401
     ceilings,
     demo,
     env,
+    fit,
     layers,
     listing,
     report,
