@@ -14,6 +14,7 @@ from typing import Any
 from scalelab import environment
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
+from scalelab.instrument.session import instrumented
 from scalelab.oracle.check import CheckResult, check_output
 from scalelab.precision import PRECISIONS, Precision
 from scalelab.record import append_record, new_record
@@ -66,7 +67,9 @@ def _execute(
         load_weights(model, cfg.weights)
     reference_params = state_dict_float64(model) if cfg.check else None
     try:
-        output, inputs = _run_mode(strategy, workload, model)
+        with instrumented(cfg, strategy, model, workload) as inst:  # --trace, --nvml, --per-layer
+            output, inputs = _run_mode(strategy, workload, model)
+        output.notes.update(inst.notes(output))
     except UsageError:
         raise
     except Exception as exc:

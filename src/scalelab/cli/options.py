@@ -1,11 +1,18 @@
-"""CLI options generated from the typed RunConfig, so a new config field is a new flag."""
+"""CLI options generated from the typed RunConfig, so a new config field is a new flag.
+
+With `lists=True` every numeric flag also takes a comma list (`--lr 0.01,0.1,0.5`); such a
+command line stands for one run per value, the cartesian product when several flags are
+lists (`expand_lists`).
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import types
 import typing
+from collections.abc import Callable
 from typing import Any
 
 from scalelab.config import RunConfig
@@ -20,7 +27,20 @@ def _base_type(hint: Any) -> type:
     return hint
 
 
-def add_config_options(parser: argparse.ArgumentParser, skip: set[str] = frozenset()) -> None:
+def _value_or_list(kind: type) -> Callable[[str], Any]:
+    """`0.1` -> 0.1, `0.1,0.5` -> [0.1, 0.5]; a bad item fails as argparse's own type would."""
+
+    def parse(text: str) -> Any:
+        values = [kind(item) for item in text.split(",")]
+        return values if len(values) > 1 else values[0]
+
+    parse.__name__ = kind.__name__  # argparse names the type in "invalid int value: 'x'"
+    return parse
+
+
+def add_config_options(
+    parser: argparse.ArgumentParser, skip: set[str] = frozenset(), lists: bool = False
+) -> None:
     hints = typing.get_type_hints(RunConfig)
     for f in dataclasses.fields(RunConfig):
         if f.name in SKIP or f.name in skip:
@@ -31,11 +51,12 @@ def add_config_options(parser: argparse.ArgumentParser, skip: set[str] = frozens
         if kind is bool:
             parser.add_argument(flag, action="store_true", default=None, help=help_text)
         else:
+            numeric = lists and kind in (int, float)
             parser.add_argument(
                 flag,
-                type=kind,
+                type=_value_or_list(kind) if numeric else kind,
                 default=None,
-                metavar=f.name.upper(),
+                metavar=f.name.upper() + (",..." if numeric else ""),
                 help=f"{help_text} (default: {f.default})",
             )
 
@@ -48,3 +69,22 @@ def config_from_args(args: argparse.Namespace, **overrides: Any) -> RunConfig:
         if f.name not in SKIP and getattr(args, f.name, None) is not None
     }
     return RunConfig(**{**given, **overrides})
+
+
+def list_options(args: argparse.Namespace) -> dict[str, list[Any]]:
+    """The config flags given as comma lists: field name -> values."""
+    return {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(RunConfig)
+        if isinstance(getattr(args, f.name, None), list)
+    }
+
+
+def expand_lists(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One {field: value} per run of the cartesian product of the list flags ([{}]: none)."""
+    lists = list_options(args)
+    return [dict(zip(lists, combo)) for combo in itertools.product(*lists.values())]
+
+
+def flag_of(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")

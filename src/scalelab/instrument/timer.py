@@ -1,8 +1,11 @@
 """One `phase(name)` context manager for every timed region.
 
-It feeds the per-rank phase totals and, on CUDA, an NVTX range of the same name (visible in
-Nsight Systems). Phases nest: `with phase("train"): with phase("backward")` books
-"train/backward". Disabled timers yield straight away, so instrumentation costs nothing off.
+It feeds the per-rank phase totals (host clock, device synchronised at both ends), CUDA events
+on GPU (device seconds per phase), an NVTX range of the same name (visible in Nsight Systems)
+and, while a `--trace` profiler runs, a `torch.profiler.record_function` label of the same
+name. Phases nest: `with phase("train"): with phase("backward")` books "train/backward".
+Disabled timers yield straight away, and the optional feeds are switched on by the
+instrumentation session (`HUB`), so instrumentation costs nothing when off.
 """
 
 from __future__ import annotations
@@ -13,29 +16,76 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 
+@dataclass
+class InstrumentHub:
+    """Process-wide switches the instrumentation session turns on (one process = one rank).
+
+    labels: wrap each phase in torch.profiler.record_function (only while a trace runs).
+    intervals: when a list, every phase appends (path, start, end) in perf_counter seconds,
+        so NVML samples can be attributed to phases.
+    step_hooks: called once per iteration / optimizer step (the profiler's schedule clock).
+    """
+
+    labels: bool = False
+    intervals: list[tuple[str, float, float]] | None = None
+    step_hooks: list[Callable[[], None]] = field(default_factory=list)
+
+
+HUB = InstrumentHub()
+
+
+def notify_step() -> None:
+    """One iteration (inference) or optimizer step (training) ended."""
+    for hook in HUB.step_hooks:
+        hook()
+
+
+class DeviceSync:
+    """The barrier a host clock needs before it can be read: kernels are asynchronous on CUDA.
+    Callable; `.device` tells a PhaseTimer where to record CUDA events."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def __call__(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
 def device_sync(device: torch.device) -> Callable[[], None]:
-    """The barrier a host clock needs before it can be read: kernels are asynchronous on CUDA."""
-    if device.type == "cuda":
-        return lambda: torch.cuda.synchronize(device)
-    return lambda: None
+    return DeviceSync(device)
 
 
 class PhaseTimer:
-    """Accumulates wall seconds per phase path until `lap()` hands them over and resets."""
+    """Accumulates wall seconds per phase path until `lap()` hands them over and resets.
+
+    events: record CUDA events around each phase (device seconds in `last_device_lap`);
+        None: on when `sync` is a DeviceSync for a CUDA device.
+    """
 
     def __init__(
-        self, sync: Callable[[], None] = lambda: None, enabled: bool = True, nvtx: bool = False
+        self,
+        sync: Callable[[], None] = lambda: None,
+        enabled: bool = True,
+        nvtx: bool = False,
+        events: bool | None = None,
     ) -> None:
         self.sync = sync
         self.enabled = enabled
         self.nvtx = nvtx and torch.cuda.is_available()
+        device = getattr(sync, "device", None)
+        on_cuda = device is not None and device.type == "cuda"
+        self.events = (on_cuda if events is None else events) and torch.cuda.is_available()
         self._stack: list[str] = []
         self._current: dict[str, float] = defaultdict(float)
         self._bytes: dict[str, int] = defaultdict(int)
+        self._pending: list[tuple[str, Any, Any]] = []  # (path, start event, end event)
+        self.last_device_lap: dict[str, float] = {}
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -46,49 +96,87 @@ class PhaseTimer:
         self.sync()
         if self.nvtx:
             torch.cuda.nvtx.range_push(path)
+        label = torch.profiler.record_function(path) if HUB.labels else None
+        if label is not None:
+            label.__enter__()
+        events = self._record_start() if self.events else None
         start = time.perf_counter()
         self._stack.append(name)
         try:
             yield
         finally:
+            if events is not None:
+                events[1].record()
+                self._pending.append((path, *events))
             self.sync()
-            self._current[path] += time.perf_counter() - start
+            end = time.perf_counter()
+            self._current[path] += end - start
             self._stack.pop()
+            if HUB.intervals is not None:
+                HUB.intervals.append((path, start, end))
+            if label is not None:
+                label.__exit__(None, None, None)
             if self.nvtx:
                 torch.cuda.nvtx.range_pop()
+
+    @staticmethod
+    def _record_start() -> tuple[Any, Any]:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        return start, end
 
     def add_bytes(self, name: str, nbytes: int) -> None:
         """Book bytes moved under a phase name (transfers, messages)."""
         self._bytes[name] += int(nbytes)
 
     def lap(self) -> dict[str, float]:
-        """Phase seconds since the last lap; resets the counters."""
+        """Phase seconds since the last lap; resets the counters. The CUDA-event seconds of
+        the same phases land in `last_device_lap` (empty without events)."""
         out = dict(self._current)
         self._current.clear()
+        device: dict[str, float] = defaultdict(float)
+        for path, start, end in self._pending:
+            end.synchronize()
+            device[path] += start.elapsed_time(end) / 1e3  # elapsed_time is in ms
+        self._pending.clear()
+        self.last_device_lap = dict(device)
         return out
 
     def bytes_moved(self) -> dict[str, int]:
         return dict(self._bytes)
 
 
+def _medians(laps: list[dict[str, float]]) -> dict[str, float]:
+    names = sorted({name for lap in laps for name in lap})
+    return {n: statistics.median(lap.get(n, 0.0) for lap in laps) for n in names}
+
+
 @dataclass
 class Timings:
-    """Per-iteration wall times and phase laps of one rank, with their medians."""
+    """Per-iteration wall times and phase laps of one rank, with their medians.
+
+    device_laps: CUDA-event seconds per phase, one dict per iteration (GPU runs only).
+    """
 
     walls: list[float] = field(default_factory=list)
     laps: list[dict[str, float]] = field(default_factory=list)
+    device_laps: list[dict[str, float]] = field(default_factory=list)
 
-    def add(self, wall: float, lap: dict[str, float]) -> None:
+    def add(self, wall: float, lap: dict[str, float], device: dict | None = None) -> None:
         self.walls.append(wall)
         self.laps.append(lap)
+        if device:
+            self.device_laps.append(device)
 
     @property
     def wall_median(self) -> float:
         return statistics.median(self.walls)
 
     def phase_medians(self) -> dict[str, float]:
-        names = sorted({name for lap in self.laps for name in lap})
-        return {n: statistics.median(lap.get(n, 0.0) for lap in self.laps) for n in names}
+        return _medians(self.laps)
+
+    def device_phase_medians(self) -> dict[str, float]:
+        return _medians(self.device_laps)
 
     def phase_totals(self) -> dict[str, float]:
         totals: dict[str, float] = {}
@@ -115,11 +203,13 @@ def timed_iterations(
     """Warm up, then time `iters` calls of step: sync + barrier before each clock read.
 
     Returns the timings and the last step's result (used for the correctness check, which
-    therefore happens outside the timed region).
+    therefore happens outside the timed region). Each call ends with `notify_step()`, outside
+    the timed wall (the profiler's schedule advances there).
     """
     result = None
     for _ in range(warmup):
         result = step()
+        notify_step()
     timer.lap()  # discard warm-up phases
     timings = Timings()
     for _ in range(iters):
@@ -129,5 +219,6 @@ def timed_iterations(
         result = step()
         timer.sync()
         wall = time.perf_counter() - start
-        timings.add(wall, timer.lap())
+        timings.add(wall, timer.lap(), timer.last_device_lap)
+        notify_step()
     return timings, result

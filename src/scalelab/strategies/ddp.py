@@ -1,1 +1,245 @@
-"""Placeholder: being written."""
+"""`ddp`: torch DistributedDataParallel training of any workload, under torchrun.
+
+Every rank holds the whole model and reads the training set itself; DDP all-reduces the
+gradients in buckets while backward still runs (gloo on CPU, NCCL on GPU). The data follow
+torch's DistributedSampler (train/data.py), so W ranks at B per rank train on the same global
+batches as one process at B*W. `--batch` is per rank (weak scaling); `--global-batch G` fixes
+the batch over all ranks (strong scaling) and must divide by the rank count.
+
+What keeps the GPU busy (each measured in benchmarks/ddp_scaling.py): the prepared training
+set lives on the device (no host work per step); no host sync inside a step (losses stay on
+the device, phases are timed with CUDA events instead of synchronising); gradients are bucket
+views (gradient_as_bucket_view: no copy into the buckets); static_graph lets DDP skip the
+unused-parameter search; BN buffers are not broadcast every forward (broadcast_buffers=False:
+rank 0's buffers are sent once before each evaluation and checkpoint instead); bf16 autocast
+and channels_last for convolutions. One rank trains the bare model: no DDP with nothing to
+reduce.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import inspect
+import itertools
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from scalelab.comm import Comm, even_counts
+from scalelab.comm.launch import inside_torchrun
+from scalelab.comm.torchdist import TIMEOUT_S, TorchDistComm
+from scalelab.config import RunConfig
+from scalelab.errors import UsageError
+from scalelab.instrument.timer import PhaseTimer
+from scalelab.precision import get_precision
+from scalelab.strategies.base import STRATEGIES, RunOutput
+from scalelab.strategies.torch_base import TorchStrategy, resolve_device
+from scalelab.train.data import LoaderShards, ResidentShards
+from scalelab.train.loop import TrainPlan, evaluate, require_labels, run_training
+from scalelab.workloads.base import Inputs, Workload
+
+EVAL_BATCH = 1024
+# BN buffers are not broadcast before every forward (rank 0's are sent before evaluations and
+# checkpoints instead); torch >= 2.12 renamed the option.
+_DDP_ARGS = inspect.signature(DistributedDataParallel.__init__).parameters
+NO_FORWARD_BUFFER_SYNC = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in _DDP_ARGS
+    else {"broadcast_buffers": False}
+)
+
+
+_RUNS = itertools.count()  # process groups this process has started (one per run)
+
+
+def init_group(backend: str) -> None:
+    """Start the default process group ourselves.
+
+    One process without a launcher gets a private in-memory store (no port, no environment).
+    Under torchrun every run of this process (a --lr study runs several) uses a fresh key
+    prefix in torchrun's store: a second group on the first one's keys could read a peer's
+    stale address and fail to connect."""
+    if dist.is_initialized():
+        return
+    if not inside_torchrun():
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        return
+    env, timeout = os.environ, dt.timedelta(seconds=TIMEOUT_S)
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    hosts = env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and rank == 0
+    store = dist.TCPStore(
+        env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=hosts, timeout=timeout
+    )
+    prefixed = dist.PrefixStore(f"scalelab/run{next(_RUNS)}", store)
+    dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world, timeout=timeout)
+
+
+def check_options(cfg: RunConfig) -> None:
+    """Options that are wrong whatever the ranks (run before any rank starts)."""
+    if cfg.amp is not None:
+        if cfg.amp == "fp16" and cfg.device == "cpu":
+            raise UsageError(
+                "--amp fp16 needs a GPU (fp16 gradients need a grad scaler, which runs on "
+                "CUDA); use --amp bf16 on the CPU"
+            )
+        if cfg.dtype not in ("fp32", cfg.amp):
+            raise UsageError(f"--amp {cfg.amp} and --dtype {cfg.dtype} disagree; give one")
+    if cfg.global_batch is not None and cfg.global_batch < 1:
+        raise UsageError(f"--global-batch must be >= 1, got {cfg.global_batch}")
+    if cfg.bucket_mb <= 0:
+        raise UsageError(f"--bucket-mb must be > 0, got {cfg.bucket_mb}")
+    if cfg.workers < 0:
+        raise UsageError(f"--workers must be >= 0, got {cfg.workers}")
+
+
+def per_rank_batch(cfg: RunConfig, world: int) -> int:
+    if cfg.global_batch is None:
+        return cfg.batch
+    if cfg.global_batch % world:
+        raise UsageError(
+            f"--global-batch {cfg.global_batch} does not divide over {world} ranks "
+            f"(ddp gives every rank the same share); use a multiple of {world}"
+        )
+    return cfg.global_batch // world
+
+
+class ChannelsLast(nn.Module):
+    """Hands 4-D inputs to the model in channels_last (NHWC) memory order."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner.to(memory_format=torch.channels_last)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 4:
+            x = x.contiguous(memory_format=torch.channels_last)
+        return self.inner(x)
+
+
+class EventTimer(PhaseTimer):
+    """Phases timed with CUDA events and no host sync: a lap reports device seconds."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda: None, nvtx=True, events=True)
+
+    def lap(self) -> dict[str, float]:
+        host = super().lap()
+        return self.last_device_lap or host
+
+
+@STRATEGIES.register(
+    "ddp", "torch DistributedDataParallel training under torchrun (gloo on CPU, NCCL on GPU)"
+)
+class DDPStrategy(TorchStrategy):
+    name = "ddp"
+    launcher = "torchrun"
+    needs_data_everywhere = True
+
+    def __init__(self, cfg: RunConfig) -> None:
+        check_options(cfg)
+        super().__init__(cfg)
+        if cfg.amp is not None:
+            self.precision = get_precision(cfg.amp)
+        if self.device.type == "cuda":
+            self.timer = EventTimer()
+        self.per_rank = per_rank_batch(cfg, self.comm.size)
+
+    @classmethod
+    def preflight(cls, cfg: RunConfig) -> int:
+        """Check options before torchrun starts; returns the global batch."""
+        check_options(cfg)
+        return per_rank_batch(cfg, cfg.ranks) * cfg.ranks
+
+    def make_comm(self) -> Comm:
+        backend = "nccl" if self.cfg.device == "cuda" else "gloo"
+        if backend == "nccl":
+            resolve_device("cuda")  # one clear line when there is no GPU
+        init_group(backend)
+        return TorchDistComm(backend)
+
+    def pick_device(self) -> torch.device:
+        if self.cfg.device != "cuda":
+            return resolve_device(self.cfg.device)
+        resolve_device("cuda")
+        return torch.device("cuda", self.comm.local_rank % torch.cuda.device_count())
+
+    def all_sum(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64, device=self.comm.device)
+        return float(self.comm.allreduce(t).cpu()[0])
+
+    def infer(self, workload: Workload, model: nn.Module, inputs: Inputs | None) -> RunOutput:
+        raise UsageError("ddp trains (add --train); for inference use local or nccl")
+
+    # --- training ------------------------------------------------------------------------------
+    def train(
+        self, workload: Workload, model: nn.Module, data: tuple[Inputs, Inputs] | None
+    ) -> RunOutput:
+        assert data is not None
+        train, heldout = data
+        require_labels(train, heldout)
+        if len(train) < self.comm.size:
+            raise UsageError(f"{len(train)} training items cannot feed {self.comm.size} ranks")
+        module = self.place(model)
+        source = self.source(workload, train)
+        plan = TrainPlan(
+            source=source,
+            evaluate=lambda m: self.evaluate(workload, module, heldout),
+            module=module,
+            prepare=(lambda x: x) if isinstance(source, ResidentShards) else workload.prepare,
+            loss=workload.loss,
+            n_train=len(train),
+            notes=self.notes(source),
+        )
+        return run_training(self, workload, self.wrap(module), plan)
+
+    def source(self, workload: Workload, train: Inputs) -> ResidentShards | LoaderShards:
+        cfg, comm = self.cfg, self.comm
+        shape = (self.per_rank, comm.size, comm.rank, cfg.seed)
+        if cfg.workers > 0:
+            pin = self.device.type == "cuda"
+            return LoaderShards(train, *shape, workers=cfg.workers, pin=pin)
+        storage = self.precision.storage
+        to_input = lambda x: workload.prepare(x).to(storage)  # noqa: E731
+        return ResidentShards(train, *shape, to_input=to_input, device=self.device)
+
+    def wrap(self, module: nn.Module) -> nn.Module:
+        cfg, net = self.cfg, module
+        if cfg.channels_last:
+            net = ChannelsLast(net)
+        if self.comm.size > 1:
+            net = DistributedDataParallel(
+                net,
+                device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                bucket_cap_mb=cfg.bucket_mb,
+                gradient_as_bucket_view=True,
+                static_graph=not cfg.compile,  # compiled DDP splits graphs at buckets itself
+                **NO_FORWARD_BUFFER_SYNC,
+            )
+        return torch.compile(net) if cfg.compile else net
+
+    def notes(self, source: ResidentShards | LoaderShards) -> dict:
+        return {
+            "per_rank_batch": self.per_rank,
+            "data_path": "loader" if isinstance(source, LoaderShards) else "device-resident",
+            "bucket_mb": self.cfg.bucket_mb,
+            "amp": self.cfg.amp,
+            "backend": self.comm.backend,
+        }
+
+    def evaluate(self, workload: Workload, module: nn.Module, heldout: Inputs) -> float:
+        """Each rank scores a contiguous part of the held-out set; the counts are summed."""
+        self.sync_buffers(module)
+        counts = even_counts(len(heldout), self.comm.size)
+        start = sum(counts[: self.comm.rank])
+        part = heldout.slice(start, start + counts[self.comm.rank])
+        correct = round(evaluate(self, workload, module, part, EVAL_BATCH) * len(part))
+        return self.all_sum(correct) / max(len(heldout), 1)
+
+    def sync_buffers(self, module: nn.Module) -> None:
+        """Rank 0's buffers (BN running statistics) everywhere, as DDP's default would keep."""
+        if self.comm.size > 1:
+            for buf in module.buffers():
+                dist.broadcast(buf, src=0)

@@ -1,1 +1,386 @@
-"""Placeholder: being written."""
+"""`pipeline`: the model's layers cut into K stages, one rank (GPU, or CPU process over gloo)
+each; a batch split into M micro-batches that flow through the stages (GPipe, or 1F1B with
+`--schedule 1f1b`). `--placement manual` is the naive alternative: the stages on the GPUs of
+one process, no micro-batches (strategies/manual_placement.py).
+
+Rank 0 is stage 0 and the root: it holds the inputs and gets the output back from the last
+stage. Training takes the gradient of the batch's mean loss (each micro-batch's loss weighted
+by its share of the batch), then every stage steps its own optimizer on its own parameters:
+one pipelined step equals one single-process step on the whole batch.
+
+Record field `pipeline`: the partition, the bubble by the formula (K-1)/(M+K-1), simulated
+from the measured per-stage times (strategies/pipeline_schedule.py) and measured (the share of
+each stage's schedule it spent not computing), and per-stage times and peak memory.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from scalelab.comm import Comm, SelfComm
+from scalelab.comm.base import even_counts
+from scalelab.comm.launch import inside_torchrun
+from scalelab.comm.torchdist import TorchDistComm
+from scalelab.errors import UsageError
+from scalelab.instrument.progress import Progress
+from scalelab.instrument.timer import Timings, notify_step, timed_iterations
+from scalelab.strategies import partition as part
+from scalelab.strategies.base import STRATEGIES, RunOutput, Strategy, TrainHistory
+from scalelab.strategies.manual_placement import ManualPlacement
+from scalelab.strategies.pipeline_report import pipeline_notes, stage_summary
+from scalelab.strategies.pipeline_schedule import SCHEDULES
+from scalelab.strategies.pipeline_stage import Meta, StageBatch, StageContext, StageExecutor
+from scalelab.strategies.torch_base import TorchStrategy
+from scalelab.train.loop import batch_order, batch_slices, total_steps
+from scalelab.workloads.base import Inputs, Workload
+
+
+@STRATEGIES.register(
+    "pipeline",
+    "layers cut into --stages ranks, --microbatches GPipe/1F1B micro-batching "
+    "(--placement manual: GPUs of one process)",
+)
+class PipelineStrategy(TorchStrategy):
+    launcher = "torchrun"
+
+    def __new__(cls, cfg) -> Strategy:
+        placement = PLACEMENTS.get(cfg.placement)
+        if placement is None:
+            raise UsageError(
+                f"unknown --placement {cfg.placement!r} (known: {', '.join(PLACEMENTS)})"
+            )
+        if placement is cls:
+            return super().__new__(cls)
+        return placement(cfg)  # not a subclass: Python does not run our __init__ on it
+
+    def make_comm(self) -> Comm:
+        if self.cfg.ranks == 1 and not inside_torchrun():
+            return SelfComm()
+        return TorchDistComm("nccl" if self.cfg.device == "cuda" else "gloo")
+
+    def pick_device(self) -> torch.device:
+        device = super().pick_device()
+        if device.type == "cuda":
+            device = torch.device("cuda", self.comm.local_rank % torch.cuda.device_count())
+            part.cap_allocator(device, part.env_mem_limit())
+        return device
+
+    # --- checks ---------------------------------------------------------------------------
+    def validate(self, workload: Workload) -> None:
+        cfg, k = self.cfg, self.cfg.stages
+        if k < 1 or cfg.microbatches < 1:
+            raise UsageError("--stages and --microbatches must be >= 1")
+        if self.comm.size != k:
+            raise UsageError(
+                f"pipeline: --stages {k} runs one rank per stage; pass --ranks {k} "
+                f"(got {self.comm.size})"
+            )
+        if cfg.schedule not in SCHEDULES:
+            raise UsageError(f"unknown --schedule {cfg.schedule!r} (known: gpipe, 1f1b)")
+        if cfg.batch < cfg.microbatches:
+            raise UsageError(
+                f"--batch {cfg.batch} is smaller than --microbatches {cfg.microbatches}"
+            )
+        gpus = torch.cuda.device_count() if self.device.type == "cuda" else 0
+        if self.device.type == "cuda" and k > gpus and not cfg.oversubscribe_gpus:
+            raise UsageError(f"pipeline: {k} stages but {gpus} GPUs (or --oversubscribe-gpus)")
+        if cfg.train:
+            _check_trainable(workload, self.precision)
+
+    # --- setup: cut, place, learn the shapes crossing each boundary ----------------------
+    def setup(self, workload: Workload, model: nn.Module, sample: torch.Tensor | None) -> None:
+        """sample: one batch's transport-form inputs on the root (None elsewhere)."""
+        cfg, comm = self.cfg, self.comm
+        self.workload = workload
+        self.layers = part.model_layers(workload, model)
+        counts = part.parse_balance(cfg.balance, len(self.layers), cfg.stages)
+        self.profile: list[part.LayerProfile] | None = None
+        if counts is None:
+            counts = comm.bcast_object(self._auto_counts(sample) if self.is_root else None)
+        self.counts = counts
+        start, stop = part.bounds(counts)[comm.rank]
+        modules = [layer.module for layer in self.layers[start:stop]]
+        stage = nn.Sequential(*modules).to(device=self.device, dtype=self.precision.storage)
+        if cfg.channels_last:
+            stage = stage.to(memory_format=torch.channels_last)
+        self.stage = stage.train(cfg.train)
+        metas = self._probe_shapes(sample)
+        self.final_meta = metas[-1]
+        self.ctx = StageContext(
+            rank=comm.rank,
+            stages=comm.size,
+            device=self.device,
+            module=self.stage,
+            in_meta=metas[comm.rank - 1] if comm.rank > 0 else None,
+            out_meta=metas[comm.rank],
+            timer=self.timer,
+            autocast=self.autocast,
+            channels_last=cfg.channels_last,
+            backend=comm.backend,
+        )
+        self.executor = StageExecutor(self.ctx)
+
+    def _auto_counts(self, sample: torch.Tensor) -> list[int]:
+        """Root: measure every layer on one micro-batch, then split by time within memory."""
+        cfg = self.cfg
+        n = even_counts(len(sample), cfg.microbatches)[0]
+        x = self._prepare(sample[:n].to(self.device))
+        self.profile = part.profile_layers(
+            self.layers, x, self.device, self.precision.storage, cfg.train, self.autocast
+        )
+        mem = part.memory_model(
+            part.device_capacity(self.device, part.env_mem_limit()),
+            cfg.stages,
+            cfg.microbatches,
+            cfg.train,
+            cfg.schedule,
+            cfg.momentum,
+        )
+        return part.balance_auto(self.profile, cfg.stages, mem)
+
+    def _prepare(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.workload.prepare(x).to(self.precision.storage)
+        if self.cfg.channels_last and x.dim() == 4:
+            x = x.contiguous(memory_format=torch.channels_last)
+        return x
+
+    def _probe_shapes(self, sample: torch.Tensor | None) -> list[Meta]:
+        """Each stage's output (per-item shape, dtype), learnt by running one item through
+        stage after stage (stage s > 0 on zeros of the shape stage s-1 announced)."""
+        metas: list[Any] = []
+        for s in range(self.comm.size):
+            meta = None
+            if self.comm.rank == s:
+                if s == 0:
+                    x = self._prepare(sample[:1].to(self.device))
+                else:
+                    tail, dtype = metas[-1]
+                    x = torch.zeros((1, *tail), dtype=dtype, device=self.device)
+                with torch.no_grad(), self.autocast():
+                    y = self.stage.eval()(x)
+                self.stage.train(self.cfg.train)
+                meta = (tuple(y.shape[1:]), y.dtype)
+            metas.append(self.comm.bcast_object(meta, root=s))
+        return metas
+
+    # --- one batch through the pipeline -----------------------------------------------------
+    def _micro_inputs(self, x: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+        with self.timer.phase("h2d"):
+            x = self.to_device(x)
+        return [self._prepare(part_x) for part_x in torch.split(x, sizes)]
+
+    def forward_batch(self, x: torch.Tensor | None, n: int) -> torch.Tensor | None:
+        """Inference of n items (x on the root): the logits on the root, float64 on CPU."""
+        sizes = even_counts(n, min(self.cfg.microbatches, n))
+        batch = StageBatch(sizes, self._micro_inputs(x, sizes) if self.is_root else None)
+        ops = SCHEDULES[self.cfg.schedule](self.comm.rank, self.comm.size, len(sizes), False)
+        with torch.no_grad():
+            self.executor.run(ops, batch, train=False)
+        return self._gather(batch, n)
+
+    def _gather(self, batch: StageBatch, n: int) -> torch.Tensor | None:
+        last = self.comm.size - 1
+        out = torch.cat(batch.outputs) if self.ctx.last else None
+        if last != 0 and self.ctx.last:
+            self.executor.exchange([(out, 0)], [], "gather")
+            self.executor.drain()
+        elif last != 0 and self.is_root:
+            tail, dtype = self.final_meta
+            out = torch.empty((n, *tail), dtype=dtype, device=self.device)
+            self.executor.exchange([], [(out, last)], "gather")
+        if not self.is_root:
+            return None
+        with self.timer.phase("d2h"):
+            return out.to("cpu", torch.float64)
+
+    def train_batch(self, batch: Inputs | None, n: int) -> torch.Tensor | None:
+        """One optimizer step on n items (on the root); the loss sum on the last stage."""
+        sizes = even_counts(n, min(self.cfg.microbatches, n))
+        work = StageBatch(sizes, loss_fn=self.workload.loss)
+        last = self.comm.size - 1
+        if self.is_root:
+            work.inputs = self._micro_inputs(batch.x, sizes)
+            y = self.to_device(batch.y)
+            if last == 0:
+                work.labels = list(torch.split(y, sizes))
+            else:
+                self.executor.exchange([(y, last)], [], "labels")
+        elif self.ctx.last:
+            y = torch.empty(n, dtype=torch.int64, device=self.device)
+            self.executor.exchange([], [(y, 0)], "recv")  # idle until stage 0 starts: bubble
+            work.labels = list(torch.split(y, sizes))
+        ops = SCHEDULES[self.cfg.schedule](self.comm.rank, self.comm.size, len(sizes), True)
+        self.executor.run(ops, work, train=True)
+        with self.timer.phase("step"):
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return work.loss_sum
+
+    # --- the two modes ---------------------------------------------------------------------
+    def infer(self, workload: Workload, model: nn.Module, inputs: Inputs | None) -> RunOutput:
+        n = self.cfg.batch
+        self.setup(workload, model, inputs.x if self.is_root else None)
+        host_x = None
+        if self.is_root:
+            host_x = inputs.x.pin_memory() if self.device.type == "cuda" else inputs.x
+
+        def step() -> torch.Tensor | None:
+            return self.forward_batch(host_x, n)
+
+        timings, out = timed_iterations(
+            step, self.timer, self.cfg.warmup, self.cfg.iters, barrier=self.comm.barrier
+        )
+        stages = self.comm.gather_object(stage_summary(self, timings.laps, timings.walls))
+        return RunOutput(
+            timings,
+            self.gather_phases(timings),
+            None if out is None else np.asarray(out),
+            n,
+            self._bytes(),
+            notes=pipeline_notes(self, stages, train=False),
+        )
+
+    def train(
+        self, workload: Workload, model: nn.Module, data: tuple[Inputs, Inputs] | None
+    ) -> RunOutput:
+        train, heldout = data if self.is_root else (None, None)
+        if self.is_root and train.y is None:
+            raise UsageError(f"{workload.name} has no labels to train on")
+        n_train, n_held = self.comm.bcast_object(
+            (len(train), len(heldout)) if self.is_root else None
+        )
+        self.setup(workload, model, train.x[: self.cfg.batch] if self.is_root else None)
+        self.optimizer = workload.optimizer(self.stage)
+        history = TrainHistory()
+        self.step_laps: list[dict[str, float]] = []
+        self.step_walls: list[float] = []
+        timings = self._train_epochs(train, heldout, n_train, n_held, history)
+        stages = self.comm.gather_object(stage_summary(self, self.step_laps, self.step_walls))
+        items_per_epoch = history.items / max(len(timings.walls), 1)
+        return RunOutput(
+            timings,
+            self.comm.gather_object(timings.phase_totals()),
+            None,
+            round(items_per_epoch),
+            self._bytes(),
+            history=history,
+            model=self._collect_weights(model),
+            notes=pipeline_notes(self, stages, train=True),
+        )
+
+    def _train_epochs(self, train, heldout, n_train, n_held, history) -> Timings:
+        """train/loop.py's epochs with a pipelined step; one timing lap per epoch, each
+        step's wall and phases kept (self.step_walls, self.step_laps) for the bubble."""
+        cfg = self.cfg
+        n_steps = total_steps(n_train, cfg.batch, cfg.epochs, cfg.steps)
+        progress = Progress(n_steps, "train", enabled=self.is_root and not cfg.quiet)
+        timings = Timings()
+        for epoch in range(cfg.epochs):
+            order = batch_order(n_train, epoch, cfg.seed) if self.is_root else None
+            loss_sum, items, epoch_laps = 0.0, 0, []
+            for piece in batch_slices(n_train, cfg.batch):
+                n = piece.stop - piece.start
+                idx = order[piece] if self.is_root else None
+                batch = Inputs(train.x[idx], train.y[idx]) if self.is_root else None
+                self.timer.sync()
+                start = time.perf_counter()
+                loss = self.train_batch(batch, n)
+                self.timer.sync()
+                self.step_walls.append(time.perf_counter() - start)
+                epoch_laps.append(self.timer.lap())
+                notify_step()
+                loss_sum += 0.0 if loss is None else float(loss)
+                items, history.steps = items + n, history.steps + 1
+                progress.update(history.steps)
+                if history.steps >= n_steps:
+                    break
+            self.step_laps += epoch_laps
+            timings.add(sum(self.step_walls[-len(epoch_laps) :]), _sum_laps(epoch_laps))
+            history.items += items
+            history.loss.append(self.all_sum(loss_sum) / items)
+            history.accuracy.append(self._evaluate(heldout, n_held))
+            progress.milestone(
+                history.steps,
+                epoch=epoch + 1,
+                loss=history.loss[-1],
+                heldout_acc=history.accuracy[-1],
+            )
+            if history.steps >= n_steps:
+                break
+        return timings
+
+    def all_sum(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64, device=self.comm.device)
+        return float(self.comm.allreduce(t)[0])
+
+    def _evaluate(self, heldout: Inputs | None, n_held: int) -> float:
+        """Held-out accuracy through the pipeline (untimed: its phases are discarded)."""
+        self.stage.eval()
+        correct = 0
+        for piece in batch_slices(n_held, self.cfg.batch):
+            x = heldout.x[piece] if self.is_root else None
+            logits = self.forward_batch(x, piece.stop - piece.start)
+            if self.is_root:
+                correct += int((logits.argmax(dim=1) == heldout.y[piece]).sum())
+        self.stage.train()
+        self.timer.lap()
+        return self.comm.bcast_object(correct / max(n_held, 1))
+
+    def _collect_weights(self, model: nn.Module) -> nn.Module | None:
+        """With --save-weights: every stage's trained parameters into the root's model."""
+        if not self.cfg.save_weights:
+            return None
+        start, stop = part.bounds(self.counts)[self.comm.rank]
+        mine = {
+            i: {k: v.detach().cpu() for k, v in self.layers[i].module.state_dict().items()}
+            for i in range(start, stop)
+        }
+        everything = self.comm.gather_object(mine)
+        if not self.is_root:
+            return None
+        # The root's copies of other stages' layers were never cast: cast before loading, or
+        # fp64 weights would be rounded to the model's build dtype.
+        model.to(device="cpu", dtype=self.precision.storage)
+        for states in everything[1:]:
+            for i, state in states.items():
+                self.layers[i].module.load_state_dict(state)
+        return model
+
+    def _bytes(self) -> dict[str, int]:
+        per_rank = self.comm.gather_object(self.timer.bytes_moved())
+        if per_rank is None:
+            return {}
+        total: dict[str, int] = {}
+        for moved in per_rank:
+            for name, n in moved.items():
+                total[name] = total.get(name, 0) + n
+        return total
+
+
+def _sum_laps(laps: list[dict[str, float]]) -> dict[str, float]:
+    total: dict[str, float] = {}
+    for lap in laps:
+        for name, seconds in lap.items():
+            total[name] = total.get(name, 0.0) + seconds
+    return total
+
+
+def _check_trainable(workload: Workload, precision) -> None:
+    if precision.autocast is torch.float16:
+        raise UsageError(
+            "pipeline trains in fp64/fp32/tf32/bf16 (fp16 needs a loss scaler shared by the "
+            "stages); use --dtype bf16"
+        )
+    if type(workload).loss is not Workload.loss:
+        raise UsageError(
+            f"pipeline: {workload.name}'s loss looks at the whole model (regularisation), "
+            "which no single stage holds; pipeline trains plain cross-entropy workloads"
+        )
+
+
+PLACEMENTS: dict[str, type[Strategy]] = {"pipeline": PipelineStrategy, "manual": ManualPlacement}

@@ -68,8 +68,19 @@ class TorchStrategy(Strategy):
         return model.to(device=self.device, dtype=self.precision.storage)
 
     def forward(self, workload: Workload, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self.cfg.fast:
+            return self.fast_forward(workload, model, x)
         with torch.inference_mode(), self.autocast():
             return model(workload.prepare(x).to(self.precision.storage))
+
+    def fast_forward(self, workload: Workload, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """--fast: scalelab.fast's fused, graph-captured forward, built on first use."""
+        from scalelab.fast import accelerate  # Triton loads only when asked for
+
+        paths = self.__dict__.setdefault("_fast_paths", {})
+        if id(model) not in paths:
+            paths[id(model)] = accelerate(workload, model, self.cfg, self.device)
+        return paths[id(model)](x)
 
     # --- the two modes ---------------------------------------------------------------------
     def infer(self, workload: Workload, model: nn.Module, inputs: Inputs | None) -> RunOutput:
@@ -101,7 +112,10 @@ class TorchStrategy(Strategy):
         train, heldout = data
         model = self.place(model)
         history = TrainHistory()
-        timings = train_epochs(self, workload, model, train, heldout, self.timer, history)
+        loop = train_epochs
+        if self.cfg.fast:
+            from scalelab.fast import fast_train_epochs as loop
+        timings = loop(self, workload, model, train, heldout, self.timer, history)
         items_per_epoch = history.items / max(len(timings.walls), 1)
         return RunOutput(
             timings,

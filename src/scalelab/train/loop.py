@@ -1,31 +1,44 @@
 """The training loop every torch strategy shares; strategies plug in where data and gradients
-move (shard, reduce_gradients), so one process and N ranks train the same way."""
+move, so one process and N ranks train the same way.
+
+A strategy customises the hooks on itself (`shard`, `reduce_gradients`, `all_sum`) and, where
+its data path differs from the one-process order, a `TrainPlan`: where each step's batch comes
+from (a `BatchSource`), how held-out accuracy is measured, and how the whole training state is
+exported for a checkpoint. Around the steps the loop adds what users expect of a trainer:
+`--resume`, a checkpoint every `--ckpt-every` steps and at the end (rank 0, atomic), a NaN/inf
+stop that names the step, and a progress line on rank 0 with loss, items/s and ETA. None of
+these syncs the device per step: losses stay on the device until an epoch ends, a checkpoint
+is due or the NaN guard's buffer is full.
+"""
 
 from __future__ import annotations
 
+import sys
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from scalelab.errors import UsageError
 from scalelab.instrument.progress import Progress
-from scalelab.instrument.timer import PhaseTimer, Timings
+from scalelab.instrument.timer import PhaseTimer, Timings, device_sync, notify_step
+from scalelab.train import checkpoint as ckpt
+from scalelab.train.guards import NonFiniteGuard, TrainingDiverged, all_finite
+from scalelab.train.sources import (  # noqa: F401  (batch_order: re-exported, as before)
+    BatchSource,
+    GlobalBatches,
+    Step,
+    batch_order,
+    batch_slices,
+)
 from scalelab.workloads.base import Inputs, Workload
 
 if TYPE_CHECKING:
-    from scalelab.strategies.base import TrainHistory
+    from scalelab.strategies.base import RunOutput, TrainHistory
     from scalelab.strategies.torch_base import TorchStrategy
-
-
-def batch_order(n: int, epoch: int, seed: int) -> torch.Tensor:
-    """The shuffled item order of one epoch, identical for every strategy and rank count."""
-    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
-
-
-def batch_slices(n: int, batch: int) -> list[slice]:
-    """Consecutive batches of the epoch; the last one may be short (kept, not dropped)."""
-    return [slice(start, min(start + batch, n)) for start in range(0, n, batch)]
 
 
 def total_steps(n: int, batch: int, epochs: int, limit: int | None) -> int:
@@ -33,30 +46,98 @@ def total_steps(n: int, batch: int, epochs: int, limit: int | None) -> int:
     return steps if limit is None else min(steps, limit)
 
 
+# --- what a strategy may change about training -----------------------------------------------
+StateExport = Callable[[nn.Module, torch.optim.Optimizer], "tuple[dict, dict] | None"]
+StateImport = Callable[[nn.Module, torch.optim.Optimizer, dict, dict], None]
+
+
+@dataclass
+class TrainPlan:
+    """How one strategy trains. `default_plan` is the one-process plan.
+
+    module: the bare model under any wrapper (DDP, compile, a channels_last adapter); its
+        state_dict keys are the workload's, so checkpoints load anywhere.
+    export_state / import_state: the whole (model, optimizer) state as on one process;
+        export is collective and returns None off the root rank. None: module.state_dict().
+    n_train: training items (the data order's length), recorded in checkpoints.
+    epoch_end: called on every rank after each epoch's evaluation (compare-devices snapshots).
+    """
+
+    source: BatchSource
+    evaluate: Callable[[nn.Module], float]
+    module: nn.Module
+    prepare: Callable[[torch.Tensor], torch.Tensor]
+    loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+    n_train: int
+    export_state: StateExport | None = None
+    import_state: StateImport | None = None
+    epoch_end: Callable[[int, nn.Module], None] | None = None
+    notes: dict[str, Any] = field(default_factory=dict)
+
+
+def require_labels(train: Inputs | None, heldout: Inputs | None) -> None:
+    for name, data in (("training", train), ("held-out", heldout)):
+        if data is not None and data.y is None:
+            raise UsageError(f"the {name} data has no labels; training needs labelled data")
+
+
+def default_plan(
+    strategy: TorchStrategy, workload: Workload, model: nn.Module, train: Inputs, heldout: Inputs
+) -> TrainPlan:
+    cfg = strategy.cfg
+    require_labels(train, heldout)
+    return TrainPlan(
+        source=GlobalBatches(strategy, train, cfg.batch, cfg.seed),
+        evaluate=lambda m: evaluate(strategy, workload, m, heldout, max(cfg.batch, 500)),
+        module=model,
+        prepare=workload.prepare,
+        loss=workload.loss,
+        n_train=len(train),
+    )
+
+
+# --- one step ----------------------------------------------------------------------------------
+def grad_scaler(strategy: TorchStrategy) -> torch.amp.GradScaler:
+    """fp16 autocast on CUDA needs loss scaling; everywhere else the scaler is a no-op."""
+    fp16 = strategy.precision.autocast is torch.float16 and strategy.device.type == "cuda"
+    return torch.amp.GradScaler(strategy.device.type, enabled=fp16)
+
+
 def train_step(
     strategy: TorchStrategy,
-    workload: Workload,
+    plan: TrainPlan,
     model: nn.Module,
     opt: torch.optim.Optimizer,
-    batch: Inputs,
+    step: Step,
     timer: PhaseTimer,
+    scaler: torch.amp.GradScaler,
 ) -> torch.Tensor:
-    """One optimizer step on this rank's share of a global batch; returns the summed loss
-    (loss * local items, detached) so epoch means weigh short batches correctly."""
-    local = strategy.shard(batch)
-    weight = len(local) / len(batch)  # this rank's share of the global mean loss
+    """One optimizer step on this rank's share; returns the summed loss (loss * local items,
+    detached, on the device) so epoch means weigh short batches correctly."""
+    local = step.local
     with timer.phase("h2d"):
         x, y = strategy.to_device(local.x), strategy.to_device(local.y)
     with timer.phase("compute"):
-        with timer.phase("forward"), strategy.autocast():
-            loss = workload.loss(model, model(workload.prepare(x)), y)
-        with timer.phase("backward"):
-            (loss * weight).backward()
+        if len(local) == 0:  # a short last batch left this rank nothing; it still reduces
+            loss = _zero_grads(model)
+        else:
+            with timer.phase("forward"), strategy.autocast():
+                loss = plan.loss(model, model(plan.prepare(x)), y)
+            with timer.phase("backward"):
+                scaler.scale(loss if step.weight == 1.0 else loss * step.weight).backward()
         strategy.reduce_gradients(model, timer)
         with timer.phase("step"):
-            opt.step()
+            scaler.step(opt)
+            scaler.update()
             opt.zero_grad(set_to_none=True)
     return loss.detach() * len(local)
+
+
+def _zero_grads(model: nn.Module) -> torch.Tensor:
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    return torch.zeros((), device=next(model.parameters()).device)
 
 
 @torch.no_grad()
@@ -75,6 +156,198 @@ def evaluate(
     return correct / max(len(data), 1)
 
 
+# --- the run -----------------------------------------------------------------------------------
+class TrainProgress:
+    """Rank 0's live line (steps, loss, items/s, ETA), refreshed at most every 0.5 s on a
+    terminal; the loss is read from the device only when the line is drawn."""
+
+    def __init__(self, total: int, item: str, enabled: bool) -> None:
+        self.bar = Progress(total, "train", enabled=enabled)
+        self.live = enabled and self.bar.tty
+        self.item = item
+        self._t, self._items = time.perf_counter(), 0
+
+    def step(self, done: int, loss_sum: torch.Tensor, n_local: int, items: int) -> None:
+        now = time.perf_counter()
+        if not self.live or (now - self._t < 0.5 and done < self.bar.total):
+            return
+        rate = (items - self._items) / max(now - self._t, 1e-9)
+        self._t, self._items = now, items
+        fields = {"loss": float(loss_sum) / max(n_local, 1), f"{self.item}_per_s": rate}
+        self.bar.update(done, **fields)
+
+    def milestone(self, done: int, **fields: float) -> None:
+        self.bar.milestone(done, **fields)
+
+
+@dataclass
+class Position:
+    """Where training stands: epoch, step within it, and the epoch's partial sums."""
+
+    epoch: int = 0
+    step: int = 0
+    loss_sum: torch.Tensor | None = None  # summed (loss * items) of this epoch, on the device
+    items: int = 0  # items of this epoch so far, all ranks
+
+
+class Trainer:
+    """One rank's training run: steps, epochs, guards, checkpoints and resume."""
+
+    def __init__(
+        self,
+        strategy: TorchStrategy,
+        workload: Workload,
+        model: nn.Module,
+        plan: TrainPlan,
+        timer: PhaseTimer,
+        history: TrainHistory,
+    ) -> None:
+        self.strategy, self.cfg, self.model, self.plan = strategy, strategy.cfg, model, plan
+        self.timer, self.history, self.workload = timer, history, workload
+        self.opt = workload.optimizer(model)
+        self.scaler = grad_scaler(strategy)
+        self.pos = Position(loss_sum=torch.zeros((), device=strategy.device, dtype=torch.float64))
+        self.guard = NonFiniteGuard(strategy.device)
+        self.saver = ckpt.Checkpointer.for_run(self.cfg, strategy.is_root)
+        self.sync = device_sync(strategy.device)
+        per_epoch = plan.source.steps_per_epoch()
+        self.n_steps = self.cfg.epochs * per_epoch
+        if self.cfg.steps is not None:
+            self.n_steps = min(self.n_steps, self.cfg.steps)
+        self.trained = 0  # items trained by this process (throughput excludes resumed work)
+        self.excluded = 0.0  # seconds inside an epoch spent on checkpoints, not training
+        self.first_step = 0  # history.steps when this process started (resume)
+        self.progress = self._progress()
+
+    def _progress(self) -> TrainProgress:
+        enabled = self.strategy.is_root and not self.cfg.quiet
+        return TrainProgress(self.n_steps - self.first_step, self.workload.item, enabled)
+
+    @property
+    def finished(self) -> bool:
+        return self.history.steps >= self.n_steps
+
+    def run(self) -> Timings:
+        if self.cfg.resume is not None:
+            self._resume()
+            self.first_step = self.history.steps
+            self.progress = self._progress()
+        timings = Timings()
+        self.model.train()
+        while self.pos.epoch < self.cfg.epochs and not self.finished:
+            wall, lap = self._epoch()
+            timings.add(wall, lap, getattr(self.timer, "last_device_lap", None))
+            self._end_epoch()
+        self.model.eval()
+        return timings
+
+    def _epoch(self) -> tuple[float, dict[str, float]]:
+        self.sync()
+        start, self.excluded = time.perf_counter(), 0.0
+        for step in self.plan.source.epoch(self.pos.epoch, self.pos.step):
+            loss = train_step(
+                self.strategy, self.plan, self.model, self.opt, step, self.timer, self.scaler
+            )
+            self.pos.loss_sum += loss
+            self.pos.items += step.items
+            self.pos.step += 1
+            self.history.steps += 1
+            self.trained += step.items
+            self._after_step(loss, step)
+            if self.finished:
+                break
+        self.sync()
+        return time.perf_counter() - start - self.excluded, self.timer.lap()
+
+    def _after_step(self, loss: torch.Tensor, step: Step) -> None:
+        notify_step()
+        done = self.history.steps
+        self.guard.observe(loss, done)
+        self.progress.step(done - self.first_step, loss, len(step.local), self.trained)
+        if self.saver.due(done, last=self.finished):
+            self._checkpoint()
+        elif self.guard.full():
+            self._check_finite()
+
+    def _end_epoch(self) -> None:
+        self._check_finite()
+        hist = self.history
+        hist.items = self.trained
+        hist.loss.append(self.strategy.all_sum(float(self.pos.loss_sum)) / max(self.pos.items, 1))
+        hist.accuracy.append(self.plan.evaluate(self.model))
+        if self.plan.epoch_end is not None:
+            self.plan.epoch_end(self.pos.epoch, self.model)
+        self.progress.milestone(
+            hist.steps - self.first_step,
+            epoch=self.pos.epoch + 1,
+            loss=hist.loss[-1],
+            heldout_acc=hist.accuracy[-1],
+        )
+        self.pos = Position(self.pos.epoch + 1, 0, self.pos.loss_sum.zero_(), 0)
+
+    # --- guards and checkpoints ------------------------------------------------------------
+    def _check_finite(self) -> None:
+        bad = self.guard.check(self.strategy.comm)
+        if bad is not None:
+            where = self.saver.path if self.saver.written else None
+            raise TrainingDiverged.at(bad, self.history.steps, where)
+
+    def _checkpoint(self) -> None:
+        start = time.perf_counter()
+        self._check_finite()
+        if not all_finite(self.model, self.strategy.comm):
+            where = self.saver.path if self.saver.written else None
+            raise TrainingDiverged.weights(self.history.steps, where)
+        state = ckpt.export_training_state(self)
+        if state is not None:
+            self.saver.save(state)
+            if not self.cfg.quiet:
+                print(
+                    f"checkpoint: step {self.history.steps} -> {self.saver.path}", file=sys.stderr
+                )
+        self.excluded += time.perf_counter() - start
+
+    def _resume(self) -> None:
+        state = ckpt.load_checkpoint(self.cfg.resume)
+        skip = ckpt.check_resume(state, self)
+        ckpt.import_training_state(self, state, skip)
+        if self.finished:
+            raise UsageError(
+                f"--resume {self.cfg.resume}: the checkpoint is at step {self.history.steps}, "
+                f"the end of this run's {self.n_steps} steps; raise --epochs or --steps"
+            )
+
+
+def run_training(
+    strategy: TorchStrategy,
+    workload: Workload,
+    model: nn.Module,
+    plan: TrainPlan,
+    result_model: nn.Module | None = None,
+) -> RunOutput:
+    """Train with plan and package the run for the runner (phases gathered on the root)."""
+    from scalelab.strategies.base import RunOutput, TrainHistory
+
+    history = TrainHistory()
+    trainer = Trainer(strategy, workload, model, plan, strategy.timer, history)
+    timings = trainer.run()
+    notes = {**plan.notes, "global_batch": plan.source.global_batch}
+    if trainer.saver.written:
+        notes["checkpoint"] = str(trainer.saver.path)
+    if strategy.cfg.resume is not None:
+        notes["resumed_from"] = strategy.cfg.resume
+    return RunOutput(
+        timings,
+        strategy.comm.gather_object(timings.phase_totals()),
+        None,
+        round(history.items / max(len(timings.walls), 1)),
+        bytes_moved=strategy.timer.bytes_moved(),
+        history=history,
+        model=plan.module if result_model is None else result_model,
+        notes=notes,
+    )
+
+
 def train_epochs(
     strategy: TorchStrategy,
     workload: Workload,
@@ -83,38 +356,8 @@ def train_epochs(
     heldout: Inputs,
     timer: PhaseTimer,
     history: TrainHistory,
+    plan: TrainPlan | None = None,
 ) -> Timings:
     """Train for cfg.epochs (or cfg.steps); one timing lap per epoch, evaluation untimed."""
-    cfg = strategy.cfg
-    opt = workload.optimizer(model)
-    n_steps = total_steps(len(train), cfg.batch, cfg.epochs, cfg.steps)
-    progress = Progress(n_steps, "train", enabled=strategy.is_root and not cfg.quiet)
-    timings = Timings()
-    model.train()
-    for epoch in range(cfg.epochs):
-        order = batch_order(len(train), epoch, cfg.seed)
-        loss_sum, items = torch.zeros((), dtype=torch.float64, device=strategy.device), 0
-        timer.sync()
-        start = time.perf_counter()
-        for part in batch_slices(len(train), cfg.batch):
-            idx = order[part]
-            loss_sum += train_step(
-                strategy, workload, model, opt, Inputs(train.x[idx], train.y[idx]), timer
-            )
-            items += len(idx)
-            history.steps += 1
-            progress.update(history.steps)
-            if history.steps >= n_steps:
-                break
-        timer.sync()
-        timings.add(time.perf_counter() - start, timer.lap())
-        history.items += items
-        history.loss.append(strategy.all_sum(float(loss_sum)) / items)
-        history.accuracy.append(evaluate(strategy, workload, model, heldout, max(cfg.batch, 500)))
-        progress.milestone(
-            history.steps, epoch=epoch + 1, loss=history.loss[-1], heldout_acc=history.accuracy[-1]
-        )
-        if history.steps >= n_steps:
-            break
-    model.eval()
-    return timings
+    plan = plan or default_plan(strategy, workload, model, train, heldout)
+    return Trainer(strategy, workload, model, plan, timer, history).run()

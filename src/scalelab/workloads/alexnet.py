@@ -99,10 +99,16 @@ def min_image_size() -> int:
 
 
 class AlexNetModule(nn.Module):
-    """The network; forward takes prepare()'s float images and returns logits (N, classes)."""
+    """The network; forward takes prepare()'s float images and returns logits (N, classes).
 
-    def __init__(self, fc6_in: int, num_classes: int) -> None:
+    swap_relu_pool: pool5 before relu5 (they commute: identical output, the ReLU reads a
+    quarter of the map). relu1/relu2 stay put: an LRN sits between them and their pools, and
+    LRN does not commute with ReLU.
+    """
+
+    def __init__(self, fc6_in: int, num_classes: int, swap_relu_pool: bool = False) -> None:
         super().__init__()
+        self.swap_relu_pool = swap_relu_pool
         # FLOPs at 227: 2 * C_out * C_in * R * S * Ho * Wo.
         self.c1 = nn.Conv2d(3, 96, 11, stride=4)  # 2*96*3*11*11*55*55    = 211 M
         self.lrn1 = nn.LocalResponseNorm(LRN_SIZE, LRN_ALPHA, LRN_BETA, LRN_K)
@@ -124,7 +130,10 @@ class AlexNetModule(nn.Module):
         x = F.max_pool2d(self.lrn2(F.relu(self.c2(x))), 3, 2)  # (N, 256, 13, 13)
         x = F.relu(self.c3(x))  # (N, 384, 13, 13)
         x = F.relu(self.c4(x))  # (N, 384, 13, 13)
-        x = F.max_pool2d(F.relu(self.c5(x)), 3, 2)  # (N, 256, 6, 6)
+        if self.swap_relu_pool:
+            x = F.relu(F.max_pool2d(self.c5(x), 3, 2))  # (N, 256, 6, 6)
+        else:
+            x = F.max_pool2d(F.relu(self.c5(x)), 3, 2)  # (N, 256, 6, 6)
         x = torch.flatten(x, 1)  # (N, 9216), channel-major
         x = F.relu(self.fc6(x))  # (N, 4096)
         x = F.relu(self.fc7(x))  # (N, 4096)
@@ -162,7 +171,7 @@ class AlexNet(Workload):
         return TRUNK[-1].out_channels * trunk_out_size(self.image_size) ** 2
 
     def _build(self) -> nn.Module:
-        return AlexNetModule(self.fc6_in(), self.num_classes)
+        return AlexNetModule(self.fc6_in(), self.num_classes, self.cfg.swap_relu_pool)
 
     # --- inputs --------------------------------------------------------------------------
     def synthetic_inputs(self, n: int, seed: int) -> Inputs:
@@ -183,6 +192,9 @@ class AlexNet(Workload):
             out = layer.out_size(size)
             rows.append(_trunk_cost(layer, channels, size, out))
             channels, size = layer.out_channels, out
+        if self.cfg.swap_relu_pool:  # pool5 first; relu5 then reads the pooled map
+            relu5 = rows.pop(-2)
+            rows.append(elementwise_cost(relu5.name, "relu", (channels, size, size)))
         k = self.num_classes
         return rows + [
             linear_cost("fc6", "fc6", channels * size * size, FC_WIDTH),

@@ -64,9 +64,14 @@ def _trunk() -> Iterator[tuple[str, int, int | None]]:
 
 
 class VGG(nn.Module):
-    """VGG-16; forward takes prepare()'s normalised float images and returns logits (N, K)."""
+    """VGG-16; forward takes prepare()'s normalised float images and returns logits (N, K).
 
-    def __init__(self, fc6_in: int, num_classes: int) -> None:
+    swap_relu_pool: each block's last ReLU runs after its max-pool instead of before. They
+    commute (max is monotone, ReLU is max(., 0)), so the output is identical, and the ReLU
+    then reads and writes a quarter of the activations.
+    """
+
+    def __init__(self, fc6_in: int, num_classes: int, swap_relu_pool: bool = False) -> None:
         super().__init__()
         layers: list[nn.Module] = []
         c_in = 3
@@ -77,6 +82,10 @@ class VGG(nn.Module):
                 # 2 * c_out * c_in * 9 * S * S at this block's resolution S.
                 layers += [nn.Conv2d(c_in, c_out, 3, padding=1), nn.ReLU()]
                 c_in = c_out
+        if swap_relu_pool:  # features.{i-1}, features.{i}: ReLU, pool -> pool, ReLU (no params)
+            for i, layer in enumerate(layers):
+                if isinstance(layer, nn.MaxPool2d):
+                    layers[i - 1], layers[i] = layer, layers[i - 1]
         self.features = nn.Sequential(*layers)
         self.classifier = nn.Sequential(
             nn.Linear(fc6_in, FC_WIDTH),  # fc6: 2 * 25088 * 4096 = 205.5 M at 224
@@ -123,7 +132,7 @@ class VGG16(Workload):
         return 512 * (self.image_size // MIN_SIZE) ** 2
 
     def _build(self) -> nn.Module:
-        return VGG(self.fc6_in(), self.num_classes)
+        return VGG(self.fc6_in(), self.num_classes, self.cfg.swap_relu_pool)
 
     # --- inputs --------------------------------------------------------------------------
     def synthetic_inputs(self, n: int, seed: int) -> Inputs:
@@ -150,6 +159,9 @@ class VGG16(Workload):
                         name, "maxpool", (c_in, s // 2, s // 2), 0, 3 * n_out, c_in * s * s, n_out
                     )
                 )
+                if self.cfg.swap_relu_pool:  # the block's last ReLU now reads the pooled map
+                    relu = rows.pop(-2)
+                    rows.append(elementwise_cost(relu.name, "relu", (c_in, s // 2, s // 2)))
                 s //= 2
                 continue
             module = f"features.{index}"

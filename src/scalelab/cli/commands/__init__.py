@@ -1,6 +1,7 @@
 """One module per subcommand; importing this package registers them in COMMANDS."""
 
 from scalelab.cli.commands import (  # noqa: F401
+    bench,
     ceilings,
     demo,
     env,

@@ -1,1 +1,232 @@
-"""Placeholder: being written."""
+"""`scalelab fit WORKLOAD`: how large a model or batch fits on one device, and how many
+pipeline stages a stack that does not fit needs (the model-parallel seed's Task 1).
+
+  --find stack   deepstack: the largest (convs, fcs) whose training step runs (default there)
+  --find batch   any workload: the largest batch (default elsewhere)
+  --find stages  the given --convs/--fcs stack: try one device; if it runs out of memory,
+                 measure every layer, propose the fewest stages whose split fits, and with
+                 --run train it under `pipeline` on that many ranks
+
+On CUDA the tries run for real (--mem-limit caps the allocator, to play a smaller GPU); on CPU
+--mem-limit is required and charged against each try's estimated bytes (scalelab.fit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from scalelab import environment
+from scalelab.cli.base import COMMANDS, Command
+from scalelab.cli.options import SKIP, add_config_options, config_from_args
+from scalelab.comm.base import even_counts
+from scalelab.comm.launch import relaunch
+from scalelab.config import RunConfig
+from scalelab.errors import UsageError
+from scalelab.fit import DeviceTrial, EstimatedLimit, FitPoint, Search
+from scalelab.precision import get_precision
+from scalelab.record import append_record, new_record
+from scalelab.strategies import partition as part
+from scalelab.strategies.torch_base import resolve_device
+from scalelab.workloads import WORKLOADS
+
+UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_size(text: str | None) -> float | None:
+    """'10.91GiB', '512MB', '2e9' -> bytes."""
+    if text is None:
+        return None
+    m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    if m is None or m.group(2).lower() not in UNITS:
+        raise UsageError(f"--mem-limit {text!r}: expected a size like 10.91GiB, 512MB or 2e9")
+    return float(m.group(1)) * UNITS[m.group(2).lower()]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("workload", help="workload name (scalelab list)")
+    add_config_options(p)
+    p.add_argument("--find", choices=("stack", "batch", "stages"), default=None)
+    p.add_argument("--mem-limit", default=None, help="bytes per device, e.g. 10.91GiB")
+    p.add_argument("--most", type=int, default=None, help="largest size to try")
+    p.add_argument("--max-stages", type=int, default=8, help="--find stages: most stages")
+    p.add_argument("--run", action="store_true", help="--find stages: train the proposal")
+    p.add_argument("--out", default=None, help="append a fit record to this results file")
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args, workload=args.workload, train=True)
+    workload = WORKLOADS.get(cfg.workload)(cfg)
+    find = args.find or ("stack" if workload.name == "deepstack" else "batch")
+    if find != "batch" and workload.name != "deepstack":
+        raise UsageError(f"--find {find} sizes deepstack's layers; use --find batch")
+    device = resolve_device(cfg.device)
+    limit = parse_size(args.mem_limit)
+    if device.type == "cpu" and limit is None:
+        raise UsageError(
+            "fit on cpu needs --mem-limit: a CPU has no allocator to run out of, so each try's "
+            "estimated bytes are charged against the limit"
+        )
+    trial = DeviceTrial(device, limit)
+    if device.type == "cpu":
+        trial = EstimatedLimit(limit, trial)
+    search = Search(trial, cfg, report=_progress(cfg.quiet))
+    answer = FINDERS[find](search, cfg, args, device, limit)
+    print(format_table(search.points, find))
+    print(answer["line"])
+    if args.out:
+        _record(args.out, cfg, find, limit, search.points, answer)
+    return answer.get("exit_code", 0)
+
+
+def _progress(quiet: bool):
+    def report(point: FitPoint) -> None:
+        if not quiet:
+            verdict = f"fits, {point.seconds * 1e3:.1f} ms" if point.fits else "out of memory"
+            sys.stderr.write(
+                f"fit: convs {point.convs} fcs {point.fcs} batch {point.batch}: {verdict}\n"
+            )
+            sys.stderr.flush()
+
+    return report
+
+
+# --- the three searches -------------------------------------------------------------------
+
+
+def _find_stack(search: Search, cfg: RunConfig, args, device, limit) -> dict[str, Any]:
+    convs, fcs = search.stack(args.most)
+    return {"convs": convs, "fcs": fcs, "line": f"largest (n, n) stack that trains: {convs}"}
+
+
+def _find_batch(search: Search, cfg: RunConfig, args, device, limit) -> dict[str, Any]:
+    batch = search.batch(args.most)
+    return {"batch": batch, "line": f"largest batch that runs: {batch}"}
+
+
+def _find_stages(search: Search, cfg: RunConfig, args, device, limit) -> dict[str, Any]:
+    if search.fits():
+        return {"stages": 1, "line": "fits one device: no pipeline needed"}
+    capacity = part.device_capacity(device, limit)
+    profiles = _profile(cfg, device)
+
+    def mem(k: int) -> part.MemoryModel:
+        return part.memory_model(capacity, k, cfg.microbatches, True, cfg.schedule, cfg.momentum)
+
+    k = part.min_stages(profiles, mem, args.max_stages)
+    if k is None:
+        return {"stages": None, "line": f"no split into <= {args.max_stages} stages fits"}
+    counts = part.balance_auto(profiles, k, mem(k))
+    est = [mem(k).stage_bytes(profiles[a:b], s) for s, (a, b) in enumerate(part.bounds(counts))]
+    line = (
+        f"does not fit one device; fewest stages that fit: {k} (balance "
+        f"{','.join(map(str, counts))}, modelled GiB per stage "
+        f"{', '.join(f'{b / 2**30:.2f}' for b in est)})"
+    )
+    answer = {"stages": k, "balance": counts, "stage_bytes": est, "line": line}
+    if args.run:
+        answer["exit_code"] = _run_pipeline(cfg, k, counts, device, limit, args.out)
+    return answer
+
+
+FINDERS = {"stack": _find_stack, "batch": _find_batch, "stages": _find_stages}
+
+
+def _profile(cfg: RunConfig, device: torch.device) -> list[part.LayerProfile]:
+    """Every layer measured on one micro-batch, one layer on the device at a time."""
+    workload = WORKLOADS.get(cfg.workload)(cfg)
+    precision = get_precision(cfg.dtype)
+    layers = part.model_layers(workload, workload.build_model())
+    micro = even_counts(cfg.batch, min(cfg.microbatches, cfg.batch))[0]
+    x = workload.prepare(workload.synthetic_inputs(micro, cfg.seed).x.to(device))
+
+    def autocast():
+        if precision.autocast is None:
+            return torch.autocast(device.type, enabled=False)
+        return torch.autocast(device.type, dtype=precision.autocast)
+
+    return part.profile_layers(
+        layers, x.to(precision.storage), device, precision.storage, True, autocast
+    )
+
+
+def _run_pipeline(cfg, k, counts, device, limit, out) -> int:
+    gpus = torch.cuda.device_count() if device.type == "cuda" else k
+    if k > gpus:
+        print(f"--run: {k} stages need {k} GPUs; this machine has {gpus}")
+        return 0
+    steps = cfg.steps or 3
+    run_cfg = replace(
+        cfg,
+        strategy="pipeline",
+        ranks=k,
+        stages=k,
+        balance=",".join(map(str, counts)),
+        steps=steps,
+        train_size=cfg.batch * steps,
+        heldout_size=cfg.batch,
+    )
+    argv = ["run", cfg.workload, *config_argv(run_cfg)]
+    if out:
+        argv += ["--out", out]
+    if limit is not None and device.type == "cuda":
+        os.environ[part.MEM_LIMIT_ENV] = str(limit)
+    print("running: scalelab " + " ".join(argv), flush=True)
+    return relaunch("torchrun", k, argv)
+
+
+def config_argv(cfg: RunConfig) -> list[str]:
+    """The `scalelab run` flags that reproduce cfg (fields left at their defaults omitted)."""
+    argv = []
+    for f in dataclasses.fields(RunConfig):
+        value = getattr(cfg, f.name)
+        if f.name in SKIP or value == f.default or value is None:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        argv += [flag] if value is True else [] if value is False else [flag, str(value)]
+    return argv
+
+
+# --- output -----------------------------------------------------------------------------------
+
+
+def format_table(points: list[FitPoint], find: str) -> str:
+    """The seed's table: convs, fcs (or batch), fits?, time of one training step."""
+    lines = [f"{'convs':>6}{'fcs':>6}{'batch':>7}  {'fits?':<6}{'time (ms)':>11}{'peak GiB':>10}"]
+    order = sorted(points, key=lambda p: (p.convs, p.fcs, p.batch))
+    for p in order:
+        ms = f"{p.seconds * 1e3:.2f}" if p.fits and p.seconds == p.seconds else "-"
+        peak = f"{p.peak_bytes / 2**30:.2f}" if p.peak_bytes else "-"
+        lines.append(
+            f"{p.convs:>6}{p.fcs:>6}{p.batch:>7}  {'yes' if p.fits else 'no':<6}{ms:>11}{peak:>10}"
+        )
+    return "\n".join(lines)
+
+
+def _record(out, cfg, find, limit, points, answer) -> None:
+    rec = new_record(
+        schema="scalelab.fit/1",
+        kind="fit",
+        workload=cfg.workload,
+        find=find,
+        mem_limit_bytes=limit,
+        config=cfg.to_dict(),
+        env=environment.collect(),
+        **environment.git_commit(),
+        points=[asdict(p) for p in points],
+        answer={k: v for k, v in answer.items() if k != "exit_code"},
+    )
+    append_record(Path(out), rec)
+
+
+COMMANDS.register("fit", "largest stack or batch that fits one device; fewest pipeline stages")(
+    Command(add_arguments, run)
+)

@@ -1,1 +1,43 @@
-"""Placeholder: being written."""
+"""`scalelab report RESULTS -o DIR`: a self-contained HTML page with tables and figures."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from scalelab.analysis import load_records, require, require_plotting
+from scalelab.cli.base import COMMANDS, Command
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("results", help="results file (.jsonl) or folder of them")
+    p.add_argument("-o", "--out-dir", default="report", help="output folder (default: report/)")
+    p.add_argument(
+        "--ceilings", default=None, help="ceilings.json (default: one beside the results)"
+    )
+    p.add_argument("--title", default="scalelab report", help="page title")
+    p.add_argument("--mode", choices=("strong", "weak"), default=None, help="force scaling mode")
+    p.add_argument("--no-plots", action="store_true", help="tables only (no matplotlib needed)")
+
+
+def run(args: argparse.Namespace) -> int:
+    require("pandas", "the analysis")
+    if not args.no_plots:
+        require_plotting()
+    from scalelab.analysis.report import write_report
+    from scalelab.analysis.roofline import ceilings_for
+
+    records = load_records(args.results)
+    ceilings, warning = ceilings_for(args.results, args.ceilings, records)
+    if warning:
+        sys.stderr.write(f"scalelab: warning: {warning}\n")
+    path = write_report(
+        records, args.out_dir, ceilings, args.title, plots=not args.no_plots, mode=args.mode
+    )
+    print(f"report: {path} ({len(records)} records)")
+    return 0
+
+
+COMMANDS.register("report", "a self-contained HTML report of a results file")(
+    Command(add_arguments, run)
+)

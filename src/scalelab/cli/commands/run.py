@@ -1,23 +1,34 @@
-"""`scalelab run WORKLOAD`: one run under one strategy; also the per-rank entry point."""
+"""`scalelab run WORKLOAD`: one run under one strategy; also the per-rank entry point.
+
+Numeric flags take comma lists (`--lr 0.01,0.1,0.5 --hidden 64,256`): one run per combination,
+each its own record, every combination validated before the first starts.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from scalelab.cli.base import COMMANDS, Command
-from scalelab.cli.options import add_config_options, config_from_args
-from scalelab.comm.launch import inside_launcher, relaunch
-from scalelab.record import DEFAULT_RESULTS
+from scalelab.cli.options import add_config_options, config_from_args, expand_lists, flag_of
+from scalelab.comm.launch import inside_launcher, relaunch, torchrun_command
+from scalelab.config import RunConfig
+from scalelab.errors import UsageError
+from scalelab.record import DEFAULT_RESULTS, append_record
 from scalelab.runner import execute, format_summary
 from scalelab.strategies import STRATEGIES
+from scalelab.train import checkpoint
+from scalelab.train.guards import TrainingDiverged
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("workload", help="workload name (scalelab list)")
-    add_config_options(p)
+    add_config_options(p, lists=True)
     p.add_argument(
         "--out",
         default=str(DEFAULT_RESULTS),
@@ -29,14 +40,70 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="print the record as one line of JSON, the last line printed",
     )
+    rdzv = p.add_argument_group("torchrun (ddp) across nodes; run the same command on each node")
+    rdzv.add_argument("--nnodes", type=int, default=1, help="nodes (--ranks counts all ranks)")
+    rdzv.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous (needed for --nnodes)")
+    rdzv.add_argument("--rdzv-id", default="scalelab", help="rendezvous id shared by the nodes")
+    rdzv.add_argument("--rdzv-backend", default="c10d", help="torchrun rendezvous backend")
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = config_from_args(args, workload=args.workload)
-    launcher = STRATEGIES.get(cfg.strategy).launcher
-    if launcher is not None and cfg.ranks > 1 and not inside_launcher(launcher):
-        return relaunch(launcher, cfg.ranks, args.argv)
-    report = execute(cfg, None if args.no_record else Path(args.out))
+    combos = expand_lists(args)
+    if len(combos) == 1:
+        return run_one(args)
+    runs = [single_run(args, combo) for combo in combos]
+    for one in runs:  # bad values fail before anything runs
+        config_from_args(one, workload=one.workload)
+    codes = []
+    for i, (one, combo) in enumerate(zip(runs, combos), 1):
+        label = " ".join(f"{flag_of(k)} {v}" for k, v in combo.items())
+        print(f"[{i}/{len(runs)}] {label}", file=sys.stderr, flush=True)
+        codes.append(run_one(one))
+    return max(codes)
+
+
+def single_run(args: argparse.Namespace, combo: dict[str, Any]) -> argparse.Namespace:
+    """The parsed flags and command line of one combination of a study."""
+    one = argparse.Namespace(**vars(args))
+    argv = list(args.argv)
+    for name, value in combo.items():
+        setattr(one, name, value)
+        argv = substitute(argv, flag_of(name), value)
+    one.argv = argv
+    return one
+
+
+def substitute(argv: list[str], flag: str, value: Any) -> list[str]:
+    """argv with the (last) value of flag replaced: `--lr 0.1,0.5` -> `--lr 0.5`."""
+    out = list(argv)
+    for i in reversed(range(len(out))):
+        if out[i] == flag and i + 1 < len(out):
+            out[i + 1] = str(value)
+            return out
+        if out[i].startswith(flag + "="):
+            out[i] = f"{flag}={value}"
+            return out
+    raise UsageError(f"spell out {flag} in full to give it a list of values")
+
+
+def run_one(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args, workload=args.workload, **_defaults(args))
+    strategy = STRATEGIES.get(cfg.strategy)
+    preflight(strategy, cfg)
+    if cfg.compare_devices:
+        return _compare_devices(cfg, args)
+    if strategy.launcher is not None and cfg.ranks > 1 and not inside_launcher(strategy.launcher):
+        results = None if args.no_record else Path(args.out)
+        before = _lines(results)
+        code = launch(strategy.launcher, cfg, args)
+        if code not in (0, 2) and results is not None and _lines(results) == before:
+            _record_lost_job(cfg, results, strategy.launcher, code)
+        return code
+    try:
+        report = execute(cfg, None if args.no_record else Path(args.out))
+    except TrainingDiverged as exc:
+        sys.stderr.write(f"scalelab run: error: {exc}\n")
+        return exc.exit_code
     if report.record is None:  # not the root rank
         return report.exit_code
     print(format_summary(report.record))
@@ -46,6 +113,82 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         print(json.dumps(report.record))
     return report.exit_code
+
+
+def _lines(path: Path | None) -> int:
+    return len(path.read_bytes().splitlines()) if path is not None and path.exists() else 0
+
+
+def _record_lost_job(cfg: RunConfig, results: Path, launcher: str, code: int) -> None:
+    """A launched job failed and no rank wrote a record (a rank died or was killed, taking
+    the root with it): the launching process records the failure."""
+    from scalelab import environment
+    from scalelab.record import new_record
+
+    append_record(
+        results,
+        new_record(
+            status="failed",
+            error=f"{launcher} exited with code {code}: a rank died or was killed "
+            "before the root could record the run",
+            workload=cfg.workload,
+            strategy=cfg.strategy,
+            mode="train" if cfg.train else "infer",
+            ranks=cfg.ranks,
+            config=cfg.to_dict(),
+            env=environment.collect(),
+            **environment.git_commit(),
+        ),
+    )
+
+
+def _defaults(args: argparse.Namespace) -> dict[str, Any]:
+    """Checkpoints go next to the results file unless --ckpt-dir says where."""
+    if getattr(args, "ckpt_every", None) is not None and getattr(args, "ckpt_dir", None) is None:
+        return {"ckpt_dir": str(Path(args.out).parent / "checkpoints")}
+    return {}
+
+
+def preflight(strategy: type, cfg: RunConfig) -> None:
+    """Checks a strategy can make without ranks (so a launcher never starts for bad input)."""
+    check = getattr(strategy, "preflight", None)
+    global_batch = check(cfg) if check is not None else cfg.batch
+    if cfg.resume is not None:
+        checkpoint.preflight(cfg, cfg.ranks, global_batch)
+
+
+def launch(launcher: str, cfg: RunConfig, args: argparse.Namespace) -> int:
+    if launcher != "torchrun" or (args.nnodes == 1 and args.rdzv_endpoint is None):
+        return relaunch(launcher, cfg.ranks, args.argv)
+    if args.rdzv_endpoint is None or cfg.ranks % args.nnodes:
+        raise UsageError(
+            f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT and --ranks (all ranks, "
+            f"now {cfg.ranks}) divisible by --nnodes"
+        )
+    cmd = torchrun_command(cfg.ranks // args.nnodes)
+    cmd = [c for c in cmd if c != "--standalone"] + [
+        f"--nnodes={args.nnodes}",
+        f"--rdzv-backend={args.rdzv_backend}",
+        f"--rdzv-endpoint={args.rdzv_endpoint}",
+        f"--rdzv-id={args.rdzv_id}",
+    ]
+    env = {**os.environ, "SCALELAB_LAUNCHED": "1"}
+    env.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (shared hosts)
+    return subprocess.call([*cmd, "-m", "scalelab", *args.argv], env=env)
+
+
+def _compare_devices(cfg: RunConfig, args: argparse.Namespace) -> int:
+    from scalelab.train.compare_devices import compare_devices
+
+    report = compare_devices(cfg)
+    print(report.table())
+    if not args.no_record:
+        append_record(args.out, report.record)
+        print(f"  record appended to {args.out}")
+    if args.json:
+        sys.stdout.flush()
+        print(json.dumps(report.record))
+    return 0
 
 
 COMMANDS.register("run", "run one workload under one strategy and append a record")(

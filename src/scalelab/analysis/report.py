@@ -1,0 +1,403 @@
+"""The study report: one self-contained HTML page (index.html) plus its PNGs and CSVs.
+
+Sections: environment, ceilings, the versions table (every strategy against the float64
+oracle), all runs, per-rank phase tables, scaling, roofline (per layer and the seed's
+system model), convergence, memory and power per layer. A section without data says so, so
+the reader knows what was not measured rather than wondering.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from scalelab.analysis import convergence, html, layers, phases, roofline, scaling
+from scalelab.analysis import system_roofline as sysroof
+from scalelab.analysis.frame import experiment_key, label, ok_records, records_frame
+from scalelab.errors import UsageError
+
+Section = tuple[str, str, str]
+MAX_PHASE_TABLES = 8
+
+
+class Page:
+    """Where figures and CSVs go, and whether figures are drawn at all."""
+
+    def __init__(self, out_dir: Path, plots: bool) -> None:
+        self.dir = out_dir
+        self.plots = plots
+        if plots:
+            from scalelab.analysis import plots as plot_module  # the leaf, only when drawing
+
+            self.draw = plot_module
+
+    def figure(self, fn: str, caption: str, *args: Any) -> str:
+        if not self.plots:
+            return ""
+        paths = getattr(self.draw, fn)(*args, self.dir, formats=("png",))
+        return html.figure(paths[0], self.dir, caption)
+
+    def csv(self, df: pd.DataFrame, name: str) -> str:
+        df.to_csv(self.dir / name, index=False)
+        return f'<p class="note">Data: <a href="{html.esc(name)}">{html.esc(name)}</a></p>'
+
+
+def _ms(v: float) -> str:
+    return f"{v * 1e3:.3f}"
+
+
+def environment_section(records: list[dict[str, Any]]) -> Section:
+    keys = [
+        "hostname",
+        "cpu",
+        "cpu_count",
+        "gpu_name",
+        "gpu_count",
+        "driver",
+        "cuda",
+        "torch",
+        "mpi_library",
+        "git_commit",
+        "git_dirty",
+    ]
+    rows: dict[str, dict[str, Any]] = {}
+    for rec in records:
+        env = {k: (rec.get("env") or {}).get(k) for k in keys}
+        env["git_commit"] = (env["git_commit"] or rec.get("git_commit") or "")[:10]
+        row = rows.setdefault(repr(sorted(env.items())), {**env, "runs": 0})
+        row["runs"] += 1
+    df = pd.DataFrame(list(rows.values()))
+    return "env", "Environment", html.table(df.dropna(axis=1, how="all"), text_cols=set(keys))
+
+
+def ceilings_section(ceilings: dict[str, Any] | None, records: list[dict[str, Any]]) -> Section:
+    if ceilings is None:
+        return (
+            "ceilings",
+            "Ceilings",
+            html.note("No ceilings: run `scalelab ceilings -o ceilings.json` and pass --ceilings."),
+        )
+    rows = _ceiling_rows(ceilings)
+    machine = ceilings.get("machine") or {}
+    lead = (
+        f"Measured on {machine.get('hostname', '?')} ({machine.get('cpu', '?')}, "
+        f"GPU {machine.get('gpu') or 'none'}) {machine.get('date', '')}"
+        + (" with --quick" if ceilings.get("quick") else "")
+    )
+    body = html.note(lead) + html.table(pd.DataFrame(rows, columns=["ceiling", "value", "unit"]))
+    warning = roofline.ceilings_mismatch(ceilings, records)
+    if warning:
+        body = html.note(f"Warning: {warning}.") + body
+    return "ceilings", "Ceilings", body
+
+
+def _ceiling_rows(c: dict[str, Any]) -> list[tuple[str, str, str]]:
+    dev = c.get("device", "?")
+    rows = [
+        (f"GEMM {k} ({dev})", f"{v / 1e12:.3f}", "TFLOP/s")
+        for k, v in (c.get("gemm_flops") or {}).items()
+        if isinstance(v, (int, float))
+    ]
+    if isinstance(c.get("mem_bw"), (int, float)):
+        rows.append((f"memory copy ({dev}, read + write)", f"{c['mem_bw'] / 1e9:.1f}", "GB/s"))
+    for way in ("h2d", "d2h"):
+        for kind, v in (c.get(way) or {}).items():
+            rows.append((f"{way} {kind}", f"{v / 1e9:.2f}", "GB/s"))
+    for key, what, scale, unit in (
+        ("cpu_gemm_flops", "CPU GEMM fp64", 1e9, "GFLOP/s"),
+        ("cpu_mem_bw", "CPU memory copy", 1e9, "GB/s"),
+    ):
+        for cores in ("one_core", "all_cores"):
+            v = (c.get(key) or {}).get(cores)
+            if isinstance(v, (int, float)):
+                rows.append((f"{what}, {cores.replace('_', ' ')}", f"{v / scale:.2f}", unit))
+    for backend, ops in (c.get("comm") or {}).items():
+        for op, fit in ops.items():
+            if isinstance(fit, dict) and "alpha_s" in fit:
+                n = ops.get("ranks", "?")
+                rows.append(
+                    (f"{backend} {op} latency ({n} ranks)", f"{fit['alpha_s'] * 1e6:.2f}", "us")
+                )
+                rows.append((f"{backend} {op} bandwidth", f"{fit['beta_Bps'] / 1e9:.2f}", "GB/s"))
+    return rows
+
+
+MAX_VERSION_TABLES = 6
+
+
+def versions_section(records: list[dict[str, Any]]) -> Section:
+    """One table per `scalelab versions` invocation (its shared `versions` id), else per
+    workload / input / batch, of the checked inference runs."""
+    checked = [r for r in ok_records(records) if r.get("mode") != "train" and "relerr" in r]
+    if not checked:
+        return "versions", "Versions", html.note("No checked inference runs (run with --check).")
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for rec in checked:
+        cfg = rec.get("config") or {}
+        key = rec.get("versions") or f"{rec['workload']}/{cfg.get('image_size')}/{cfg.get('batch')}"
+        groups.setdefault(key, []).append(rec)
+    parts = [
+        html.note(
+            "Every strategy on the same inputs, checked against the float64 NumPy oracle; "
+            "speedup against the serial run of the same table (the slowest run without one)."
+        )
+    ]
+    for recs in list(groups.values())[-MAX_VERSION_TABLES:]:
+        cfg = recs[0].get("config") or {}
+        size = cfg.get("image_size")
+        title = f"{recs[0]['workload']} {f'{size}x{size}' if size else '(native size)'}, "
+        parts.append(f"<h3>{html.esc(title)}batch {cfg.get('batch')}</h3>")
+        parts.append(_versions_table(recs))
+    return "versions", "Versions", "\n".join(parts)
+
+
+def _versions_table(recs: list[dict[str, Any]]) -> str:
+    rows = []
+    for rec in recs:
+        cfg = rec.get("config") or {}
+        rows.append(
+            {
+                "strategy": rec["strategy"],
+                "split": cfg.get("split") if rec.get("ranks", 1) > 1 else "",
+                "ranks": rec.get("ranks", 1),
+                "dtype": rec.get("precision"),
+                "device": cfg.get("device"),
+                "wall ms": rec["wall_s"] * 1e3,
+                "items/s": rec.get("throughput"),
+                "relerr": rec["relerr"],
+                "digest": rec.get("digest"),
+                "check": "ok" if rec.get("check_passed") else "FAILED",
+            }
+        )
+    df = pd.DataFrame(rows)
+    serial = df.loc[df["strategy"] == "serial", "wall ms"]
+    base = serial.iloc[-1] if len(serial) else df["wall ms"].max()
+    df.insert(7, "speedup", base / df["wall ms"])
+    fmts = {"wall ms": ".2f", "items/s": ".1f", "speedup": lambda v: f"{v:.1f}x", "relerr": ".1e"}
+    bad = {"check": lambda v: "good" if v == "ok" else "bad"}
+    return html.table(df, fmts, classes=bad, text_cols={"digest"} | _text(df))
+
+
+def _text(df: pd.DataFrame) -> set[str]:
+    return {c for c in df.columns if not pd.api.types.is_numeric_dtype(df[c])}
+
+
+def runs_section(records: list[dict[str, Any]], page: Page) -> Section:
+    df = records_frame(records)
+    df["run"] = [label(r) for r in records]
+    df["error"] = [r.get("error", "") for r in records]
+    cols = [
+        "time",
+        "run",
+        "ranks",
+        "status",
+        "iter_items",
+        "iter_s",
+        "throughput",
+        "achieved_tflops",
+        "error",
+    ]
+    view = df[cols].rename(columns={"iter_s": "ms/iter", "achieved_tflops": "GFLOP/s"})
+    fmts = {
+        "ms/iter": _ms,
+        "throughput": ".1f",
+        "GFLOP/s": lambda v: f"{v * 1e3:.2f}",
+        "iter_items": ".0f",
+    }
+    bad = {"status": lambda v: "good" if v == "ok" else "bad"}
+    body = html.note("Per iteration: one timed inference pass, or one optimizer step.")
+    return "runs", "All runs", body + html.table(view, fmts, classes=bad) + page.csv(df, "runs.csv")
+
+
+def phase_section(records: list[dict[str, Any]]) -> Section:
+    latest: dict[str, dict[str, Any]] = {}
+    for rec in ok_records(records):
+        latest[experiment_key(rec) + rec.get("mode", "")] = rec
+    chosen = sorted(latest.values(), key=lambda r: -int(r.get("ranks", 1)))[:MAX_PHASE_TABLES]
+    parts = [
+        html.note(
+            "Milliseconds per iteration (per optimizer step when training) inside each phase, per "
+            "rank; nested phases (a/b) are part of their parent. imbalance = max / mean over ranks."
+        )
+    ]
+    for rec in chosen:
+        table = phases.rank_phase_table(rec)
+        if table.empty:
+            continue
+        shown = table.map(lambda v: f"{v * 1e3:.3f}")
+        if "imbalance" in table.index:
+            shown.loc["imbalance"] = table.loc["imbalance"].map(lambda v: f"{v:.2f}x")
+        parts.append(f"<h3>{html.esc(label(rec))} x{rec.get('ranks', 1)}</h3>")
+        parts.append(html.table(shown.rename_axis("rank"), index=True, text_cols={"rank"}))
+    return "phases", "Per-rank phases", "\n".join(parts)
+
+
+def scaling_section(records: list[dict[str, Any]], page: Page, mode: str | None) -> Section:
+    table = scaling.scaling_table(records, mode)
+    spans = table.groupby(["family", "series"])["ranks"].transform("nunique") > 1
+    table = table[spans]
+    if table.empty:
+        return "scaling", "Scaling", html.note("No series with more than one rank count.")
+    fmts = {
+        "seconds": _ms,
+        "throughput": ".1f",
+        "ideal_throughput": ".1f",
+        "speedup": ".2f",
+        "efficiency": ".3f",
+        "global_batch": "g",
+        "batch_per_rank": "g",
+    }
+    view = table.rename(columns={"seconds": "ms/iter"})
+    fmts["ms/iter"] = fmts.pop("seconds")
+    body = (
+        html.note(
+            "Strong scaling (fixed global batch): E = T1 / (N TN). Weak scaling (fixed batch per "
+            "rank): E = T1 / TN. T = seconds per iteration, median over repeats."
+        )
+        + html.table(view, fmts)
+        + page.csv(table, "scaling.csv")
+    )
+    body += page.figure("scaling", "Throughput (dashed: ideal) and efficiency vs ranks.", table)
+    bars = scaling.scaling_phases(records, mode)
+    bars = bars[
+        bars.set_index(["family", "series"]).index.isin(table.set_index(["family", "series"]).index)
+    ]
+    if not bars.empty:
+        body += page.figure("phase_bars", "Time per iteration by phase for each N.", bars)
+    return "scaling", "Scaling", body
+
+
+def roofline_section(records: list[dict[str, Any]], ceilings: dict | None, page: Page) -> Section:
+    parts = []
+    if ceilings is not None and roofline.layer_records(records):
+        df = roofline.layer_roofline(records, ceilings)
+        fmts = {
+            c: ".3g" for c in ("flops", "bytes", "achieved", "peak_flops", "mem_bw", "attainable")
+        }
+        fmts.update(ai=".2f", seconds=_ms, fraction=".1%")
+        parts += [
+            "<h3>Per layer</h3>",
+            html.table(df.rename(columns={"seconds": "ms"}), {**fmts, "ms": _ms}),
+            page.csv(df, "roofline_layers.csv"),
+            page.figure("layer_roofline", "Per-layer roofline under the measured ceilings.", df),
+        ]
+    else:
+        parts.append(html.note("Per-layer roofline: needs --per-layer runs and ceilings."))
+    parts.append(_system_roofline(records, page))
+    return "roofline", "Roofline", "\n".join(parts)
+
+
+def _system_roofline(records: list[dict[str, Any]], page: Page) -> str:
+    if not sysroof.training_runs(records):
+        return html.note("System roofline: needs distributed training runs (e.g. mlp, mpi-dp).")
+    peaks = sysroof.estimate_peaks(records)
+    pts = sysroof.system_points(records, peaks)
+    lead = (
+        f"P_flops = {peaks.p_flops:.3g} FLOP/s, P_pci = {_rate(peaks.p_pci)}, "
+        f"P_mpi = {_rate(peaks.p_mpi)} (pooled over {peaks.runs} runs)"
+    )
+    if peaks.beta_Bps:
+        fit = f"alpha = {peaks.alpha_s * 1e6:.1f} us, beta = {peaks.beta_Bps:.3g} B/s"
+        lead += f"; all-reduce fit {fit}"
+    fmts = {
+        c: ".3g"
+        for c in (
+            "flops",
+            "bytes_pci",
+            "bytes_mpi",
+            "measured",
+            "measured_phases",
+            "model",
+            "t_compute",
+            "t_pci",
+            "t_mpi",
+        )
+    }
+    fmts["ai"] = ".2f"
+    return (
+        "<h3>System (the MNIST seed's model)</h3>"
+        + html.note(lead)
+        + html.table(pts.drop(columns=["id"]), fmts)
+        + page.csv(pts, "roofline_system.csv")
+        + page.figure(
+            "system_roofline",
+            "Measured training runs against "
+            "AI / (AI / P_flops + 1 / P_comm); marker = modelled bound.",
+            pts,
+            peaks,
+        )
+    )
+
+
+def _rate(v: float | None) -> str:
+    return "not measured" if v is None else f"{v:.3g} B/s"
+
+
+def convergence_section(records: list[dict[str, Any]], page: Page) -> Section:
+    final = convergence.final_table(records)
+    if final.empty:
+        return "convergence", "Convergence", html.note("No training runs.")
+    fmts = {"wall_s": ".2f", "final_loss": ".4f", "final_accuracy": ".4f"}
+    body = html.table(final, fmts)
+    curves = convergence.convergence_frame(records)
+    body += page.figure("convergence", "Training loss and held-out accuracy per epoch.", curves)
+    return "convergence", "Convergence", body
+
+
+def memory_section(records: list[dict[str, Any]], page: Page) -> Section:
+    df = layers.layer_table(records)
+    nvml = layers.nvml_phase_table(records)
+    if df.empty and nvml.empty:
+        return "memory", "Memory and power per layer", html.note("No --per-layer or --nvml runs.")
+    body = ""
+    if not df.empty:
+        df = df.dropna(axis=1, how="all")
+        fmts = {"ms": ".3f", "out_MB": ".3f", "peak_MB": ".2f", "power_W": ".1f"}
+        body += html.note(
+            "--per-layer: median time per call, output size, and the allocator's peak while the "
+            "layer ran (CUDA only); the hooks synchronise, so these times are a study of layers."
+        ) + html.table(df, fmts)
+        if {"out_MB", "peak_MB", "power_W"} & set(df.columns):
+            body += page.figure("layer_memory", "Output and peak memory per layer.", df)
+    if not nvml.empty:
+        body += "<h3>NVML samples per phase</h3>" + html.table(
+            nvml, {"peak_MB": ".1f", "J per call": ".3g", "run mean W": ".1f", "run max W": ".1f"}
+        )
+    return "memory", "Memory and power per layer", body
+
+
+def write_report(
+    records: list[dict[str, Any]],
+    out_dir: str | Path,
+    ceilings: dict[str, Any] | None = None,
+    title: str = "scalelab report",
+    plots: bool = True,
+    mode: str | None = None,
+    extra: list[Section] = (),
+) -> Path:
+    """Write out_dir/index.html (+ PNGs, CSVs); returns the page's path."""
+    if not records:
+        raise UsageError("no records to report on")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    page = Page(out, plots)
+    sections = [
+        environment_section(records),
+        ceilings_section(ceilings, records),
+        *extra,
+        versions_section(records),
+        runs_section(records, page),
+        phase_section(records),
+        scaling_section(records, page, mode),
+        roofline_section(records, ceilings, page),
+        convergence_section(records, page),
+        memory_section(records, page),
+    ]
+    now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    lead = f"{len(records)} records ({len(ok_records(records))} finished), generated {now}."
+    path = out / "index.html"
+    path.write_text(html.page(title, lead, sections))
+    return path

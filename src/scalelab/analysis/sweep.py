@@ -1,0 +1,320 @@
+"""Studies: a TOML grid of run configurations, each point one `scalelab run`.
+
+    [study]
+    name = "alexnet-mpi"            # results default to scalelab-results/<name>.jsonl
+    timeout_s = 600                 # optional: per point
+
+    [grid]                          # the Cartesian product of these lists
+    workload = ["alexnet"]
+    strategy = ["mpi"]
+    ranks = [1, 2, 4]
+    batch = [8]
+    split = ["spatial"]
+
+    [fixed]                         # the same for every point
+    image_size = 99
+    iters = 3
+
+Keys are RunConfig fields (`scalelab run --help`), plus `batch_per_rank` (grid or fixed),
+which sets batch = batch_per_rank * ranks for weak scaling. Each point runs as its own
+`python -m scalelab run ...` process, so strategies that need ranks start their launcher
+exactly as on the command line, and a crash stays with its point.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import types
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from scalelab import environment
+from scalelab.config import RunConfig
+from scalelab.errors import UsageError
+from scalelab.record import append_record, new_record, read_records
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+STUDY_KEYS = {"name", "description", "results", "timeout_s"}
+TABLES = {"study", "grid", "fixed"}
+DERIVED = {"batch_per_rank"}
+NOT_FLAGS = {"workload", "extra"}
+IGNORED_IN_MATCH = {"quiet"}  # a point is done whatever the verbosity it ran with
+
+
+@dataclass(frozen=True)
+class Study:
+    name: str
+    grid: dict[str, list[Any]]  # TOML order: the last key varies fastest
+    fixed: dict[str, Any]
+    source: Path
+    results: Path
+    timeout_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Point:
+    index: int  # 1-based position in the grid
+    values: dict[str, Any]  # this point's grid values (what distinguishes it)
+    config: RunConfig
+
+    def argv(self) -> list[str]:
+        """`scalelab` arguments reproducing config: only fields that differ from defaults."""
+        args = ["run", self.config.workload]
+        defaults = RunConfig(workload=self.config.workload)
+        for f in dataclasses.fields(RunConfig):
+            value = getattr(self.config, f.name)
+            if f.name in NOT_FLAGS or value == getattr(defaults, f.name) or value is None:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            args += [flag] if value is True else [flag, str(value)]
+        return args
+
+    def describe(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self.values.items())
+
+    def match_key(self) -> str:
+        return config_key(self.config.to_dict())
+
+
+def config_key(config: dict[str, Any]) -> str:
+    """Identity of a resolved config. Fields a record predates take their defaults and fields
+    it has that RunConfig lost are dropped, so records survive new config fields."""
+    fields = {f.name: f for f in dataclasses.fields(RunConfig)}
+    full = {}
+    for name, f in fields.items():
+        if name in IGNORED_IN_MATCH:
+            continue
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        full[name] = config.get(name, default)
+    return json.dumps(full, sort_keys=True, default=str)
+
+
+# --- reading a study -----------------------------------------------------------------------
+def load_study(path: str | Path, results: str | Path | None = None) -> Study:
+    """Parse and validate a study file; UsageError names the first problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"{path}: no such study file")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise UsageError(f"{path}: invalid TOML: {exc}") from None
+    _only(data, TABLES, f"{path}: unknown table")
+    study = data.get("study", {})
+    _only(study, STUDY_KEYS, f"{path}: unknown key in [study]")
+    grid, fixed = data.get("grid", {}), data.get("fixed", {})
+    _check_grid(path, grid, fixed)
+    timeout = study.get("timeout_s")
+    if timeout is not None and (
+        isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0
+    ):
+        raise UsageError(f"{path}: [study] timeout_s must be a positive number of seconds")
+    name = str(study.get("name", path.stem))
+    default_results = Path("scalelab-results") / f"{name}.jsonl"
+    out = Path(results or study.get("results") or default_results)
+    return Study(name, grid, fixed, path, out, timeout)
+
+
+def _only(table: Any, allowed: set[str], what: str) -> None:
+    if not isinstance(table, dict):
+        raise UsageError(f"{what.rsplit(':', 1)[0]}: expected a table")
+    unknown = sorted(set(table) - allowed)
+    if unknown:
+        raise UsageError(f"{what} {unknown[0]!r} (known: {', '.join(sorted(allowed))})")
+
+
+def _check_grid(path: Path, grid: dict[str, Any], fixed: dict[str, Any]) -> None:
+    known = {f.name for f in dataclasses.fields(RunConfig)} - {"extra"} | DERIVED
+    for table, name in ((grid, "grid"), (fixed, "fixed")):
+        _only(table, known, f"{path}: unknown key in [{name}]")
+    if not grid:
+        raise UsageError(f"{path}: empty grid: [grid] needs at least one key with a list of values")
+    for key, values in grid.items():
+        if not isinstance(values, list):
+            raise UsageError(f"{path}: [grid] {key} must be a list, e.g. {key} = [{values!r}]")
+        if not values:
+            raise UsageError(f"{path}: empty grid: [grid] {key} = [] has no values")
+        for v in values:
+            _check_type(path, key, v)
+    for key, v in fixed.items():
+        if key in grid:
+            raise UsageError(f"{path}: {key} is in both [grid] and [fixed]")
+        _check_type(path, key, v)
+    if "batch_per_rank" in {**grid, **fixed} and "batch" in {**grid, **fixed}:
+        raise UsageError(f"{path}: give batch or batch_per_rank, not both")
+    if "workload" not in grid and "workload" not in fixed:
+        raise UsageError(f"{path}: no workload: set workload in [grid] or [fixed]")
+
+
+def _field_type(key: str) -> type:
+    if key in DERIVED:
+        return int
+    hint = typing.get_type_hints(RunConfig)[key]
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    return hint
+
+
+def _check_type(path: Path, key: str, value: Any) -> None:
+    want = _field_type(key)
+    ok = isinstance(value, want) and not (want is int and isinstance(value, bool))
+    if want is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok:
+        raise UsageError(f"{path}: {key} = {value!r} should be {want.__name__}")
+
+
+# --- points --------------------------------------------------------------------------------
+def points(study: Study) -> list[Point]:
+    """Every grid point as a validated RunConfig (bad values fail here, before any run)."""
+    keys = list(study.grid)
+    out = []
+    for i, combo in enumerate(itertools.product(*study.grid.values()), 1):
+        values = dict(zip(keys, combo))
+        merged = {**study.fixed, **values, "quiet": True}
+        # TOML 1 for a float field: store 1.0, as the CLI would, so records match the point.
+        merged = {k: float(v) if _field_type(k) is float else v for k, v in merged.items()}
+        per_rank = merged.pop("batch_per_rank", None)
+        if per_rank is not None:
+            merged["batch"] = per_rank * merged.get("ranks", 1)
+        try:
+            cfg = RunConfig(**merged)
+        except UsageError as exc:
+            desc = " ".join(f"{k}={v}" for k, v in values.items())
+            raise UsageError(f"{study.source}: point {i} ({desc}): {exc}") from None
+        out.append(Point(i, values, cfg))
+    return out
+
+
+def done_keys(results: Path) -> set[str]:
+    """Configs that already have a finished record in the results file."""
+    if not results.exists():
+        return set()
+    try:
+        records = read_records(results)
+    except UsageError as exc:
+        if "holds no scalelab records" in str(exc):
+            return set()
+        raise
+    return {config_key(r.get("config") or {}) for r in records if r.get("status") == "ok"}
+
+
+def command(point: Point, results: Path) -> list[str]:
+    """The process one point runs: this Python, scalelab run, results appended to `results`."""
+    return [sys.executable, "-m", "scalelab", *point.argv(), "--out", str(results)]
+
+
+# --- running -------------------------------------------------------------------------------
+@dataclass
+class Outcome:
+    point: Point
+    status: str  # ok | done (already in the results) | check failed | failed
+    seconds: float = 0.0
+    record: dict[str, Any] | None = None
+    error: str | None = None
+
+
+def _records(results: Path) -> list[dict[str, Any]]:
+    try:
+        return read_records(results) if results.exists() else []
+    except UsageError:
+        return []
+
+
+def _run_process(cmd: list[str], timeout: float | None) -> tuple[int | None, str]:
+    """(exit code or None on timeout, stderr); a timed-out point loses its whole process
+    group, launcher and ranks included."""
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        _, err = proc.communicate(timeout=timeout)
+        return proc.returncode, err
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return None, f"timed out after {timeout:g} s"
+
+
+def _last_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[-1] if lines else "no output"
+
+
+def run_point(point: Point, results: Path, timeout: float | None = None) -> Outcome:
+    """Run one point; a point that leaves no finished record gets a failed record."""
+    before = len(_records(results))
+    start = time.perf_counter()
+    code, err = _run_process(command(point, results), timeout)
+    seconds = time.perf_counter() - start
+    key = point.match_key()
+    new = [r for r in _records(results)[before:] if config_key(r.get("config") or {}) == key]
+    finished = [r for r in new if r.get("status") == "ok"]
+    if finished:
+        rec = finished[-1]
+        status = "check failed" if rec.get("check_passed") is False else "ok"
+        return Outcome(point, status, seconds, rec)
+    error = _last_line(err) if code != 0 else "exited 0 but wrote no record"
+    if not any(r.get("status") == "failed" for r in new):
+        append_record(results, _failure(point, error, code))
+    return Outcome(point, "failed", seconds, None, error)
+
+
+def _failure(point: Point, error: str, code: int | None) -> dict[str, Any]:
+    cfg = point.config
+    return new_record(
+        status="failed",
+        error=error,
+        exit_code=code,
+        source="sweep",
+        workload=cfg.workload,
+        strategy=cfg.strategy,
+        mode="train" if cfg.train else "infer",
+        ranks=cfg.ranks,
+        config=cfg.to_dict(),
+        env=environment.collect(),
+    )
+
+
+def run_study(
+    study: Study, force: bool = False, echo: Callable[[str], None] = print
+) -> list[Outcome]:
+    """Every point not yet in the results (all with force), one line of progress each."""
+    todo = points(study)
+    done = set() if force else done_keys(study.results)
+    outcomes: list[Outcome] = []
+    spent, ran = 0.0, 0
+    for point in todo:
+        head = f"[{point.index}/{len(todo)}] {point.describe()}"
+        if point.match_key() in done:
+            echo(f"{head}: in {study.results} already, skipped")
+            outcomes.append(Outcome(point, "done"))
+            continue
+        out = run_point(point, study.results, study.timeout_s)
+        spent, ran = spent + out.seconds, ran + 1
+        left = sum(1 for p in todo[point.index :] if p.match_key() not in done)
+        echo(f"{head}: {_summary(out)} | eta {spent / ran * left:.0f} s")
+        outcomes.append(out)
+    return outcomes
+
+
+def _summary(out: Outcome) -> str:
+    if out.record is None:
+        return f"FAILED after {out.seconds:.1f} s: {out.error}"
+    rec = out.record
+    rate = f"{rec.get('throughput', float('nan')):.1f} {rec.get('item_unit', 'items')}/s"
+    return f"{out.status} in {out.seconds:.1f} s ({rate}, wall {rec.get('wall_s', 0):.4g} s)"

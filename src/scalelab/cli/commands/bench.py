@@ -1,0 +1,201 @@
+"""`scalelab bench WORKLOAD...`: plain PyTorch eager (fp32, bf16) against the fast path.
+
+One process, the same inputs and weights for every mode; prints throughput, the ratio to eager
+bf16, achieved TFLOP/s, the fraction of the measured GEMM ceiling and relerr against float64,
+and writes one JSON record per workload (schema scalelab.bench/1) to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from scalelab import environment
+from scalelab.cli.base import COMMANDS, Command
+from scalelab.errors import UsageError
+from scalelab.record import new_record
+from scalelab.workloads import WORKLOADS
+
+SCHEMA = "scalelab.bench/1"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("workloads", nargs="*", help="workload names, or 'all' for the issue's four")
+    p.add_argument("--mode", choices=("infer", "train"), help="default: per workload")
+    p.add_argument("--batch", type=int, help="items per call (default: per workload)")
+    p.add_argument("--image-size", type=int, help="image workloads: height = width")
+    p.add_argument("--hidden", type=int, help="mlp hidden width")
+    p.add_argument("--train-size", type=int, help="training: items per epoch")
+    p.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when present")
+    p.add_argument("--iters", type=int, default=20, help="timed calls, median reported")
+    p.add_argument("--warmup", type=int, default=3, help="untimed calls first")
+    p.add_argument("--oracle-items", type=int, default=8, help="items checked against fp64")
+    p.add_argument("--no-fp32", action="store_true", help="skip the eager fp32 baseline")
+    p.add_argument(
+        "--with-compile",
+        action="store_true",
+        help="inference: also time torch.compile(model) under bf16 autocast (slow to compile)",
+    )
+    p.add_argument("--out", default="scalelab-results/bench", help="folder for the JSON records")
+    p.add_argument("--table", metavar="DIR", help="only print the table of the records in DIR")
+    p.add_argument("--quiet", action="store_true", help="no fast-path lines on stderr")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.table is not None:
+        print(format_table(read_bench_records(Path(args.table))))
+        return 0
+    names = _names(args.workloads)
+    if args.iters < 1 or args.warmup < 0 or args.oracle_items < 1:
+        raise UsageError("--iters and --oracle-items must be >= 1, --warmup >= 0")
+    opts = _options(args)
+    from scalelab.fast.bench import gemm_ceiling  # torch-heavy: load when running
+
+    ceiling, how = gemm_ceiling(torch.device(opts["device"]))
+    _say(f"bench: GEMM ceiling {ceiling / 1e12:.3g} TFLOP/s ({how}) on {opts['device']}")
+    strict = len(names) == 1  # a flag one of several workloads rejects fails only that one
+    records = [_one(name, opts, ceiling, Path(args.out), strict) for name in names]
+    print(format_table(records))
+    print(f"records written to {args.out}/")
+    return 0 if all(r["status"] == "ok" for r in records) else 1
+
+
+def read_bench_records(folder: Path) -> list[dict[str, Any]]:
+    """The bench records (*.json with the bench schema) in folder; other files are skipped."""
+    if not folder.is_dir():
+        raise UsageError(f"--table {folder}: no such folder")
+    records = []
+    for path in sorted(folder.glob("*.json")):
+        try:
+            rec = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if isinstance(rec, dict) and rec.get("schema") == SCHEMA:
+            records.append(rec)
+    if not records:
+        raise UsageError(f"--table {folder}: holds no scalelab bench records")
+    return records
+
+
+def _names(given: list[str]) -> list[str]:
+    from scalelab.fast.bench import DEFAULTS
+
+    if not given:
+        raise UsageError("name at least one workload (or 'all')")
+    names = list(DEFAULTS) if given == ["all"] else given
+    for name in names:
+        WORKLOADS.get(name)  # one line naming the known ones if unknown
+    return names
+
+
+def _options(args: argparse.Namespace) -> dict[str, Any]:
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA GPU is visible to torch on this machine")
+    if device == "cpu":
+        _say("bench: no CUDA GPU; measuring on cpu (the fast path falls back to plain torch)")
+    config = {
+        "batch": args.batch,
+        "image_size": args.image_size,
+        "hidden": args.hidden,
+        "train_size": args.train_size,
+    }
+    return {
+        "mode": args.mode,
+        "device": device,
+        "iters": args.iters,
+        "warmup": args.warmup,
+        "oracle_items": args.oracle_items,
+        "fp32": not args.no_fp32,
+        "compile": args.with_compile,
+        "quiet": args.quiet,
+        "config": config,
+    }
+
+
+def _one(
+    name: str, opts: dict[str, Any], ceiling: float, out: Path, strict: bool
+) -> dict[str, Any]:
+    from scalelab.fast.bench import run_bench
+
+    _say(f"bench {name}: measuring eager and fast ...")
+    try:
+        fields = {"status": "ok", **run_bench(name, opts, ceiling)}
+    except UsageError as exc:
+        if strict:
+            raise
+        fields = _failed(name, opts, exc)
+    except Exception as exc:  # one workload failing must not lose the others' numbers
+        fields = _failed(name, opts, exc)
+    rec = new_record(schema=SCHEMA, **fields, env=environment.collect(), **environment.git_commit())
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}-{rec.get('mode') or 'default'}.json"
+    path.write_text(json.dumps(rec, indent=1, default=str) + "\n")
+    return rec
+
+
+def _failed(name: str, opts: dict[str, Any], exc: Exception) -> dict[str, Any]:
+    text = str(exc).strip()
+    error = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+    _say(f"bench {name}: failed: {error[:300]}")
+    return {"status": "failed", "workload": name, "mode": opts["mode"], "error": error}
+
+
+def _say(line: str) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+def format_table(records: list[dict[str, Any]]) -> str:
+    head = (
+        f"{'workload':<10}{'mode':<6}{'batch':>6}{'eager fp32/s':>14}{'eager bf16/s':>14}"
+        f"{'fast/s':>12}{'ratio':>7}{'TFLOP/s':>9}{'of GEMM':>9}{'relerr':>9}"
+    )
+    lines = [head, "-" * len(head)]
+    lines += [_row(r) for r in records]
+    ok = [r for r in records if r.get("status") == "ok"]
+    units = sorted({f"{r['workload']}: {r['item_unit']}/s" for r in ok})
+    gpus = sorted({str(r.get("gpu") or r.get("device")) for r in ok})
+    lines.append(
+        f"(throughput in items/s: {', '.join(units)}; device: {', '.join(gpus)}; "
+        "ratio = fast / eager bf16; relerr of fast against float64)"
+    )
+    lines += [_parts(r) for r in ok]
+    return "\n".join(lines)
+
+
+def _row(r: dict[str, Any]) -> str:
+    if r.get("status") != "ok":
+        mode = str(r.get("mode") or "")
+        return f"{r.get('workload', '?'):<10}{mode:<6}  FAILED: {str(r.get('error', ''))[:90]}"
+    fp32 = r.get("eager_fp32_throughput")
+    return (
+        f"{r['workload']:<10}{r['mode']:<6}{r['batch']:>6}"
+        f"{(f'{fp32:,.0f}' if fp32 else '-'):>14}{r['eager_throughput']:>14,.0f}"
+        f"{r['fast_throughput']:>12,.0f}{r['ratio']:>6.2f}x{r['tflops']:>9.1f}"
+        f"{r['ceiling_fraction']:>9.1%}{r['relerr']:>9.1e}"
+    )
+
+
+def _parts(r: dict[str, Any]) -> str:
+    """How the fast path ran: each stage's implementation and (GPU) its time."""
+    ms = r.get("fast_stage_ms") or {}
+    parts = [
+        f"{k}={v}" + (f" {ms[k]:.2f}ms" if k in ms else "")
+        for k, v in (r.get("fast_parts") or {}).items()
+    ]
+    extra = (
+        f", torch.compile {r['compile_throughput']:,.0f}/s" if r.get("compile_throughput") else ""
+    )
+    setup = f", setup {r['fast_setup_s']:.1f}s" if "fast_setup_s" in r else ""
+    return f"  {r['workload']}: {', '.join(parts)}{setup}{extra}"
+
+
+COMMANDS.register("bench", "plain PyTorch eager (fp32, bf16) against the fast path, one process")(
+    Command(add_arguments, run)
+)

@@ -1,0 +1,136 @@
+"""AlexNet's fast forward: uint8 pixels in, logits out, activations bf16 channels_last.
+
+    c1    pixels (N, 3, S, S) uint8 -> conv 11x11/4, no bias     (N, 96, 55, 55)
+    epi1  bias + ReLU + LRN + max-pool 3/2, one pass             (N, 96, 27, 27)
+    c2    conv 5x5 pad 2, no bias; epi2 as epi1                  (N, 256, 13, 13)
+    c3/c4 conv 3x3; epi3/epi4 bias + ReLU                        (N, 384, 13, 13)
+    c5    conv 3x3; epi5 bias + ReLU + max-pool 3/2              (N, 256, 6, 6)
+    fc    fc6 (columns permuted to the NHWC flatten) + ReLU, fc7 + ReLU, fc8
+
+The convolutions are cuDNN's (NHWC, bf16 in, fp32 accumulation); their epilogues are one Triton
+pass each instead of PyTorch's bias add, ReLU, ~6-kernel LRN and max-pool. c1 is offered two
+ways: directly (3 input channels, a poor fit for tensor cores) and as space-to-depth, a 3x3
+stride-1 conv over 4x4 pixel blocks with 48 channels (19% more FLOPs, all on tensor cores).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from scalelab.fast import reference
+from scalelab.fast.registry import FAST_PATHS, Candidate, Plan, Stage
+from scalelab.workloads.alexnet import LRN_ALPHA, LRN_BETA, LRN_K, LRN_SIZE, TRUNK
+from scalelab.workloads.base import Workload
+
+BF16 = torch.bfloat16
+CL = torch.channels_last
+LRN = (LRN_SIZE, LRN_ALPHA, LRN_BETA, LRN_K)
+S2D = 4  # c1's stride: space-to-depth block size
+
+
+def s2d_weight(w: torch.Tensor, block: int = S2D) -> torch.Tensor:
+    """(O, C, R, R) stride-`block` kernel -> (O, block^2 C, Rb, Rb) stride-1 kernel, Rb = ceil(R/b).
+
+    Tap (i, j) = (block*ky + dy, block*kx + dx) of channel c moves to channel
+    (dy*block + dx)*C + c at tap (ky, kx); taps past R are zero.
+    """
+    o, c, r, _ = w.shape
+    rb = -(-r // block)
+    wp = w.new_zeros(o, c, rb * block, rb * block)
+    wp[:, :, :r, :r] = w
+    wp = wp.view(o, c, rb, block, rb, block)  # [o, c, ky, dy, kx, dx]
+    return wp.permute(0, 3, 5, 1, 2, 4).reshape(o, block * block * c, rb, rb)
+
+
+def s2d_input(x: torch.Tensor, out_size: int, rb: int, block: int = S2D) -> torch.Tensor:
+    """uint8 (N, C, H, W) -> bf16 (N, block^2 C, Hb, Hb) channels_last, Hb = out_size + rb - 1.
+
+    Rows past 4*Hb are never read by an output; missing rows are zero padding (only ever
+    multiplied by the zero taps of s2d_weight).
+    """
+    n, c, h, w = x.shape
+    hb = out_size + rb - 1
+    rows = hb * block
+    x = F.pad(x[:, :, :rows, :rows], (0, max(0, rows - w), 0, max(0, rows - h)))
+    x = x.reshape(n, c, hb, block, hb, block).permute(0, 2, 4, 3, 5, 1)  # (N, Hb, Hb, dy, dx, C)
+    x = (x.reshape(n, hb, hb, block * block * c).float() / 255).to(BF16)
+    return x.permute(0, 3, 1, 2)  # logical NCHW, channels_last storage
+
+
+def _c1_stage(conv: nn.Conv2d, out_size: int) -> Stage:
+    w = conv.weight.detach()
+    w_cl = w.to(BF16).contiguous(memory_format=CL)
+    ws = s2d_weight(w).to(BF16).contiguous(memory_format=CL)
+    rb = ws.shape[-1]
+
+    def direct(x: torch.Tensor) -> torch.Tensor:
+        xp = (x.float() / 255).to(BF16).contiguous(memory_format=CL)  # prepare(), in bf16
+        return F.conv2d(xp, w_cl, None, stride=conv.stride)
+
+    def space_to_depth(x: torch.Tensor) -> torch.Tensor:
+        return F.conv2d(s2d_input(x, out_size, rb), ws, None)
+
+    return Stage("c1", [Candidate("cudnn-nhwc", direct), Candidate("cudnn-s2d", space_to_depth)])
+
+
+def _conv_stage(name: str, conv: nn.Conv2d) -> Stage:
+    w_cl = conv.weight.detach().to(BF16).contiguous(memory_format=CL)
+    fn = functools.partial(
+        F.conv2d, weight=w_cl, bias=None, stride=conv.stride, padding=conv.padding
+    )
+    return Stage(name, [Candidate("cudnn-nhwc", lambda x: fn(x))])
+
+
+def _epilogue_stage(name: str, bias: torch.Tensor, lrn: bool, pool: bool) -> Stage:
+    b32 = bias.detach().float().contiguous()
+    spec = dict(lrn=LRN if lrn else None, pool=(3, 2) if pool else None)
+    torch_fn = functools.partial(reference.epilogue2d, bias=b32, **spec)
+    triton_fn = functools.partial(_triton_epilogue, bias=b32, **spec)
+    return Stage(name, [Candidate("torch", torch_fn), Candidate("triton", triton_fn, "epilogue2d")])
+
+
+def _triton_epilogue(y, bias, lrn, pool):
+    from scalelab.fast.kernels.epilogue2d import epilogue2d
+
+    return epilogue2d(y, bias, lrn, pool)
+
+
+def _fc_stage(model: nn.Module) -> Stage:
+    w6 = model.fc6.weight.detach()
+    out, flat = w6.shape
+    side = round((flat // TRUNK[-1].out_channels) ** 0.5)
+    # The model flattens (C, H, W); our pool5 output is NHWC, so reorder fc6's columns.
+    w6p = w6.view(out, -1, side, side).permute(0, 2, 3, 1).reshape(out, flat)
+    params = [(w6p, model.fc6.bias), (model.fc7.weight, model.fc7.bias)]
+    params += [(model.fc8.weight, model.fc8.bias)]
+    params = [(w.detach().to(BF16), b.detach().to(BF16)) for w, b in params]
+
+    def fc(x: torch.Tensor) -> torch.Tensor:
+        h = x.permute(0, 2, 3, 1).reshape(x.shape[0], -1)  # NHWC storage: a view
+        for i, (w, b) in enumerate(params):
+            h = F.linear(h, w, b)
+            if i < len(params) - 1:
+                h = torch.relu_(h)
+        return h
+
+    return Stage("fc", [Candidate("cublas", fc)])
+
+
+@FAST_PATHS.register("alexnet", "cuDNN NHWC convs; bias+ReLU+LRN+max-pool fused epilogues")
+def build(workload: Workload, model: nn.Module, device: torch.device) -> Plan:
+    c1_out = TRUNK[0].out_size(workload.image_size)
+    stages = [_c1_stage(model.c1, c1_out), _epilogue_stage("epi1", model.c1.bias, True, True)]
+    stages += [_conv_stage("c2", model.c2), _epilogue_stage("epi2", model.c2.bias, True, True)]
+    for name in ("c3", "c4"):
+        conv = getattr(model, name)
+        stages += [
+            _conv_stage(name, conv),
+            _epilogue_stage(f"epi{name[1]}", conv.bias, False, False),
+        ]
+    stages += [_conv_stage("c5", model.c5), _epilogue_stage("epi5", model.c5.bias, False, True)]
+    stages.append(_fc_stage(model))
+    return Plan(stages)

@@ -1,0 +1,388 @@
+"""Cutting a workload's model into an ordered list of layers, and grouping the layers into
+pipeline stages: by an explicit list (`--balance 5,7`) or by measured per-layer time subject to
+each stage fitting its device's memory (`--balance auto`).
+
+A layer list composes to the model's forward: running the layers one after another on the
+model's input gives the model's output (tested for every supported workload). The layers are
+the model's own submodules (same parameter objects), plus parameter-free glue (a dtype cast, a
+flatten, and for alexnet the ReLUs and pools its forward calls functionally).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from scalelab.errors import UsageError
+from scalelab.workloads.base import Workload
+from scalelab.workloads.deepstack import MatchDtype
+
+
+@dataclass(frozen=True)
+class Layer:
+    name: str  # the cost-table / module name: features.0, conv3, c1, relu1, ...
+    module: nn.Module
+
+
+Sequencer = Callable[[Workload, nn.Module], list[Layer]]
+SEQUENCERS: dict[str, Sequencer] = {}
+
+
+def sequencer(workload: str) -> Callable[[Sequencer], Sequencer]:
+    def add(fn: Sequencer) -> Sequencer:
+        SEQUENCERS[workload] = fn
+        return fn
+
+    return add
+
+
+def model_layers(workload: Workload, model: nn.Module) -> list[Layer]:
+    """The model as an ordered list of layers whose composition is its forward."""
+    fn = SEQUENCERS.get(workload.name)
+    if fn is not None:
+        return fn(workload, model)
+    if isinstance(model, nn.Sequential):
+        return [Layer(name, module) for name, module in model.named_children()]
+    known = ", ".join(sorted(SEQUENCERS))
+    raise UsageError(
+        f"pipeline: the {workload.name} model is not a sequence of layers "
+        f"(supported: {known} and nn.Sequential models)"
+    )
+
+
+@sequencer("vgg16")
+def _vgg16(workload: Workload, model: nn.Module) -> list[Layer]:
+    # VGG.forward: cast, features, flatten, classifier (torchvision's module names).
+    return [
+        Layer("cast", MatchDtype()),
+        *(Layer(f"features.{i}", m) for i, m in enumerate(model.features)),
+        Layer("flatten", nn.Flatten()),
+        *(Layer(f"classifier.{i}", m) for i, m in enumerate(model.classifier)),
+    ]
+
+
+def _alexnet_trunk_module(model: nn.Module, layer) -> nn.Module:
+    """The module computing one alexnet TrunkLayer (its forward uses F.relu / F.max_pool2d)."""
+    make = {
+        "conv": lambda: getattr(model, layer.name),
+        "lrn": lambda: getattr(model, layer.name),
+        "relu": nn.ReLU,
+        "maxpool": lambda: nn.MaxPool2d(layer.kernel, layer.stride, layer.pad),
+    }
+    return make[layer.kind]()
+
+
+@sequencer("alexnet")
+def _alexnet(workload: Workload, model: nn.Module) -> list[Layer]:
+    from scalelab.workloads.alexnet import TRUNK
+
+    trunk = [Layer(t.name, _alexnet_trunk_module(model, t)) for t in TRUNK]
+    if getattr(model, "swap_relu_pool", False):  # c5 -> pool5 -> relu5, as the forward does
+        names = [layer.name for layer in trunk]
+        i, j = names.index("relu5"), names.index("pool5")
+        trunk[i], trunk[j] = trunk[j], trunk[i]
+    return [
+        Layer("cast", MatchDtype()),
+        *trunk,
+        Layer("flatten", nn.Flatten()),
+        Layer("fc6", model.fc6),
+        Layer("relu6", nn.ReLU()),
+        Layer("fc7", model.fc7),
+        Layer("relu7", nn.ReLU()),
+        Layer("fc8", model.fc8),
+    ]
+
+
+# --- partitions ------------------------------------------------------------------------------
+
+
+def bounds(counts: Sequence[int]) -> list[tuple[int, int]]:
+    """Stage s holds layers [start, stop): counts (5, 7) -> [(0, 5), (5, 12)]."""
+    out, start = [], 0
+    for c in counts:
+        out.append((start, start + c))
+        start += c
+    return out
+
+
+def parse_balance(spec: str, n_layers: int, stages: int) -> list[int] | None:
+    """`--balance`: None for "auto", else the explicit per-stage layer counts, checked."""
+    if spec.strip() == "auto":
+        return None
+    try:
+        counts = [int(part) for part in spec.split(",")]
+    except ValueError:
+        raise UsageError(f"--balance must be 'auto' or a list like 5,7; got {spec!r}") from None
+    if len(counts) != stages or min(counts) < 1 or sum(counts) != n_layers:
+        raise UsageError(
+            f"--balance {spec}: need {stages} counts >= 1 summing to the model's {n_layers} layers"
+        )
+    return counts
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """One layer measured on one micro-batch.
+
+    seconds: forward (+ backward when training); param_bytes: its parameters; in_bytes and
+    act_bytes: its input and output; saved_*: what autograd keeps for its backward, the input,
+    the output (ReLU) and other tensors it made (pool indices, dropout masks, autocast
+    copies), in bytes; view: its output shares its input's memory (flatten, a no-op cast).
+    """
+
+    name: str
+    seconds: float
+    param_bytes: int
+    act_bytes: int
+    in_bytes: int = 0
+    saved_input: bool = False
+    saved_output: bool = False
+    saved_other: int = 0
+    view: bool = False
+
+
+class _StageBytes:
+    """Running memory of a stage as layers are appended to it: saved activations of one
+    micro-batch, a tensor kept by two neighbours counted once (ReLU's saved output is the next
+    convolution's saved input), plus the largest input + output pair alive while computing."""
+
+    def __init__(self) -> None:
+        self.params = self.saved = self.peak = 0
+        self.out_saved = False  # the last layer's output is already kept
+
+    def add(self, p: LayerProfile) -> None:
+        if p.saved_input and not self.out_saved:
+            self.saved += p.in_bytes
+        self.saved += p.saved_other + (p.act_bytes if p.saved_output else 0)
+        self.out_saved = p.saved_output or (p.view and (self.out_saved or p.saved_input))
+        self.params += p.param_bytes
+        self.peak = max(self.peak, p.in_bytes + p.act_bytes)
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """Bytes a stage needs: state_factor * params + in_flight[s] * saved activations of one
+    micro-batch + the working pair. Training keeps weights and grads (+ a momentum buffer),
+    inference weights only; GPipe keeps all M micro-batches' activations, 1F1B at most K - s
+    on stage s."""
+
+    capacity: float | None  # bytes per device; None: unconstrained
+    state_factor: float
+    in_flight: tuple[int, ...]  # per stage
+
+    def total(self, acc: _StageBytes, stage: int) -> float:
+        return self.state_factor * acc.params + self.in_flight[stage] * acc.saved + acc.peak
+
+    def stage_bytes(self, layers: Sequence[LayerProfile], stage: int) -> float:
+        acc = _StageBytes()
+        for p in layers:
+            acc.add(p)
+        return self.total(acc, stage)
+
+    def fits(self, layers: Sequence[LayerProfile], stage: int) -> bool:
+        return self.capacity is None or self.stage_bytes(layers, stage) <= self.capacity
+
+
+def memory_model(
+    capacity: float | None,
+    stages: int,
+    microbatches: int,
+    train: bool,
+    schedule: str,
+    momentum: float = 0.0,
+) -> MemoryModel:
+    if not train:
+        return MemoryModel(capacity, 1.0, (0,) * stages)
+    factor = 2.0 + (1.0 if momentum else 0.0)
+    if schedule == "1f1b":
+        in_flight = tuple(min(stages - s, microbatches) for s in range(stages))
+    else:
+        in_flight = (microbatches,) * stages
+    return MemoryModel(capacity, factor, in_flight)
+
+
+def _pack(
+    profiles: Sequence[LayerProfile], stages: int, mem: MemoryModel, most_s: float
+) -> list[int] | None:
+    """Greedy: fill stage after stage while its time stays <= most_s and it fits memory.
+    None when the layers need more than `stages` stages."""
+    counts, i, n = [], 0, len(profiles)
+    for s in range(stages):
+        acc, seconds, j = _StageBytes(), 0.0, i
+        while j < n:
+            acc.add(profiles[j])
+            seconds += profiles[j].seconds
+            over = mem.capacity is not None and mem.total(acc, s) > mem.capacity
+            if (seconds > most_s or over) and j > i:
+                break
+            if over:  # one layer alone does not fit
+                return None
+            j += 1
+        counts.append(j - i)
+        i = j
+        if i == n:
+            return counts
+    return None
+
+
+def _split_to(counts: list[int], stages: int) -> list[int]:
+    """Halve the largest stages until there are `stages` (a part of a stage that fits fits)."""
+    counts = list(counts)
+    while len(counts) < stages:
+        big = max(range(len(counts)), key=lambda s: counts[s])
+        half = counts[big] // 2
+        counts[big : big + 1] = [counts[big] - half, half]
+    return counts
+
+
+def balance_auto(profiles: Sequence[LayerProfile], stages: int, mem: MemoryModel) -> list[int]:
+    """Contiguous split into `stages` non-empty parts with the smallest slowest-stage time
+    such that every stage fits mem.capacity: bisection on that time, each probe a greedy
+    pack (O(n) per probe, so stacks of thousands of layers split in milliseconds)."""
+    n = len(profiles)
+    if n < stages:
+        raise UsageError(f"pipeline: {stages} stages but the model has only {n} layers")
+    lo, hi = max(p.seconds for p in profiles), sum(p.seconds for p in profiles)
+    best = _pack(profiles, stages, mem, hi)
+    if best is None:
+        cap = mem.capacity / 2**30 if mem.capacity else float("inf")
+        raise UsageError(
+            f"pipeline: no split of {n} layers into {stages} stages fits {cap:.2f} GiB per "
+            "device; use more stages or a smaller batch"
+        )
+    for _ in range(60):
+        if hi - lo <= 1e-9 * hi:
+            break
+        mid = (lo + hi) / 2
+        found = _pack(profiles, stages, mem, mid)
+        if found is None:
+            lo = mid
+        else:
+            hi, best = mid, found
+    return _split_to(best, stages)
+
+
+def min_stages(
+    profiles: Sequence[LayerProfile], make_mem: Callable[[int], MemoryModel], most: int
+) -> int | None:
+    """Smallest K <= most with a memory-feasible split (make_mem(K) gives K's memory model)."""
+    for k in range(1, min(most, len(profiles)) + 1):
+        if _pack(profiles, k, make_mem(k), float("inf")) is not None:
+            return k
+    return None
+
+
+# --- measuring layers ------------------------------------------------------------------------
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _SavedTensors:
+    """Records the storages autograd saves for backward during one forward."""
+
+    def __init__(self) -> None:
+        self.storages: dict[int, int] = {}  # data_ptr -> bytes
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        self.storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _measure_layer(
+    layer: Layer, x: torch.Tensor, train: bool, autocast, device: torch.device, reps: int
+) -> tuple[LayerProfile, torch.Tensor]:
+    """Median seconds of forward (+ backward of a ones gradient) over reps calls after one
+    warm-up (allocator, cuDNN autotune), which also records what the layer saves."""
+    module, times, saved, out = layer.module, [], _SavedTensors(), x
+    for rep in range(reps + 1):
+        inp = x.detach().requires_grad_(train and x.is_floating_point())
+        hooks = torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t)
+        _sync(device)
+        start = time.perf_counter()
+        with torch.set_grad_enabled(train), autocast(), hooks if rep == 0 else nullcontext():
+            out = module(inp)
+        if train and out.requires_grad:
+            out.backward(torch.ones_like(out))
+        _sync(device)
+        times.append(time.perf_counter() - start)
+        if rep == 0:
+            params = {_storage(p) for p in module.parameters()}
+            kept = {ptr: n for ptr, n in saved.storages.items() if ptr not in params}
+            inp_ptr, out_ptr = _storage(inp), _storage(out)
+    profile = LayerProfile(
+        layer.name,
+        statistics.median(times[1:]),
+        sum(p.numel() * p.element_size() for p in module.parameters()),
+        out.numel() * out.element_size(),
+        x.numel() * x.element_size(),
+        saved_input=inp_ptr in kept,
+        saved_output=out_ptr in kept,
+        saved_other=sum(n for ptr, n in kept.items() if ptr not in (inp_ptr, out_ptr)),
+        view=out_ptr == inp_ptr,
+    )
+    return profile, out.detach()
+
+
+def profile_layers(
+    layers: Sequence[Layer],
+    x: torch.Tensor,
+    device: torch.device,
+    dtype: torch.dtype,
+    train: bool,
+    autocast,
+    reps: int = 2,
+) -> list[LayerProfile]:
+    """Measure each layer on micro-batch x (already prepared, on device), moving one layer at
+    a time onto the device and back, so a model too large for one device can be measured."""
+    out = []
+    for layer in layers:
+        layer.module.to(device=device, dtype=dtype).train(train)
+        profile, x = _measure_layer(layer, x, train, autocast, device, reps)
+        out.append(profile)
+        layer.module.zero_grad(set_to_none=True)
+        layer.module.to("cpu")
+    return out
+
+
+MEM_LIMIT_ENV = "SCALELAB_GPU_MEM_LIMIT"  # bytes: cap each process's CUDA allocator below the GPU
+
+
+def env_mem_limit() -> float | None:
+    """The GPU memory cap in bytes from SCALELAB_GPU_MEM_LIMIT (None when unset): `scalelab fit
+    --mem-limit` sets it for the pipeline it launches, so an H200 can play a smaller GPU."""
+    value = os.environ.get(MEM_LIMIT_ENV)
+    return float(value) if value else None
+
+
+def cap_allocator(device: torch.device, limit_bytes: float | None) -> None:
+    """Make the CUDA caching allocator raise OutOfMemoryError beyond limit_bytes."""
+    if device.type == "cuda" and limit_bytes is not None:
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(limit_bytes / total, 1.0), device)
+
+
+HEADROOM = 0.9  # of a device's memory for the modelled bytes: workspaces, buffers, fragmentation
+
+
+def device_capacity(device: torch.device, limit_bytes: float | None = None) -> float | None:
+    """Bytes the memory model may fill on one stage's device: HEADROOM of its memory, or of
+    limit_bytes where the allocator was capped below it; None on CPU unless limited."""
+    if device.type != "cuda":
+        return None if limit_bytes is None else HEADROOM * limit_bytes
+    total = float(torch.cuda.get_device_properties(device).total_memory)
+    return HEADROOM * min(total, limit_bytes or total)

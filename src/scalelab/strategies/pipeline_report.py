@@ -1,0 +1,96 @@
+"""The `pipeline` record field: per-stage times and memory, and the bubble three ways.
+
+formula:   (K-1)/(M+K-1), equal stage times and free communication.
+simulated: the schedule's op lists replayed with each stage's measured forward/backward time
+           per micro-batch (catches imbalance between stages, not communication).
+measured:  per stage, 1 - (seconds in forward + backward) / (seconds of the schedule), the
+           schedule being the step minus the phases outside it (input copy to the device,
+           optimizer step). Waiting counts as idle wherever it happens: for activations,
+           gradients, labels (last stage) or the output (stage 0 in inference, the drain).
+           The record gives each stage's and their mean.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+import torch
+
+from scalelab.strategies.pipeline_schedule import bubble_formula, measured_bubble, simulate
+
+OUTSIDE_SCHEDULE = ("h2d", "step", "d2h")
+
+
+def _medians(laps: list[dict[str, float]]) -> dict[str, float]:
+    names = sorted({n for lap in laps for n in lap})
+    return {n: statistics.median(lap.get(n, 0.0) for lap in laps) for n in names}
+
+
+def stage_summary(strategy: Any, laps: list[dict[str, float]], walls: list[float]) -> dict:
+    """This rank's stage: medians over iterations (training: over steps after the first,
+    which pays for allocation and autotuning, when there are at least three)."""
+    if strategy.cfg.train and len(laps) > 2:
+        laps, walls = laps[1:], walls[1:]
+    med = _medians(laps)
+    wall = statistics.median(walls) if walls else 0.0
+    busy = med.get("forward", 0.0) + med.get("backward", 0.0)
+    span = wall - sum(med.get(p, 0.0) for p in OUTSIDE_SCHEDULE)
+    device = strategy.device
+    names = [layer.name for layer in strategy.layers]
+    start = sum(strategy.counts[: strategy.comm.rank])
+    mine = names[start : start + strategy.counts[strategy.comm.rank]]
+    return {
+        "rank": strategy.comm.rank,
+        "device": str(device),
+        "layers": [mine[0], mine[-1]],
+        "n_layers": len(mine),
+        "params": sum(p.numel() for p in strategy.stage.parameters()),
+        "forward_s": med.get("forward", 0.0),
+        "backward_s": med.get("backward", 0.0),
+        "recv_s": med.get("recv", 0.0),
+        "send_s": med.get("send", 0.0),
+        "wall_s": wall,
+        "span_s": span,
+        "bubble": measured_bubble(busy, span),
+        "peak_mem_bytes": torch.cuda.max_memory_allocated(device)
+        if device.type == "cuda"
+        else None,
+        "step_s": list(walls) if strategy.cfg.train else None,
+    }
+
+
+def pipeline_notes(strategy: Any, stages: list[dict] | None, train: bool) -> dict[str, Any]:
+    """The record's `pipeline` field (root rank; {} elsewhere)."""
+    if stages is None:
+        return {}
+    cfg = strategy.cfg
+    k, m = len(stages), min(cfg.microbatches, cfg.batch)
+    t_fwd = [s["forward_s"] / m for s in stages]
+    t_bwd = [s["backward_s"] / m for s in stages]
+    sim = simulate(cfg.schedule, m, t_fwd, t_bwd, train)
+    notes: dict[str, Any] = {
+        "placement": "pipeline",
+        "stages": k,
+        "microbatches": m,
+        "schedule": cfg.schedule,
+        "balance": list(strategy.counts),
+        "bubble_formula": bubble_formula(k, m),
+        "bubble_simulated": sim.mean_bubble,
+        "bubble_measured": statistics.mean(s["bubble"] for s in stages),
+        "stage": stages,
+    }
+    if train and stages[0]["step_s"]:
+        step = statistics.median(stages[0]["step_s"])
+        notes.update(steady_step_s=step, steady_throughput=cfg.batch / step)
+    if strategy.profile is not None:
+        notes["layer_profile"] = [
+            {
+                "layer": p.name,
+                "ms": p.seconds * 1e3,
+                "param_bytes": p.param_bytes,
+                "act_bytes": p.act_bytes,
+            }
+            for p in strategy.profile
+        ]
+    return {"pipeline": notes}

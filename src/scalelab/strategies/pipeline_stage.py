@@ -1,0 +1,183 @@
+"""One pipeline stage executing its schedule's op list for one batch.
+
+Activations go forward (rank s -> s+1) and their gradients back (s+1 -> s) with
+torch.distributed point-to-point, always through `batch_isend_irecv` (used directly: the Comm
+interface has single isend/irecv but no grouped ones). Always: NCCL runs batched p2p on the
+group's communicator but single isend/irecv on a separate two-rank one, so a batched send met
+by a single receive would never match. Communication happens at the transition between two
+ops, as in Megatron-LM's schedules: the send that ends op i is grouped with the receive that op
+i+1 needs. Neighbours then always post matching groups, which NCCL needs (each pair of ranks
+shares one stream, so an ungrouped send waiting for a receive queued behind the peer's own
+send would deadlock in 1F1B's steady state). Receives are waited for at once (phase "recv":
+the stage is idle, the bubble); sends complete in the background and are drained at the end
+of the batch (phase "send").
+
+Channels-last activations travel as their NHWC memory (a permuted, contiguous view), so the
+receiving stage gets channels-last tensors without a layout copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from scalelab.strategies.pipeline_schedule import Op
+
+Meta = tuple[tuple[int, ...], torch.dtype]  # per-item shape and dtype of a stage's output
+
+
+def to_wire(t: torch.Tensor, channels_last: bool) -> torch.Tensor:
+    if channels_last and t.dim() == 4:
+        return t.permute(0, 2, 3, 1).contiguous()  # (N, H, W, C): a view when NHWC already
+    return t.contiguous()
+
+
+def wire_buffer(n: int, meta: Meta, channels_last: bool, device: torch.device) -> torch.Tensor:
+    tail, dtype = meta
+    if channels_last and len(tail) == 3:
+        c, h, w = tail
+        return torch.empty((n, h, w, c), dtype=dtype, device=device)
+    return torch.empty((n, *tail), dtype=dtype, device=device)
+
+
+def from_wire(buf: torch.Tensor, channels_last: bool) -> torch.Tensor:
+    return buf.permute(0, 3, 1, 2) if channels_last and buf.dim() == 4 else buf
+
+
+@dataclass
+class StageContext:
+    """What a stage executor needs from the strategy."""
+
+    rank: int
+    stages: int
+    device: torch.device
+    module: nn.Module
+    in_meta: Meta | None  # None on the first stage (it prepares the batch itself)
+    out_meta: Meta
+    timer: Any  # PhaseTimer
+    autocast: Any  # () -> context manager
+    channels_last: bool
+    backend: str  # "gloo" / "nccl" / "self"
+
+    @property
+    def first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def last(self) -> bool:
+        return self.rank == self.stages - 1
+
+
+@dataclass
+class StageBatch:
+    """One batch as this stage sees it: micro-batch sizes everywhere; prepared micro-batch
+    inputs on the first stage; labels on the last (training)."""
+
+    sizes: list[int]
+    inputs: list[torch.Tensor] | None = None
+    labels: list[torch.Tensor] | None = None
+    loss_fn: Any = None  # (module, logits, y) -> mean loss over the micro-batch (training)
+    outputs: list[torch.Tensor] = field(default_factory=list)  # last stage, inference
+    loss_sum: torch.Tensor | None = None  # last stage, training: sum of loss * items
+
+
+class StageExecutor:
+    def __init__(self, ctx: StageContext) -> None:
+        self.ctx = ctx
+        self.pending: list[Any] = []  # send works in flight
+        self.saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # m -> (input, output)
+
+    # --- point-to-point --------------------------------------------------------------------
+    def exchange(
+        self,
+        sends: list[tuple[torch.Tensor, int]],
+        recvs: list[tuple[torch.Tensor, int]],
+        phase: str = "recv",
+    ) -> None:
+        """Post sends and receives as one group; wait for the receives (under `phase`)."""
+        ops = [dist.P2POp(dist.isend, t, peer) for t, peer in sends]
+        ops += [dist.P2POp(dist.irecv, b, peer) for b, peer in recvs]
+        if not ops:
+            return
+        for t, _ in sends:
+            self.ctx.timer.add_bytes("send", t.numel() * t.element_size())
+        works = dist.batch_isend_irecv(ops)
+        if not recvs:
+            self.pending.extend(works)
+            return
+        with self.ctx.timer.phase(phase):
+            for w in works:
+                w.wait()
+
+    def drain(self) -> None:
+        if self.pending:
+            with self.ctx.timer.phase("send"):
+                for w in self.pending:
+                    w.wait()
+            self.pending.clear()
+
+    def _recv_for(self, op: Op | None, batch: StageBatch) -> list[tuple[torch.Tensor, int]]:
+        """The receive op needs before it can start (none on the pipeline's ends)."""
+        ctx = self.ctx
+        if op is None:
+            return []
+        kind, m = op
+        if kind == "F" and not ctx.first:
+            buf = wire_buffer(batch.sizes[m], ctx.in_meta, ctx.channels_last, ctx.device)
+            return [(buf, ctx.rank - 1)]
+        if kind == "B" and not ctx.last:
+            buf = wire_buffer(batch.sizes[m], ctx.out_meta, ctx.channels_last, ctx.device)
+            return [(buf, ctx.rank + 1)]
+        return []
+
+    # --- the two ops ---------------------------------------------------------------------
+    def forward(self, m: int, buf: torch.Tensor | None, batch: StageBatch, train: bool):
+        ctx = self.ctx
+        if ctx.first:
+            x = batch.inputs[m]
+        else:
+            x = from_wire(buf, ctx.channels_last)
+            x = x.detach().requires_grad_(train)
+        with ctx.timer.phase("forward"), torch.set_grad_enabled(train), ctx.autocast():
+            y = ctx.module(x)
+            if train and ctx.last:
+                # This micro-batch's share of the batch's mean loss: sum_m n_m/N * mean_m.
+                n, total = batch.sizes[m], sum(batch.sizes)
+                loss = batch.loss_fn(ctx.module, y, batch.labels[m])
+                part = loss.detach().to(torch.float64) * n
+                batch.loss_sum = part if batch.loss_sum is None else batch.loss_sum + part
+                y = loss * (n / total)
+        if train:
+            self.saved[m] = (x, y)
+        elif ctx.last:
+            batch.outputs.append(y)
+        return [] if ctx.last else [(to_wire(y.detach(), ctx.channels_last), ctx.rank + 1)]
+
+    def backward(self, m: int, buf: torch.Tensor | None):
+        ctx = self.ctx
+        x, y = self.saved.pop(m)
+        with ctx.timer.phase("backward"):
+            if ctx.last:
+                y.backward()
+            else:
+                torch.autograd.backward(y, from_wire(buf, ctx.channels_last))
+        return [] if ctx.first else [(to_wire(x.grad, ctx.channels_last), ctx.rank - 1)]
+
+    # --- one batch -----------------------------------------------------------------------
+    def run(self, ops: list[Op], batch: StageBatch, train: bool) -> StageBatch:
+        recv = self._recv_for(ops[0] if ops else None, batch)
+        self.exchange([], recv)
+        for i, (kind, m) in enumerate(ops):
+            buf = recv[0][0] if recv else None
+            if kind == "F":
+                sends = self.forward(m, buf, batch, train)
+            else:
+                sends = self.backward(m, buf)
+            recv = self._recv_for(ops[i + 1] if i + 1 < len(ops) else None, batch)
+            self.exchange(sends, recv)
+        self.drain()
+        return batch

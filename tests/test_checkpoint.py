@@ -1,0 +1,231 @@
+"""Training features around the shared loop: checkpoints (atomic, resumable, checked), the
+NaN/inf stop, reproducibility, comma-list studies, progress and the CPU-vs-GPU report."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from scalelab.cli.commands.run import substitute
+from scalelab.config import RunConfig
+from scalelab.errors import UsageError
+from scalelab.record import read_records
+from scalelab.runner import execute
+from scalelab.train import checkpoint as ckpt
+from scalelab.train.compare_devices import compare_devices, relerr
+from scalelab.train.guards import TrainingDiverged
+from scalelab.workloads.base import state_dict_float64
+
+SMALL = dict(
+    workload="mlp", train=True, hidden=8, train_size=150, heldout_size=40, batch=32,
+    epochs=2, lr=0.5, momentum=0.9, quiet=True,
+)  # fmt: skip
+ARGS = [
+    "run", "mlp", "--train", "--hidden", "8", "--train-size", "150", "--heldout-size", "40",
+    "--batch", "32", "--epochs", "2", "--lr", "0.5", "--momentum", "0.9", "--quiet",
+]  # fmt: skip
+
+
+def trained(tmp_path, name, **kw):
+    path = tmp_path / f"{name}.pt"
+    rec = execute(RunConfig(**{**SMALL, "save_weights": str(path), **kw}), None).record
+    return rec, torch.load(path)
+
+
+def test_resume_mid_epoch_is_bitwise(tmp_path):
+    """Stop at step 7 (epoch 2, step 2) with a checkpoint, resume: the uninterrupted run's
+    weights, loss curve and held-out accuracy, bit for bit."""
+    whole, w_whole = trained(tmp_path, "whole")
+    trained(tmp_path, "part", steps=7, ckpt_dir=str(tmp_path / "ck"))
+    (path,) = (tmp_path / "ck").glob("*.pt")
+    state = torch.load(path)
+    assert state["position"] == {"epoch": 1, "step": 2, "steps": 7, "items": 64}
+    resumed, w_resumed = trained(tmp_path, "resumed", resume=str(path))
+    assert all(torch.equal(w_whole[k], w_resumed[k]) for k in w_whole)
+    assert resumed["loss"] == whole["loss"] and resumed["accuracy"] == whole["accuracy"]
+    assert resumed["steps"] == whole["steps"] == 10 and resumed["items"] == 150 - 64
+
+
+def test_checkpoint_every_n_steps_and_at_the_end(tmp_path):
+    saved = []
+    real = ckpt.Checkpointer.save
+    ckpt.Checkpointer.save = lambda self, s: saved.append(s["position"]["steps"]) or real(self, s)
+    try:
+        trained(tmp_path, "a", ckpt_every=3, ckpt_dir=str(tmp_path / "ck"))
+    finally:
+        ckpt.Checkpointer.save = real
+    assert saved == [3, 6, 9, 10]
+
+
+def test_interrupted_write_leaves_the_last_checkpoint_whole(tmp_path, monkeypatch):
+    saver = ckpt.Checkpointer(tmp_path / "c.pt", 1, True)
+    saver.save({"format": ckpt.FORMAT, "n": torch.arange(3)})
+
+    def dies_midway(obj, f):
+        f.write(b"half a checkpoint")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", dies_midway)
+    with pytest.raises(OSError):
+        saver.save({"format": ckpt.FORMAT, "n": torch.arange(5)})
+    assert torch.equal(ckpt.load_checkpoint(tmp_path / "c.pt")["n"], torch.arange(3))
+    assert [p.name for p in tmp_path.iterdir()] == ["c.pt"]  # no temporary left behind
+
+
+@pytest.fixture(scope="module")
+def a_checkpoint(tmp_path_factory):
+    """A mid-epoch checkpoint (step 7 of 10) of SMALL."""
+    out = tmp_path_factory.mktemp("ck")
+    execute(RunConfig(**SMALL, steps=7, ckpt_dir=str(out)), None)
+    (path,) = out.glob("*.pt")
+    return path
+
+
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        (["--hidden", "16"], "fc1.weight is 8x784 in the checkpoint but 16x784"),
+        (["--seed", "3"], "needs the same seed"),
+        (["--batch", "48"], "not a multiple of this run's global batch 48"),
+    ],
+)
+def test_resume_refuses_what_it_cannot_honour(cli, tmp_path, a_checkpoint, change, needle):
+    args = [*ARGS, *change, "--resume", a_checkpoint, "--out", tmp_path / "r.jsonl"]
+    code, out, err = cli(*args)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and needle in err, err
+    assert not (tmp_path / "r.jsonl").exists()
+
+
+def test_resume_refuses_other_workloads_and_foreign_files(cli, tmp_path, a_checkpoint):
+    code, _, err = cli("run", "charcnn", "--train", "--resume", a_checkpoint)
+    assert code == 2 and "the checkpoint trains mlp, this run trains charcnn" in err
+    torch.save({"fc1.weight": torch.zeros(2)}, tmp_path / "weights.pt")
+    code, _, err = cli(*ARGS, "--resume", tmp_path / "weights.pt")
+    assert code == 2 and "not a scalelab training checkpoint" in err
+    (tmp_path / "junk.pt").write_bytes(b"junk")
+    code, _, err = cli(*ARGS, "--resume", tmp_path / "junk.pt")
+    assert code == 2 and "not a readable checkpoint" in err
+
+
+def test_world_size_policy(a_checkpoint):
+    """Another rank count is allowed and said; a position the new global batch cannot reach
+    is refused (ddp --batch is per rank: 2 -> 3 ranks changes the global batch)."""
+    state = torch.load(a_checkpoint)  # 1 rank, global batch 32, 64 items of epoch 2 done
+    cfg = RunConfig(**SMALL)
+    assert ckpt.resume_step(state, cfg, world=2, global_batch=32, n_train=150) == 2
+    assert ckpt.resume_step(state, cfg, world=4, global_batch=64, n_train=150) == 1
+    assert "1-rank checkpoint on 2 ranks (allowed" in ckpt.world_size_note(state, 2, 32)
+    assert ckpt.world_size_note(state, 1, 32) is None
+    with pytest.raises(UsageError, match="not a multiple"):
+        ckpt.resume_step(state, cfg, world=3, global_batch=48, n_train=150)
+
+
+def test_nan_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint(cli, tmp_path):
+    """lr 1e25: step 1 is finite, its update overflows fp32, step 2's loss is inf."""
+    base = [*ARGS, "--lr", "1e25", "--ckpt-every", "1", "--ckpt-dir", tmp_path / "ck"]
+    code, out, err = cli(*base, "--steps", "1", "--out", tmp_path / "ok.jsonl")
+    assert code == 0 and np.isfinite(read_records(tmp_path / "ok.jsonl")[0]["loss"][0])
+    code, out, err = cli(*base, "--out", tmp_path / "runs.jsonl")
+    assert code == 1 and len(err.strip().splitlines()) == 1
+    assert "loss is NaN or inf at step 2" in err and "is intact" in err
+    (path,) = (tmp_path / "ck").glob("*.pt")
+    state = ckpt.load_checkpoint(path)
+    assert state["position"]["steps"] == 1
+    assert all(torch.isfinite(v).all() for v in state["model"].values())
+    (rec,) = read_records(tmp_path / "runs.jsonl")
+    assert rec["status"] == "failed" and "TrainingDiverged" in rec["error"]
+
+
+def test_same_seed_same_curve():
+    a = execute(RunConfig(**SMALL), None).record
+    b = execute(RunConfig(**SMALL), None).record
+    c = execute(RunConfig(**SMALL, seed=1), None).record
+    assert a["loss"] == b["loss"] and a["accuracy"] == b["accuracy"]
+    assert a["loss"] != c["loss"]
+
+
+def test_comma_lists_run_the_product_one_record_each(cli, tmp_path):
+    results = tmp_path / "runs.jsonl"
+    code, out, err = cli(*ARGS, "--lr", "0.1,0.5", "--hidden", "4,8", "--out", results)
+    assert code == 0, err
+    recs = read_records(results)
+    got = sorted((r["config"]["lr"], r["config"]["hidden"]) for r in recs)
+    assert got == [(0.1, 4), (0.1, 8), (0.5, 4), (0.5, 8)]
+    assert all(len(r["loss"]) == len(r["accuracy"]) == 2 for r in recs)
+    assert "[4/4] --hidden 8 --lr 0.5" in err
+    single = execute(RunConfig(**{**SMALL, "lr": 0.1, "hidden": 4}), None).record
+    assert next(r for r in recs if r["config"]["hidden"] == 4)["loss"] == single["loss"]
+
+
+def test_comma_list_errors_and_argv_rewrite(cli, tmp_path):
+    code, _, err = cli(*ARGS, "--lr", "0.1,x", "--out", tmp_path / "r.jsonl")
+    assert code == 2 and "invalid float value: '0.1,x'" in err
+    code, _, err = cli(*ARGS, "--batch", "8,0", "--out", tmp_path / "r.jsonl")
+    assert code == 2 and "--batch must be >= 1" in err and not (tmp_path / "r.jsonl").exists()
+    argv = ["run", "mlp", "--lr", "0.1,0.5", "--ranks=1,2"]
+    assert substitute(argv, "--lr", 0.5) == ["run", "mlp", "--lr", "0.5", "--ranks=1,2"]
+    assert substitute(argv, "--ranks", 2)[-1] == "--ranks=2"
+
+
+def test_progress_reports_epochs_on_stderr(cli, tmp_path):
+    args = [a for a in ARGS if a != "--quiet"]
+    code, out, err = cli(*args, "--no-record")
+    assert code == 0
+    lines = [line for line in err.splitlines() if "epoch=" in line]
+    assert len(lines) == 2 and lines[0].startswith("train 5/10 epoch=1 loss=")
+
+
+def test_compare_devices_matches_two_separate_runs(tmp_path):
+    """The report's per-epoch differences are those of two independent runs' weights."""
+    cfg = RunConfig(**{**SMALL, "momentum": 0.0})
+    report = compare_devices(cfg, [("cpu", "fp64"), ("cpu", "fp32")])
+    assert [row["epoch"] for row in report.rows] == [1, 2]
+    for epochs in (1, 2):
+        ref = execute(
+            RunConfig(
+                **{
+                    **SMALL,
+                    "momentum": 0.0,
+                    "epochs": epochs,
+                    "dtype": "fp64",
+                    "save_weights": str(tmp_path / "a.pt"),
+                }
+            ),
+            None,
+        ).record
+        other = execute(
+            RunConfig(
+                **{
+                    **SMALL,
+                    "momentum": 0.0,
+                    "epochs": epochs,
+                    "save_weights": str(tmp_path / "b.pt"),
+                }
+            ),
+            None,
+        ).record
+        a = state_dict_float64_file(tmp_path / "a.pt")
+        b = state_dict_float64_file(tmp_path / "b.pt")
+        row = report.rows[epochs - 1]
+        assert row["relerr"]["all"] == pytest.approx(relerr(b, a, list(a)), rel=1e-6)
+        assert row["loss"] == pytest.approx([ref["loss"][-1], other["loss"][-1]], rel=1e-12)
+    assert 1e-9 < report.rows[-1]["relerr"]["all"] < 1e-4  # fp32 rounding, grown a little
+    assert "relative weight difference, cpu fp32 against cpu fp64" in report.table()
+    assert report.record["mode"] == "compare-devices" and json.dumps(report.record)
+
+
+def state_dict_float64_file(path):
+    return {k: v.double().numpy() for k, v in torch.load(path).items()}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_compare_devices_needs_a_gpu(cli):
+    code, _, err = cli(*ARGS, "--compare-devices")
+    assert code == 2 and "needs a CUDA GPU" in err
+
+
+def test_diverged_error_names_the_checkpoint():
+    msg = str(TrainingDiverged.at(17, 20, None))
+    assert "step 17" in msg and "No checkpoint" in msg
+    assert state_dict_float64  # (imported for symmetry with the other training tests)

@@ -1,0 +1,272 @@
+"""mpi, mpi-gpu and nccl: every split against the float64 oracle under real launchers, the
+per-rank table and record, bad topologies, and a rank killed mid-run."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from scalelab.comm.launch import mpiexec_command, torchrun_command
+from scalelab.instrument.rank_table import RankReport, critical_path, format_rank_table
+from scalelab.record import read_records
+from scalelab.strategies.split.head import plan_head
+from scalelab.strategies.split.overlap import intersection, measure, union
+
+PROGRAM = str(Path(__file__).parent / "programs" / "mpi_splits.py")
+SPLITS = {("alexnet", s) for s in ("broadcast", "batch", "spatial", "overlap")}
+SPLITS |= {("charcnn", s) for s in ("batch", "spatial")} | {("alexnet", "spatial-bf16")}
+
+
+def _run(cmd, timeout=300):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def _mpiexec(ranks, *args, timeout=300):
+    """`mpiexec -n ranks args` with the launcher's own flags (Open MPI as root, oversubscribe)."""
+    cmd, env = mpiexec_command(ranks)
+    env["PYTHONUNBUFFERED"] = "1"
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def _check_program(proc, ranks):
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert {(r["workload"], r["split"]) for r in runs} == SPLITS
+    for r in runs:
+        assert r["ranks"] == ranks and r["check_passed"], r
+        assert r["relerr"] <= r["tolerance"] and r["digest"] == r["reference_digest"], r
+        assert len(r["rank_phases"]) == ranks
+    by_split = {(r["workload"], r["split"]): r for r in runs}
+    assert all(r["tolerance"] == 1e-5 for k, r in by_split.items() if "bf16" not in k[1])
+    assert by_split[("alexnet", "spatial-bf16")]["relerr"] > 1e-4  # autocast really lowered
+    return by_split
+
+
+# --- real ranks ----------------------------------------------------------------------------------
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_every_split_equals_the_oracle_under_mpiexec(ranks):
+    proc = _mpiexec(ranks, sys.executable, PROGRAM, "mpi")
+    runs = _check_program(proc, ranks)
+    # transport forms: alexnet rows of uint8 pixels, charcnn 1-byte character indices
+    charcnn = runs[("charcnn", "batch")]["bytes"]
+    assert charcnn["scatter"] == (5 - 5 // ranks - (5 % ranks > 0)) * 1014  # non-root texts
+    spatial = runs[("alexnet", "spatial")]
+    assert spatial["bytes"]["halo"] > 0 and spatial["bytes"]["allreduce"] > 0
+    assert [row["layer"] for row in spatial["halo_plan"]][:2] == ["c1", "pool1"]
+    _check_rank_record(spatial, ranks, proc.stdout)
+    assert runs[("charcnn", "spatial")]["bytes"]["allreduce"] > 0  # LayerNorm moments
+
+
+def _check_rank_record(rec, ranks, stdout):
+    """The seed-style table was printed and the record keeps every rank's view."""
+    assert all(f"rank {r}" in stdout for r in range(ranks)) and "halo_start" in stdout
+    assert len(rec["rank_timeline"]) == ranks
+    for phases in rec["rank_phases"]:
+        assert set(phases) >= {"scatter", "halo", "compute", "allreduce", "gather"}
+    assert 0 <= rec["critical_path"]["rank"] < ranks
+    for acc in rec["accounting"]:  # the phases explain the wall
+        assert abs(acc["unaccounted_fraction"]) < 0.05, rec["accounting"]
+
+
+@pytest.mark.mpi
+def test_nccl_strategy_under_torchrun_gloo():
+    proc = _run([*torchrun_command(2), PROGRAM, "gloo"])
+    runs = _check_program(proc, 2)
+    assert {r["backend"] for r in runs.values()} == {"gloo"}
+    _check_rank_record(runs[("alexnet", "spatial")], 2, proc.stdout)
+
+
+# --- bad input ----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--split", "batch", "--batch", "2", "--ranks", "3"], "3 ranks but only 2 items"),
+        (["--split", "spatial", "--image-size", "67", "--ranks", "5"], "slab thinner than the"),
+        (["--split", "spatial", "--overlap", "--ranks", "2"], "--overlap pipelines"),
+        (["--split", "diagonal", "--ranks", "2"], "unknown split 'diagonal'"),
+        (["--device", "cuda"], "runs CPU ranks"),
+    ],
+)
+def test_bad_topology_one_line_exit_2_before_any_rank(cli, tmp_path, args, needle):
+    out = tmp_path / "runs.jsonl"
+    code, _, err = cli("run", "alexnet", "--strategy", "mpi", *args, "--out", out)
+    assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_mpi_gpu_without_gpu(cli, tmp_path):
+    code, _, err = cli("run", "alexnet", "--strategy", "mpi-gpu", "--ranks", "2")
+    assert code == 2 and "none is visible" in err
+
+
+def test_no_mpi4py_is_a_clear_error(cli, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "mpi4py" else real(name, *a)
+    )
+    code, _, err = cli("run", "alexnet", "--strategy", "mpi", "--ranks", "2")
+    assert code == 2 and "need mpi4py" in err
+
+
+@pytest.mark.mpi
+def test_topology_error_inside_mpiexec_exits_2():
+    """Started by hand under mpiexec: every rank finds the error, the job exits 2."""
+    args = ["run", "alexnet", "--strategy", "mpi", "--batch", "2", "--image-size", "67"]
+    proc = _mpiexec(3, sys.executable, "-m", "scalelab", *args, "--no-record")
+    assert proc.returncode == 2 and "3 ranks but only 2 items" in proc.stderr
+
+
+def _find_rank(token: str, rank: int, timeout: float) -> int:
+    """pid of the rank started with SCALELAB_TEST_TOKEN=token (our own processes only)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for entry in Path("/proc").iterdir():
+            try:
+                env = (entry / "environ").read_bytes().split(b"\0")
+            except (OSError, ValueError):
+                continue
+            if (
+                f"SCALELAB_TEST_TOKEN={token}".encode() in env
+                and any(v in env for v in (f"PMI_RANK={rank}".encode(), f"RANK={rank}".encode()))
+                and b"SCALELAB_LAUNCHED=1" in env
+            ):
+                return int(entry.name)
+        time.sleep(0.2)
+    raise AssertionError("rank never started")
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.mpi
+def test_a_killed_rank_ends_the_job_within_60_s(tmp_path):
+    token, out = uuid.uuid4().hex, tmp_path / "runs.jsonl"
+    cmd = [
+        sys.executable,
+        "-m",
+        "scalelab",
+        "run",
+        "alexnet",
+        "--strategy",
+        "mpi",
+        "--split",
+        "spatial",
+        "--ranks",
+        "2",
+        "--image-size",
+        "67",
+        "--batch",
+        "2",
+        "--iters",
+        "1000000",
+        "--warmup",
+        "0",
+        "--quiet",
+        "--out",
+        str(out),
+    ]
+    env = {**os.environ, "SCALELAB_TEST_TOKEN": token}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        pid = _find_rank(token, 1, timeout=120)
+        while _cpu_seconds(pid) < 4.0:  # imports, MPI start-up, model built: mid-run
+            assert proc.poll() is None, proc.stderr.read()
+            time.sleep(0.2)
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        code = proc.wait(timeout=60)
+        assert code != 0 and time.monotonic() - killed < 60
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+    (rec,) = read_records(out)
+    assert rec["status"] == "failed" and "exited with code" in rec["error"]
+
+
+# --- GPU (device machine, 2 GPUs) ----------------------------------------------------------------
+two_gpus = pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (device machine)"
+)
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi
+@two_gpus
+def test_mpi_gpu_splits_and_overlap_equal_the_oracle():
+    proc = _mpiexec(2, sys.executable, PROGRAM, "mpi-gpu", timeout=600)
+    runs = _check_program(proc, 2)
+    assert runs[("alexnet", "overlap")]["rank_extra"][1]["overlap"]["compute_s"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi
+@two_gpus
+def test_nccl_splits_equal_the_oracle():
+    proc = _run([*torchrun_command(2), PROGRAM, "nccl"], timeout=600)
+    runs = _check_program(proc, 2)
+    assert {r["backend"] for r in runs.values()} == {"nccl"}
+    assert {r["transport"] for r in runs.values()} == {"device-direct"}
+
+
+# --- pieces, in one process -----------------------------------------------------------------------
+def _report(rank, wall, **phases):
+    timeline = []
+    t = 0.0
+    for name, sec in phases.items():
+        timeline.append((name, t, t + sec))
+        t += sec
+    return RankReport(rank, wall, phases, {"halo": 1000 * (rank + 1)}, timeline)
+
+
+def test_rank_table_columns_totals_and_critical_path():
+    reports = [
+        _report(0, 0.100, scatter=0.01, compute=0.05, wait=0.038),
+        _report(1, 0.100, scatter=0.01, compute=0.088),
+    ]
+    text = format_rank_table(reports, 8, "images")
+    assert "rank 0" in text and "rank 1" in text
+    assert "scatter_start" in text and "compute_end" in text and "wait" in text
+    assert "throughput 80.0 images/s" in text
+    crit = critical_path(reports)
+    assert crit["rank"] == 1 and crit["slack_s"][0] == pytest.approx(0.038)
+    assert "unaccounted" in text and "note:" not in text  # 2% left: under the 5% line
+    lopsided = [_report(0, 0.100, compute=0.05)]
+    assert "50.0% of its wall unaccounted" in format_rank_table(lopsided, 8, "images")
+
+
+def test_interval_accounting():
+    assert union([(0, 2), (1, 3), (5, 6)]) == [(0, 3), (5, 6)]
+    assert measure([(0, 2), (1, 3)]) == 3
+    assert intersection([(0, 4)], [(1, 2), (3, 10)]) == 2
+
+
+def test_head_blocks_sum_to_the_full_dense_layers():
+    """fc6 from row slabs (partial products) -> fc7 output columns -> fc8 partials: summed
+    over ranks they equal the undivided head, for uneven rows and columns."""
+    torch.manual_seed(0)
+    lins = [torch.nn.Linear(2 * 5 * 3, 7), torch.nn.Linear(7, 6), torch.nn.Linear(6, 4)]
+    head = [(lins[0], True), (lins[1], True), (lins[2], False)]
+    feats = torch.randn(3, 2, 5, 3)  # (N, C, H, W)
+    rows = [(0, 2), (2, 4), (4, 5)]
+    plans = [plan_head(head, rows[r], (2, 5, 3), r, 3) for r in range(3)]
+    h6 = sum(p[0].weight @ feats[:, :, a:b].flatten(1).T for p, (a, b) in zip(plans, rows))
+    h6 = torch.relu(h6.T + lins[0].bias)
+    h7 = [torch.relu(h6 @ p[1].weight.T + p[1].bias) for p in plans]
+    logits = sum(blk @ p[2].weight.T for blk, p in zip(h7, plans)) + lins[2].bias
+    want = lins[2](torch.relu(lins[1](torch.relu(lins[0](feats.flatten(1))))))
+    torch.testing.assert_close(logits, want)
