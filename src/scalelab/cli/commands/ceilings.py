@@ -184,10 +184,10 @@ def _si(x: float | None, unit: str) -> str:
     return f"{x:.3g} {unit}"
 
 
-def _vs_peak(measured: float, peak: float | None) -> str:
+def _vs_peak(measured: float, peak: float | None, unit: str = "FLOP/s") -> str:
     if not peak:
         return ""
-    return f"   datasheet {_si(peak, 'FLOP/s' if peak > 1e12 else 'B/s')}: {measured / peak:.0%}"
+    return f"   datasheet {_si(peak, unit)}: {measured / peak:.0%}"
 
 
 def format_summary(data: dict[str, Any], path: str) -> str:
@@ -200,7 +200,7 @@ def format_summary(data: dict[str, Any], path: str) -> str:
                          + _vs_peak(rate, peak.get(name)))  # fmt: skip
     if "mem_bw" in data:
         lines.append(f"  memory copy     {_si(data['mem_bw'], 'B/s'):>14}"
-                     + _vs_peak(data["mem_bw"], peak.get("mem_Bps")))  # fmt: skip
+                     + _vs_peak(data["mem_bw"], peak.get("mem_Bps"), "B/s"))  # fmt: skip
     for way in ("h2d", "d2h"):
         if way in data:
             pin, page = data[way]["pinned"], data[way]["pageable"]
