@@ -301,7 +301,7 @@ def test_pipeline_over_gloo_equals_one_process(ranks, tmp_path):
     a record with every stage (tests/programs/pipe_check.py)."""
     results = tmp_path / "runs.jsonl"
     proc = _torchrun(ranks, PROGRAM, str(results))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert sorted(line for line in lines if line.startswith("rank")) == [
         f"rank {r} ok" for r in range(ranks)

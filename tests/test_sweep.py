@@ -52,6 +52,7 @@ lr = 1
         ("[grid]\nbatch=[1]", "no workload"),
         ("[grid]\nworkload=['mlp']\nbatch=[1]\nbatch_per_rank=[2]", "not both"),
         ("[grid]\nworkload=['mlp']\ndtype=['fp8']", "point 1 (workload=mlp dtype=fp8)"),
+        ("[grid]\nworkload=['mlp']\nstrategy=['mpii']", "unknown strategy 'mpii'"),
         ("[grid\nworkload=['mlp']", "invalid TOML"),
         ("[study]\ntimeout_s=-1\n[grid]\nworkload=['mlp']", "timeout_s must be a positive"),
     ],
@@ -103,7 +104,9 @@ def test_dry_run_lists_points(cli, tmp_path):
     code, out, _ = cli("sweep", _study(tmp_path, GOOD), "--dry-run", "--out", tmp_path / "r.jsonl")
     lines = out.strip().splitlines()
     assert code == 0 and len(lines) == 5 and "4 points" in lines[0]
-    assert lines[1].startswith("[1/4] todo  scalelab run alexnet --strategy mpi --batch 4")
+    assert lines[1].startswith("[1/4] todo  python")
+    assert "-m scalelab run alexnet --strategy mpi --batch 4" in lines[1]
+    assert "mpiexec -n 2 python" in lines[4]  # the sweep starts the launcher itself
     assert "--split spatial" in lines[4] and "--ranks 2" in lines[4]
     assert "--batch" not in lines[4]  # 8 is the default: only non-default flags are passed
     assert not (tmp_path / "r.jsonl").exists()

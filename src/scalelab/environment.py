@@ -72,7 +72,11 @@ def mpi_library() -> str | None:
 
 @lru_cache(maxsize=1)
 def git_commit() -> dict[str, Any]:
-    """Commit of the scalelab checkout this code runs from (None when installed from a wheel)."""
+    """Commit of the scalelab checkout this code runs from.
+
+    Where the code travelled without its .git (a copied tree on a remote machine),
+    SCALELAB_GIT_COMMIT names the commit it was copied from; otherwise None.
+    """
     here = Path(__file__).resolve().parent
     try:
         head = subprocess.run(
@@ -90,7 +94,7 @@ def git_commit() -> dict[str, Any]:
             check=True,
         ).stdout
     except (OSError, subprocess.SubprocessError):
-        return {"git_commit": None, "git_dirty": None}
+        return {"git_commit": os.environ.get("SCALELAB_GIT_COMMIT"), "git_dirty": None}
     return {"git_commit": head, "git_dirty": bool(dirty.strip())}
 
 

@@ -9,6 +9,7 @@ loss history. Prints one JSON line per scenario from the root, then 'rank R ok' 
 
 import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -212,6 +213,10 @@ def main() -> None:
         dist.barrier()
     print(f"rank {rank} ok", flush=True)
     dist.destroy_process_group()
+    sys.stdout.flush()
+    # Skip interpreter finalization: gloo's worker threads can still be releasing tensors
+    # then, which aborts the process now and then (pytorch/pytorch#179291).
+    os._exit(0)
 
 
 if __name__ == "__main__":

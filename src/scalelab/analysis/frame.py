@@ -189,3 +189,16 @@ def layer_rows(rec: dict[str, Any]) -> list[dict[str, Any]]:
         norm.update({k: row[k] for k in ("flops", "bytes") if k in row})
         out.append(norm)
     return out
+
+
+def sibling_labels(records: list[dict[str, Any]], drop: frozenset[str] = frozenset()) -> list[str]:
+    """label() of each record, naming the config keys (outside `drop`) in which it differs
+    from the other records of its workload, strategy and mode (split, hidden, lr, ...)."""
+    kin: dict[tuple, list[dict[str, Any]]] = {}
+    for rec in records:
+        kin.setdefault((rec.get("workload"), rec.get("strategy"), rec.get("mode")), []).append(rec)
+    keys = {k: differing_keys(group, drop) for k, group in kin.items()}
+    return [
+        label(rec, keys[(rec.get("workload"), rec.get("strategy"), rec.get("mode"))])
+        for rec in records
+    ]

@@ -21,13 +21,7 @@ from typing import Any
 
 import pandas as pd
 
-from scalelab.analysis.frame import (
-    differing_keys,
-    experiment_key,
-    label,
-    ok_records,
-    per_iteration,
-)
+from scalelab.analysis.frame import experiment_key, ok_records, per_iteration, sibling_labels
 from scalelab.analysis.phases import phase_breakdown
 from scalelab.errors import UsageError
 
@@ -57,15 +51,9 @@ def families(records: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
         key = experiment_key(rec, SERIES_KEYS) + f"|{rec.get('mode')}"
         groups[key].append(rec)
     # Name each family by the keys that differ from its siblings (same workload and strategy).
-    kin: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
-    for g in groups.values():
-        kin[(g[0].get("workload"), g[0].get("strategy"), g[0].get("mode"))].append(g[0])
-    out = {}
-    for g in groups.values():
-        first = g[0]
-        siblings = kin[(first.get("workload"), first.get("strategy"), first.get("mode"))]
-        out[label(first, differing_keys(siblings, SERIES_KEYS))] = g
-    return out
+    firsts = [g[0] for g in groups.values()]
+    names = sibling_labels(firsts, SERIES_KEYS)
+    return dict(zip(names, groups.values()))
 
 
 def _series_key(rec: dict[str, Any], mode: str) -> float:

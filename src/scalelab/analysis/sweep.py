@@ -39,9 +39,12 @@ from pathlib import Path
 from typing import Any
 
 from scalelab import environment
+from scalelab.comm.launch import mpiexec_command, torchrun_command
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
 from scalelab.record import append_record, new_record, read_records
+from scalelab.strategies import STRATEGIES
+from scalelab.workloads import WORKLOADS
 
 try:
     import tomllib
@@ -193,6 +196,7 @@ def points(study: Study) -> list[Point]:
             merged["batch"] = per_rank * merged.get("ranks", 1)
         try:
             cfg = RunConfig(**merged)
+            WORKLOADS.get(cfg.workload), STRATEGIES.get(cfg.strategy)  # names exist
         except UsageError as exc:
             desc = " ".join(f"{k}={v}" for k, v in values.items())
             raise UsageError(f"{study.source}: point {i} ({desc}): {exc}") from None
@@ -213,9 +217,23 @@ def done_keys(results: Path) -> set[str]:
     return {config_key(r.get("config") or {}) for r in records if r.get("status") == "ok"}
 
 
-def command(point: Point, results: Path) -> list[str]:
-    """The process one point runs: this Python, scalelab run, results appended to `results`."""
-    return [sys.executable, "-m", "scalelab", *point.argv(), "--out", str(results)]
+def command(point: Point, results: Path) -> tuple[list[str], dict[str, str] | None]:
+    """(argv, environment or None to inherit) of one point: `python -m scalelab run ...`,
+    started straight under mpiexec / torchrun when its strategy needs ranks (what `scalelab
+    run --ranks N` would do itself, minus one Python process per point)."""
+    run = ["-m", "scalelab", *point.argv(), "--out", str(results)]
+    launcher = STRATEGIES.get(point.config.strategy).launcher
+    ranks = point.config.ranks
+    if launcher is None or ranks == 1:
+        return [sys.executable, *run], None
+    if launcher == "mpi":
+        cmd, env = mpiexec_command(ranks)
+        cmd += [sys.executable]
+    else:
+        cmd, env = torchrun_command(ranks), dict(os.environ)
+    env.setdefault("NCCL_NVLS_ENABLE", "0")  # as comm.launch.relaunch: NVLink multicast off
+    env["SCALELAB_LAUNCHED"] = "1"
+    return [*cmd, *run], env
 
 
 # --- running -------------------------------------------------------------------------------
@@ -235,11 +253,18 @@ def _records(results: Path) -> list[dict[str, Any]]:
         return []
 
 
-def _run_process(cmd: list[str], timeout: float | None) -> tuple[int | None, str]:
+def _run_process(
+    cmd: list[str], timeout: float | None, env: dict[str, str] | None = None
+) -> tuple[int | None, str]:
     """(exit code or None on timeout, stderr); a timed-out point loses its whole process
     group, launcher and ranks included."""
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env=env,
     )
     try:
         _, err = proc.communicate(timeout=timeout)
@@ -259,7 +284,8 @@ def run_point(point: Point, results: Path, timeout: float | None = None) -> Outc
     """Run one point; a point that leaves no finished record gets a failed record."""
     before = len(_records(results))
     start = time.perf_counter()
-    code, err = _run_process(command(point, results), timeout)
+    cmd, env = command(point, results)
+    code, err = _run_process(cmd, timeout, env)
     seconds = time.perf_counter() - start
     key = point.match_key()
     new = [r for r in _records(results)[before:] if config_key(r.get("config") or {}) == key]

@@ -94,29 +94,32 @@ def bench_inference(
     inputs = [workload.synthetic_inputs(cfg.batch, cfg.seed + 1 + i).x.to(device) for i in range(3)]
     k = min(opts["oracle_items"], cfg.batch)
     ref = workload.reference_forward(state_dict_float64(model), inputs[0][:k].cpu().numpy())
-    warmup, iters = opts["warmup"], opts["iters"]
     out: dict[str, Any] = {"timing": {}}
     torch.backends.cudnn.benchmark = False  # the baseline a user gets by default
-    modes = [("eager_fp32", None), ("eager", BF16)] if opts["fp32"] else [("eager", BF16)]
-    for key, amp in modes:
-        fwd = eager_forward(workload, model, amp)
+    runs = [(key, eager_forward(workload, model, amp)) for key, amp in _eager_modes(opts)]
+    if opts.get("compile"):  # torch.compile of the same model, the same loop around it
+        runs.append(("compile", eager_forward(workload, torch.compile(model), BF16)))
+    for key, fwd in runs:
         out[f"{key}_relerr"] = _relerr(fwd(inputs[0])[:k], ref)
-        times = time_calls(fwd, inputs, device, warmup, iters)
-        out["timing"][key] = _stats(times)
-    if opts.get("compile"):  # torch.compile of the same model, eager loop around it
-        compiled = eager_forward(workload, torch.compile(model), BF16)
-        out["compile_relerr"] = _relerr(compiled(inputs[0])[:k], ref)
-        out["timing"]["compile"] = _stats(time_calls(compiled, inputs, device, warmup, iters))
+        _time_mode(out, key, fwd, inputs, device, opts, workload, cfg.batch)
     start = time.perf_counter()  # choosing stages (compiling kernels) and graph capture
     fast = accelerate(workload, model, cfg, device, log=stderr_log(opts["quiet"]))
     first = fast(inputs[0])
     sync(device)
     out["fast_setup_s"] = time.perf_counter() - start
     out["fast_relerr"] = _relerr(first[:k], ref)
-    out["timing"]["fast"] = _stats(time_calls(fast, inputs, device, warmup, iters))
-    out.update(_fast_details(fast))
-    out["relerr_basis"] = f"float64 NumPy oracle on the first {k} items"
+    _time_mode(out, "fast", fast, inputs, device, opts, workload, cfg.batch)
+    out.update(_fast_details(fast), relerr_basis=f"float64 NumPy oracle on the first {k} items")
     return out
+
+
+def _progress(opts: dict[str, Any], workload: Workload, key: str, items: int, st: dict) -> None:
+    """One line per measured mode, so a long benchmark shows where it is."""
+    rate = items / st["median_s"]
+    stderr_log(opts["quiet"])(
+        f"bench {workload.cfg.workload}: {key:<10} {rate:>12,.0f} {workload.item}/s "
+        f"(median of {st['n']}, {st['median_s'] * 1e3:.2f} ms per call)"
+    )
 
 
 def _relerr(out: torch.Tensor, ref: np.ndarray) -> float:
@@ -189,22 +192,17 @@ def bench_training(
     train, _ = workload.training_data()
     data = (train.x.to(device), train.y.to(device))
     n = len(train)
-    orders = [batch_order(n, e, cfg.seed).to(device) for e in range(3)]
+    orders = [batch_order(n, e, cfg.seed).to(device) for e in range(3)]  # rotate epochs
     first = orders[0][: cfg.batch]
-    ref_delta = fp64_update(workload, model, data, first)
-    before = _params(model)
-    warmup, iters = opts["warmup"], opts["iters"]
+    ref_delta, before = fp64_update(workload, model, data, first), _params(model)
     out: dict[str, Any] = {"timing": {}}
-    modes = [("eager_fp32", None), ("eager", BF16)] if opts["fp32"] else [("eager", BF16)]
     torch.backends.cudnn.benchmark = False
-    for key, amp in modes:
+    for key, amp in _eager_modes(opts):
         m = copy.deepcopy(model)
         step = eager_train_step(workload, m, workload.optimizer(m), data, amp)
         step(first)
         out[f"{key}_relerr"] = _update_relerr(m, before, ref_delta)
-        out["timing"][key] = _stats(
-            time_calls(_epoch(step, n, cfg.batch), orders, device, warmup, iters)
-        )
+        _time_mode(out, key, _epoch(step, n, cfg.batch), orders, device, opts, workload, n)
     m = copy.deepcopy(model)
     start = time.perf_counter()
     step, details = _fast_step(workload, m, cfg, data, device, opts)
@@ -212,11 +210,19 @@ def bench_training(
     out["fast_setup_s"] = time.perf_counter() - start
     step(first)
     out["fast_relerr"] = _update_relerr(m, before, ref_delta)
-    out["timing"]["fast"] = _stats(
-        time_calls(_epoch(step, n, cfg.batch), orders, device, warmup, iters)
-    )
+    _time_mode(out, "fast", _epoch(step, n, cfg.batch), orders, device, opts, workload, n)
     out.update(details, relerr_basis="update of step 1 against the same step in float64 torch")
     return out
+
+
+def _eager_modes(opts: dict[str, Any]) -> list[tuple[str, torch.dtype | None]]:
+    return [("eager_fp32", None), ("eager", BF16)] if opts["fp32"] else [("eager", BF16)]
+
+
+def _time_mode(out, key, fn, args, device, opts, workload, items) -> None:
+    """Time fn over the rotating args into out["timing"][key] and say how fast it was."""
+    out["timing"][key] = _stats(time_calls(fn, args, device, opts["warmup"], opts["iters"]))
+    _progress(opts, workload, key, items, out["timing"][key])
 
 
 def _epoch(step: Callable[[torch.Tensor], None], n: int, batch: int) -> Callable:

@@ -47,9 +47,13 @@ class FastForward:
         with torch.inference_mode():
             if self.plan.prepare is not None:
                 x = self.plan.prepare(x)
-            if self._run is None:
+            first = self._run is None
+            if first:
                 self._setup(x)
-            return self._run(x).to(torch.float32, copy=True)  # the graph output is reused
+            out = self._run(x).to(torch.float32, copy=True)  # the graph output is reused
+            if first:  # after the first run, so the line says whether the graph was captured
+                self.log("fast path: " + self.describe())
+            return out
 
     def _setup(self, x: torch.Tensor) -> None:
         timing = self.device.type == "cuda"
@@ -58,7 +62,6 @@ class FastForward:
         if self.graphs:
             self._graph = GraphedForward(pipeline, self.log)
             self._run = self._graph
-        self.log("fast path: " + self.describe())
 
     def describe(self) -> str:
         parts = ", ".join(f"{k}={v}" for k, v in self.parts.items())

@@ -118,7 +118,7 @@ class GraphStep:
     @torch.no_grad()
     def _restore(self, saved: dict[str, torch.Tensor | None]) -> None:
         for k, v in self.model.state_dict().items():
-            pass
+            v.copy_(saved[k])
         for i, p in enumerate(self._params()):
             buf = self.opt.state.get(p, {}).get("momentum_buffer")
             if buf is None:

@@ -285,8 +285,7 @@ class PipelineStrategy(TorchStrategy):
             loss_sum, items, epoch_laps = 0.0, 0, []
             for piece in batch_slices(n_train, cfg.batch):
                 n = piece.stop - piece.start
-                idx = order[piece] if self.is_root else None
-                batch = Inputs(train.x[idx], train.y[idx]) if self.is_root else None
+                batch = self._host_batch(train, order[piece]) if self.is_root else None
                 self.timer.sync()
                 start = time.perf_counter()
                 loss = self.train_batch(batch, n)
@@ -313,6 +312,18 @@ class PipelineStrategy(TorchStrategy):
             if history.steps >= n_steps:
                 break
         return timings
+
+    def _host_batch(self, train: Inputs, idx: torch.Tensor) -> Inputs:
+        """The batch's items, gathered on GPU runs into one reused pinned buffer, so the
+        copy to the device is a plain asynchronous DMA (no per-step pinning)."""
+        if self.device.type != "cuda":
+            return Inputs(train.x[idx], train.y[idx])
+        staging = getattr(self, "_staging", None)
+        if staging is None or staging.shape[0] < len(idx):
+            shape = (self.cfg.batch, *train.x.shape[1:])
+            staging = self._staging = torch.empty(shape, dtype=train.x.dtype).pin_memory()
+        x = torch.index_select(train.x, 0, idx, out=staging[: len(idx)])
+        return Inputs(x, train.y[idx])
 
     def all_sum(self, value: float) -> float:
         t = torch.tensor([value], dtype=torch.float64, device=self.comm.device)

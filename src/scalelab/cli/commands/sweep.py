@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import shlex
+import sys
 
 from scalelab.analysis.sweep import command, done_keys, load_study, points, run_study
 from scalelab.cli.base import COMMANDS, Command
@@ -45,7 +47,8 @@ def dry_run(study, force: bool) -> int:
     print(f"study {study.name}: {len(pts)} points -> {study.results} (dry run)")
     for p in pts:
         state = "done" if p.match_key() in done else "todo"
-        cmd = ["scalelab", *command(p, study.results)[3:]]
+        cmd, _ = command(p, study.results)
+        cmd = [os.path.basename(c) if c == sys.executable else c for c in cmd]
         print(f"[{p.index}/{len(pts)}] {state}  {shlex.join(cmd)}")
     return 0
 

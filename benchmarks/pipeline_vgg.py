@@ -1,0 +1,155 @@
+"""Pipeline parallelism on 2 GPUs (issue 6): VGG-16 training against one GPU, the bubble
+against (K-1)/(M+K-1), and deepstack stacks that do not fit one GPU.
+
+    python benchmarks/pipeline_vgg.py [OUT_DIR]          (OUT_DIR defaults to $OUT or .)
+
+1. Plain PyTorch, one GPU: VGG-16 (scalelab's module, torchvision's layers) training steps,
+   bf16 autocast, channels_last, SGD, at batch 64 and 256; median step time -> img/s.
+2. `scalelab run vgg16 --strategy pipeline` on 2 GPUs, global batch 256, M = 8 and 16 (GPipe)
+   and M = 8 (1F1B): steady img/s (median step after the first two), speedup over (1) at
+   batch 256, bubble measured / simulated / formula.
+3. `scalelab fit deepstack` under a 10.91 GiB allocator cap (the seed's GTX 1080 Ti): the
+   seed's (convs, fcs) table; then a (90, 90) stack that does not fit, its proposed stage
+   count, and its pipeline training on 2 capped GPUs.
+4. With --full: a 2000-conv stack that does not fit a whole H200, trained on two.
+
+Writes OUT_DIR/pipeline_vgg.jsonl (scalelab records of every run plus one summary record)
+and prints a table. Budget: ~5 minutes on 2 H200 (--full adds ~1.5).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from scalelab.record import append_record, new_record, read_records
+from scalelab.workloads.vgg import VGG
+
+BATCHES = (64, 256)
+PIPE_STEPS = 14  # the first two are dropped from the steady-state median
+PIPE_RUNS = [("gpipe", 8), ("gpipe", 16), ("1f1b", 8)]
+
+
+def plain_vgg_step_time(batch: int, steps: int = 20, warmup: int = 5) -> float:
+    """Median seconds of one training step of plain PyTorch on cuda:0 (data on the GPU)."""
+    torch.manual_seed(0)
+    torch.backends.cudnn.benchmark = True
+    dev = torch.device("cuda", 0)
+    model = VGG(512 * 7 * 7, 1000).to(dev, memory_format=torch.channels_last).train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(batch, 3, 224, 224, device=dev).contiguous(memory_format=torch.channels_last)
+    y = torch.randint(0, 1000, (batch,), device=dev)
+    times = []
+    for i in range(warmup + steps):
+        torch.cuda.synchronize(dev)
+        start = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize(dev)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    del model, opt, x, y
+    torch.cuda.empty_cache()
+    return statistics.median(times)
+
+
+def scalelab(args: list[str], out: Path, env: dict | None = None) -> int:
+    cmd = [sys.executable, "-m", "scalelab", *args, "--out", str(out)]
+    print("$ scalelab " + " ".join(args), flush=True)
+    start = time.perf_counter()
+    code = subprocess.call(cmd, env={**os.environ, **(env or {})})
+    print(f"  ({time.perf_counter() - start:.0f} s, exit {code})", flush=True)
+    return code
+
+
+def pipeline_run(schedule: str, micro: int, out: Path) -> dict | None:
+    before = len(read_records(out)) if out.exists() else 0
+    args = ["run", "vgg16", "--strategy", "pipeline", "--ranks", "2", "--stages", "2"]
+    args += ["--device", "cuda", "--dtype", "bf16", "--channels-last", "--train"]
+    args += ["--batch", "256", "--microbatches", str(micro), "--schedule", schedule]
+    args += ["--steps", str(PIPE_STEPS), "--train-size", str(256 * PIPE_STEPS)]
+    args += ["--heldout-size", "256", "--quiet"]
+    if scalelab(args, out) != 0:
+        return None
+    recs = read_records(out)[before:]
+    return recs[-1] if recs else None
+
+
+def deepstack_demos(out: Path, full: bool) -> list[dict]:
+    """The seed's fit table under the 1080 Ti's 10.91 GiB, then stacks trained on two GPUs."""
+    common = ["--device", "cuda", "--dtype", "fp32", "--batch", "16", "--quiet"]
+    cap = ["--mem-limit", "10.91GiB"]
+    scalelab(["fit", "deepstack", *common, *cap, "--iters", "3", "--warmup", "2"], out)
+    stack = ["--convs", "90", "--fcs", "90", "--microbatches", "4", "--steps", "3"]
+    scalelab(["fit", "deepstack", "--find", "stages", *common, *cap, *stack, "--run"], out)
+    if full:
+        big = ["--convs", "2000", "--fcs", "4", "--batch", "32", "--microbatches", "4"]
+        big += ["--dtype", "tf32", "--steps", "3", "--device", "cuda", "--quiet"]
+        scalelab(["fit", "deepstack", "--find", "stages", *big, "--run"], out)
+    return [r for r in read_records(out) if r.get("workload") == "deepstack"]
+
+
+def table(rows: list[tuple]) -> str:
+    head = ("run", "img/s", "x one GPU", "bubble meas.", "sim.", "formula", "balance")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        lines.append("| " + " | ".join(str(c) for c in r) + " |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    if torch.cuda.device_count() < 2:
+        print("needs 2 CUDA GPUs")
+        return 2
+    out_dir = Path(sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] != "--full" else os.environ.get("OUT", "."))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = out_dir / "pipeline_vgg.jsonl"
+    full = "--full" in sys.argv
+    plain = {b: b / plain_vgg_step_time(b) for b in BATCHES}
+    rows = [(f"plain PyTorch 1 GPU, batch {b}", f"{v:.0f}", "-", "-", "-", "-", "-") for b, v in plain.items()]
+    summary = {"plain_img_s": plain, "pipeline": []}
+    for schedule, micro in PIPE_RUNS:
+        rec = pipeline_run(schedule, micro, out)
+        if rec is None:
+            rows.append((f"pipeline 2 GPUs {schedule} M={micro}", "FAILED", *["-"] * 5))
+            continue
+        p = rec["pipeline"]
+        speed = p["steady_throughput"]
+        rows.append(
+            (
+                f"pipeline 2 GPUs {schedule} M={micro}, batch 256",
+                f"{speed:.0f}",
+                f"{speed / plain[256]:.2f}",
+                f"{p['bubble_measured']:.3f}",
+                f"{p['bubble_simulated']:.3f}",
+                f"{p['bubble_formula']:.3f}",
+                ",".join(map(str, p["balance"])),
+            )
+        )
+        summary["pipeline"].append(
+            {"schedule": schedule, "microbatches": micro, "img_s": speed,
+             "speedup": speed / plain[256], "bubble": {k: p[k] for k in
+             ("bubble_measured", "bubble_simulated", "bubble_formula")},
+             "stage": p["stage"], "record": rec["id"]}
+        )  # fmt: skip
+    print(table(rows))
+    fits = deepstack_demos(out, full)
+    summary["deepstack"] = [r.get("answer") for r in fits if r.get("schema") == "scalelab.fit/1"]
+    append_record(out, new_record(kind="pipeline_vgg_summary", gpu=torch.cuda.get_device_name(0), **summary))
+    print(json.dumps(summary["deepstack"], indent=1, default=str))
+    print(f"records: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,149 @@
+"""Report sections on what was measured where: the environment, the machine's ceilings and
+the versions table (every strategy against the float64 oracle)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+
+from scalelab.analysis import html, roofline
+from scalelab.analysis.frame import ok_records
+
+Section = tuple[str, str, str]
+
+
+def environment_section(records: list[dict[str, Any]]) -> Section:
+    keys = [
+        "hostname",
+        "cpu",
+        "cpu_count",
+        "gpu_name",
+        "gpu_count",
+        "driver",
+        "cuda",
+        "torch",
+        "mpi_library",
+        "git_commit",
+        "git_dirty",
+    ]
+    rows: dict[str, dict[str, Any]] = {}
+    for rec in records:
+        env = {k: (rec.get("env") or {}).get(k) for k in keys}
+        env["git_commit"] = (env["git_commit"] or rec.get("git_commit") or "")[:10]
+        row = rows.setdefault(repr(sorted(env.items())), {**env, "runs": 0})
+        row["runs"] += 1
+    df = pd.DataFrame(list(rows.values()))
+    return "env", "Environment", html.table(df.dropna(axis=1, how="all"), text_cols=set(keys))
+
+
+def ceilings_section(ceilings: dict[str, Any] | None, records: list[dict[str, Any]]) -> Section:
+    if ceilings is None:
+        return (
+            "ceilings",
+            "Ceilings",
+            html.note("No ceilings: run `scalelab ceilings -o ceilings.json` and pass --ceilings."),
+        )
+    rows = _ceiling_rows(ceilings)
+    machine = ceilings.get("machine") or {}
+    lead = (
+        f"Measured on {machine.get('hostname', '?')} ({machine.get('cpu', '?')}, "
+        f"GPU {machine.get('gpu') or 'none'}) {machine.get('date', '')}"
+        + (" with --quick" if ceilings.get("quick") else "")
+    )
+    body = html.note(lead) + html.table(pd.DataFrame(rows, columns=["ceiling", "value", "unit"]))
+    warning = roofline.ceilings_mismatch(ceilings, records)
+    if warning:
+        body = html.note(f"Warning: {warning}.") + body
+    return "ceilings", "Ceilings", body
+
+
+def _ceiling_rows(c: dict[str, Any]) -> list[tuple[str, str, str]]:
+    dev = c.get("device", "?")
+    rows = [
+        (f"GEMM {k} ({dev})", f"{v / 1e12:.3f}", "TFLOP/s")
+        for k, v in (c.get("gemm_flops") or {}).items()
+        if isinstance(v, (int, float))
+    ]
+    if isinstance(c.get("mem_bw"), (int, float)):
+        rows.append((f"memory copy ({dev}, read + write)", f"{c['mem_bw'] / 1e9:.1f}", "GB/s"))
+    for way in ("h2d", "d2h"):
+        for kind, v in (c.get(way) or {}).items():
+            rows.append((f"{way} {kind}", f"{v / 1e9:.2f}", "GB/s"))
+    for key, what, scale, unit in (
+        ("cpu_gemm_flops", "CPU GEMM fp64", 1e9, "GFLOP/s"),
+        ("cpu_mem_bw", "CPU memory copy", 1e9, "GB/s"),
+    ):
+        for cores in ("one_core", "all_cores"):
+            v = (c.get(key) or {}).get(cores)
+            if isinstance(v, (int, float)):
+                rows.append((f"{what}, {cores.replace('_', ' ')}", f"{v / scale:.2f}", unit))
+    for backend, ops in (c.get("comm") or {}).items():
+        for op, fit in ops.items():
+            if isinstance(fit, dict) and "alpha_s" in fit:
+                n = ops.get("ranks", "?")
+                rows.append(
+                    (f"{backend} {op} latency ({n} ranks)", f"{fit['alpha_s'] * 1e6:.2f}", "us")
+                )
+                rows.append((f"{backend} {op} bandwidth", f"{fit['beta_Bps'] / 1e9:.2f}", "GB/s"))
+    return rows
+
+
+MAX_VERSION_TABLES = 6
+
+
+def versions_section(records: list[dict[str, Any]]) -> Section:
+    """One table per `scalelab versions` invocation (its shared `versions` id), else per
+    workload / input / batch, of the checked inference runs."""
+    checked = [r for r in ok_records(records) if r.get("mode") != "train" and "relerr" in r]
+    if not checked:
+        return "versions", "Versions", html.note("No checked inference runs (run with --check).")
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for rec in checked:
+        cfg = rec.get("config") or {}
+        key = rec.get("versions") or f"{rec['workload']}/{cfg.get('image_size')}/{cfg.get('batch')}"
+        groups.setdefault(key, []).append(rec)
+    parts = [
+        html.note(
+            "Every strategy on the same inputs, checked against the float64 NumPy oracle; "
+            "speedup against the serial run of the same table (the slowest run without one)."
+        )
+    ]
+    for recs in list(groups.values())[-MAX_VERSION_TABLES:]:
+        cfg = recs[0].get("config") or {}
+        size = cfg.get("image_size")
+        title = f"{recs[0]['workload']} {f'{size}x{size}' if size else '(native size)'}, "
+        parts.append(f"<h3>{html.esc(title)}batch {cfg.get('batch')}</h3>")
+        parts.append(_versions_table(recs))
+    return "versions", "Versions", "\n".join(parts)
+
+
+def _versions_table(recs: list[dict[str, Any]]) -> str:
+    rows = []
+    for rec in recs:
+        cfg = rec.get("config") or {}
+        rows.append(
+            {
+                "strategy": rec["strategy"],
+                "split": cfg.get("split") if rec.get("ranks", 1) > 1 else "",
+                "ranks": rec.get("ranks", 1),
+                "dtype": rec.get("precision"),
+                "device": cfg.get("device"),
+                "wall ms": rec["wall_s"] * 1e3,
+                "items/s": rec.get("throughput"),
+                "relerr": rec["relerr"],
+                "digest": rec.get("digest"),
+                "check": "ok" if rec.get("check_passed") else "FAILED",
+            }
+        )
+    df = pd.DataFrame(rows)
+    serial = df.loc[df["strategy"] == "serial", "wall ms"]
+    base = serial.iloc[-1] if len(serial) else df["wall ms"].max()
+    df.insert(7, "speedup", base / df["wall ms"])
+    fmts = {"wall ms": ".2f", "items/s": ".1f", "speedup": lambda v: f"{v:.1f}x", "relerr": ".1e"}
+    bad = {"check": lambda v: "good" if v == "ok" else "bad"}
+    return html.table(df, fmts, classes=bad, text_cols={"digest"} | text_columns(df))
+
+
+def text_columns(df: pd.DataFrame) -> set[str]:
+    return {c for c in df.columns if not pd.api.types.is_numeric_dtype(df[c])}
