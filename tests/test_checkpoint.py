@@ -229,3 +229,18 @@ def test_diverged_error_names_the_checkpoint():
     msg = str(TrainingDiverged.at(17, 20, None))
     assert "step 17" in msg and "No checkpoint" in msg
     assert state_dict_float64  # (imported for symmetry with the other training tests)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compare_cpu_and_gpu_fp32(cli, tmp_path):
+    """The seed's question on the device: fp32 weights drift apart by rounding, the loss and
+    held-out precision barely notice."""
+    results = tmp_path / "runs.jsonl"
+    code, out, err = cli(*ARGS, "--compare-devices", "--hidden", "64", "--out", results)
+    assert code == 0, err
+    assert "relative weight difference, cuda fp32 against cpu fp32" in out
+    (rec,) = read_records(results)
+    rows = rec["compare"]
+    assert all(0 < row["relerr"]["all"] < 1e-2 for row in rows)
+    assert rows[-1]["loss"][1] == pytest.approx(rows[-1]["loss"][0], rel=1e-3)

@@ -25,7 +25,8 @@ ckpt_dir = "my dir/it's $HOME"
 FAKES = {
     # srun: drop its own options, run the command once (enough to see the argument vector)
     "srun": '#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\nexec "$@"\n',
-    "scontrol": "#!/bin/bash\necho node-a; echo node-b\n",
+    # scontrol: many nodes, so a reader that stops early (head -n 1) would SIGPIPE it
+    "scontrol": '#!/bin/bash\necho node-a; seq -f "node-%g" 1 20000\n',
     # python3: write each argument NUL-terminated to a fresh file
     "python3": '#!/bin/bash\nf=$(mktemp -p "$ARGS_DIR")\nfor a in "$@"; do printf "%s\\0" "$a"; '
     'done > "$f"\n',
@@ -79,7 +80,10 @@ def _run_script(tmp_path, script, **env):
         "SLURM_JOB_NODELIST": "node-[a-b]",
         **env,
     }
-    subprocess.run(["bash", str(script)], check=True, env=full_env, cwd=tmp_path)
+    proc = subprocess.run(
+        ["bash", str(script)], env=full_env, cwd=tmp_path, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
     (got,) = list(args_dir.iterdir())
     return got.read_bytes().decode().split("\0")[:-1]
 

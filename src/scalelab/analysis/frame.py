@@ -102,9 +102,36 @@ def differing_keys(records: list[dict[str, Any]], drop: frozenset[str] = frozens
     return [k for k in keys if len({json.dumps(c.get(k), default=str) for c in cfgs}) > 1]
 
 
+# Config keys that tell runs apart most often, named first when a label must stay short.
+TELLING = (
+    "split",
+    "hidden",
+    "batch",
+    "image_size",
+    "lr",
+    "ranks",
+    "threads",
+    "overlap",
+    "nonblocking",
+    "amp",
+    "bucket_mb",
+    "channels_last",
+    "compile",
+    "chunks",
+    "epochs",
+)
+LABEL_KEYS = 4
+
+
 def label(rec: dict[str, Any], keys: list[str] = ()) -> str:
-    """Short human name of a run: workload, strategy, dtype, device and the given config keys."""
+    """Short human name of a run: workload, strategy, dtype, device and up to LABEL_KEYS of the
+    given config keys (the most telling first; keys the run left unset are not named)."""
     cfg = config_of(rec)
+    rank = {k: i for i, k in enumerate(TELLING)}
+    keys = sorted(
+        (k for k in keys if k not in IN_LABEL and cfg.get(k) is not None),
+        key=lambda k: (rank.get(k, len(TELLING)), k),
+    )[:LABEL_KEYS]
     parts = [
         rec.get("workload", "?"),
         rec.get("strategy", "?"),
@@ -113,7 +140,7 @@ def label(rec: dict[str, Any], keys: list[str] = ()) -> str:
     ]
     if rec.get("mode") == "train":
         parts.append("train")
-    parts += [f"{k}={cfg.get(k)}" for k in keys if k not in IN_LABEL]
+    parts += [f"{k}={cfg.get(k)}" for k in keys]
     return " ".join(str(p) for p in parts)
 
 

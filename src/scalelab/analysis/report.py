@@ -97,7 +97,7 @@ def phase_section(records: list[dict[str, Any]]) -> Section:
         table = phases.rank_phase_table(rec)
         if table.empty:
             continue
-        shown = table.map(lambda v: f"{v * 1e3:.3f}")
+        shown = table.apply(lambda col: col.map(lambda v: f"{v * 1e3:.3f}"))  # pandas < 2.1
         if "imbalance" in table.index:
             shown.loc["imbalance"] = table.loc["imbalance"].map(lambda v: f"{v:.2f}x")
         parts.append(f"<h3>{html.esc(names[id(rec)])} x{rec.get('ranks', 1)}</h3>")

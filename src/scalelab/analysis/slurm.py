@@ -146,7 +146,9 @@ def _header(job: str, lay: Layout, opts: SlurmOptions, log_dir: Path) -> list[st
 def _preamble(opts: SlurmOptions, torchrun: bool) -> list[str]:
     lines = ["set -euo pipefail", f"cd {shlex.quote(str(opts.workdir))}", *opts.setup, COMM_ENV]
     if torchrun:
-        lines.append('head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)')
+        # The rendezvous host: the job's first node. sed reads every line (`head -n 1` could
+        # SIGPIPE scontrol, which pipefail turns into a failed job).
+        lines.append('head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)')
     return lines
 
 

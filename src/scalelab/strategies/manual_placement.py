@@ -13,6 +13,8 @@ the first device, and only the logits (N, classes) travel back from the last one
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 
@@ -21,6 +23,7 @@ from scalelab.errors import UsageError
 from scalelab.instrument.timer import PhaseTimer
 from scalelab.strategies import partition as part
 from scalelab.strategies.base import RunOutput
+from scalelab.strategies.pipeline_report import summary_line
 from scalelab.strategies.torch_base import TorchStrategy
 from scalelab.workloads.base import Inputs, Workload
 
@@ -96,8 +99,9 @@ class ManualPlacement(TorchStrategy):
         return ManualSplit(stages, self.devices, self.timer)
 
     def _auto_counts(self, layers: list[part.Layer]) -> list[int]:
-        """Equal measured time per stage, each stage within its GPU's memory."""
-        x = self.workload.prepare(self.workload.synthetic_inputs(1, self.cfg.seed).x)
+        """Equal measured time per stage, each stage within its GPU's memory (measured on a
+        whole batch: naive model parallelism runs the batch in one piece)."""
+        x = self.workload.prepare(self.workload.synthetic_inputs(self.cfg.batch, self.cfg.seed).x)
         x = x.to(self.device, self.precision.storage)
         profile = part.profile_layers(
             layers, x, self.device, self.precision.storage, self.cfg.train, self.autocast
@@ -142,6 +146,8 @@ class ManualPlacement(TorchStrategy):
             "stage_forward_s": per_stage,
             "stage_busy": [t / wall if wall > 0 else 0.0 for t in per_stage],
         }
+        if not self.cfg.quiet:
+            print(summary_line(out.notes), file=sys.stderr, flush=True)
         return out
 
 

@@ -34,14 +34,21 @@ from scalelab.train.loop import TrainPlan, evaluate, require_labels, run_trainin
 from scalelab.train.sources import BatchSource, Step, batch_order, batch_slices
 from scalelab.workloads.base import Inputs, Workload
 
-DDP_ONLY = (("amp", "--amp"), ("compile", "--compile"), ("channels_last", "--channels-last"))
+# Flags the MPI training strategies would otherwise ignore silently: field -> (flag, hint).
+NOT_HERE = {
+    "amp": ("--amp", "use --dtype bf16 for autocast"),
+    "compile": ("--compile", "a ddp option"),
+    "channels_last": ("--channels-last", "a ddp option"),
+    "global_batch": ("--global-batch", "--batch is already the global batch"),
+}
 
 
-def refuse_options(cfg: RunConfig, name: str, extra: tuple[tuple[str, str], ...] = ()) -> None:
-    """Flags this MPI strategy would otherwise ignore silently."""
-    for field, flag in DDP_ONLY + (("global_batch", "--global-batch"),) + extra:
+def refuse_options(
+    cfg: RunConfig, name: str, extra: dict[str, tuple[str, str]] | None = None
+) -> None:
+    for field, (flag, hint) in {**NOT_HERE, **(extra or {})}.items():
         if getattr(cfg, field) not in (None, False):
-            raise UsageError(f"{flag} does not apply to {name} (--batch is the global batch)")
+            raise UsageError(f"{flag} does not apply to {name} ({hint})")
 
 
 def batch_covers_ranks(batch: int, ranks: int) -> None:
@@ -170,8 +177,10 @@ class LayerwiseReduce:
 
     def reduce(self, timer: PhaseTimer) -> None:
         with timer.phase("allreduce"):
-            for i, req in enumerate(self.requests):
-                if req is None:  # no backward ran (an empty share): start it now
+            # No backward ran (an empty share): start them now, in backward's order (last
+            # layer first), as MPI matches the other ranks' Iallreduces by order of issue.
+            for i in reversed(range(len(self.layers))):
+                if self.requests[i] is None:
                     self._start(i)
             with timer.phase("wait"):
                 for req in self.requests:

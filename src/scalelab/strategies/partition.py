@@ -270,10 +270,13 @@ def balance_auto(profiles: Sequence[LayerProfile], stages: int, mem: MemoryModel
 
 
 def min_stages(
-    profiles: Sequence[LayerProfile], make_mem: Callable[[int], MemoryModel], most: int
+    profiles: Sequence[LayerProfile],
+    make_mem: Callable[[int], MemoryModel],
+    most: int,
+    least: int = 1,
 ) -> int | None:
-    """Smallest K <= most with a memory-feasible split (make_mem(K) gives K's memory model)."""
-    for k in range(1, min(most, len(profiles)) + 1):
+    """Smallest K in least..most with a memory-feasible split (make_mem(K): K's model)."""
+    for k in range(least, min(most, len(profiles)) + 1):
         if _pack(profiles, k, make_mem(k), float("inf")) is not None:
             return k
     return None

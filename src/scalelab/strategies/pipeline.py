@@ -11,10 +11,14 @@ one pipelined step equals one single-process step on the whole batch.
 Record field `pipeline`: the partition, the bubble by the formula (K-1)/(M+K-1), simulated
 from the measured per-stage times (strategies/pipeline_schedule.py) and measured (the share of
 each stage's schedule it spent not computing), and per-stage times and peak memory.
+
+SCALELAB_GPU_MEM_LIMIT (bytes) caps each rank's CUDA allocator, so a big GPU can play a small
+one; `scalelab fit --mem-limit ... --find stages --run` sets it for the pipeline it starts.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
 
@@ -32,7 +36,7 @@ from scalelab.instrument.timer import Timings, notify_step, timed_iterations
 from scalelab.strategies import partition as part
 from scalelab.strategies.base import STRATEGIES, RunOutput, Strategy, TrainHistory
 from scalelab.strategies.manual_placement import ManualPlacement
-from scalelab.strategies.pipeline_report import pipeline_notes, stage_summary
+from scalelab.strategies.pipeline_report import pipeline_notes, stage_summary, summary_line
 from scalelab.strategies.pipeline_schedule import SCHEDULES
 from scalelab.strategies.pipeline_stage import Meta, StageBatch, StageContext, StageExecutor
 from scalelab.strategies.torch_base import TorchStrategy
@@ -121,7 +125,6 @@ class PipelineStrategy(TorchStrategy):
             timer=self.timer,
             autocast=self.autocast,
             channels_last=cfg.channels_last,
-            backend=comm.backend,
         )
         self.executor = StageExecutor(self.ctx)
 
@@ -242,7 +245,7 @@ class PipelineStrategy(TorchStrategy):
             None if out is None else np.asarray(out),
             n,
             self._bytes(),
-            notes=pipeline_notes(self, stages, train=False),
+            notes=self._announce(pipeline_notes(self, stages, train=False)),
         )
 
     def train(
@@ -270,8 +273,13 @@ class PipelineStrategy(TorchStrategy):
             self._bytes(),
             history=history,
             model=self._collect_weights(model),
-            notes=pipeline_notes(self, stages, train=True),
+            notes=self._announce(pipeline_notes(self, stages, train=True)),
         )
+
+    def _announce(self, notes: dict[str, Any]) -> dict[str, Any]:
+        if notes and not self.cfg.quiet:
+            print(summary_line(notes), file=sys.stderr, flush=True)
+        return notes
 
     def _train_epochs(self, train, heldout, n_train, n_held, history) -> Timings:
         """train/loop.py's epochs with a pipelined step; one timing lap per epoch, each

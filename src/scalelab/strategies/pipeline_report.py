@@ -94,3 +94,17 @@ def pipeline_notes(strategy: Any, stages: list[dict] | None, train: bool) -> dic
             for p in strategy.profile
         ]
     return {"pipeline": notes}
+
+
+def summary_line(notes: dict[str, Any]) -> str:
+    """One line for the terminal: the split and the bubble three ways."""
+    p = notes["pipeline"]
+    if p["placement"] == "manual":
+        busy = ", ".join(f"{b:.0%}" for b in p["stage_busy"])
+        return f"  manual split {p['balance']} over {p['devices']}: each stage busy {busy}"
+    return (
+        f"  pipeline {p['stages']} stages x {p['microbatches']} micro-batches ({p['schedule']}, "
+        f"balance {','.join(map(str, p['balance']))}): bubble measured "
+        f"{p['bubble_measured']:.3f}, simulated {p['bubble_simulated']:.3f}, "
+        f"formula (K-1)/(M+K-1) {p['bubble_formula']:.3f}"
+    )

@@ -61,7 +61,6 @@ class StageContext:
     timer: Any  # PhaseTimer
     autocast: Any  # () -> context manager
     channels_last: bool
-    backend: str  # "gloo" / "nccl" / "self"
 
     @property
     def first(self) -> bool:

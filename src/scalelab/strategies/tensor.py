@@ -37,6 +37,7 @@ from scalelab.workloads.base import Inputs, Workload
 # How each MLP tensor is split over ranks: dim 0 (rows), dim 1 (columns) or replicated.
 LAYOUT: dict[str, int | None] = {"fc1.weight": 0, "fc1.bias": 0, "fc2.weight": 1, "fc2.bias": None}
 PARAMS = list(LAYOUT)  # parameter order of the MLP and of ShardedMLP (optimizer state keys)
+NONBLOCKING = {"nonblocking": ("--nonblocking", "tensor's backward sends nothing")}
 
 
 class _SumOverRanks(torch.autograd.Function):
@@ -111,7 +112,7 @@ class TensorParallel(TorchStrategy):
     @classmethod
     def preflight(cls, cfg: RunConfig) -> int:
         """Checks that need no ranks; returns the global batch."""
-        refuse_options(cfg, "tensor", (("nonblocking", "--nonblocking"),))
+        refuse_options(cfg, "tensor", NONBLOCKING)
         if cfg.workload != "mlp":
             raise UsageError(f"tensor splits the seed's MLP only (mlp), not {cfg.workload}")
         if cfg.hidden < cfg.ranks:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import os
 import re
 import sys
@@ -121,7 +122,7 @@ def _find_stages(search: Search, cfg: RunConfig, args, device, limit) -> dict[st
     def mem(k: int) -> part.MemoryModel:
         return part.memory_model(capacity, k, cfg.microbatches, True, cfg.schedule, cfg.momentum)
 
-    k = part.min_stages(profiles, mem, args.max_stages)
+    k = part.min_stages(profiles, mem, args.max_stages, least=2)  # one device just failed
     if k is None:
         return {"stages": None, "line": f"no split into <= {args.max_stages} stages fits"}
     counts = part.balance_auto(profiles, k, mem(k))
@@ -179,6 +180,9 @@ def _run_pipeline(cfg, k, counts, device, limit, out) -> int:
         argv += ["--out", out]
     if limit is not None and device.type == "cuda":
         os.environ[part.MEM_LIMIT_ENV] = str(limit)
+    gc.collect()  # hand this process's cached GPU memory back before the ranks start
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     print("running: scalelab " + " ".join(argv), flush=True)
     return relaunch("torchrun", k, argv)
 

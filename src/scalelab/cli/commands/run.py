@@ -27,6 +27,10 @@ from scalelab.train.guards import TrainingDiverged
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.epilog = (
+        "Numeric flags take comma lists: --lr 0.01,0.1,0.5 --hidden 64,512 runs every "
+        "combination, one record each."
+    )
     p.add_argument("workload", help="workload name (scalelab list)")
     add_config_options(p, lists=True)
     p.add_argument(
@@ -153,6 +157,7 @@ def preflight(strategy: type, cfg: RunConfig) -> None:
     """Checks a strategy can make without ranks (so a launcher never starts for bad input)."""
     check = getattr(strategy, "preflight", None)
     global_batch = check(cfg) if check is not None else cfg.batch
+    checkpoint.Checkpointer.for_run(cfg, is_root=True)  # --ckpt-every >= 1
     if cfg.resume is not None:
         checkpoint.preflight(cfg, cfg.ranks, global_batch)
 

@@ -37,12 +37,16 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     table.to_csv(out / "scaling.csv", index=False)
-    shown = table.drop(columns=["ideal_throughput"]).assign(ms=table["seconds"] * 1e3)
-    print(shown.drop(columns=["seconds"]).to_string(index=False, float_format="{:.4g}".format))
     spanning = table.groupby(["family", "series"])["ranks"].transform("nunique") > 1
+    shown = table[spanning] if spanning.any() else table
+    shown = shown.drop(columns=["ideal_throughput"]).assign(ms=shown["seconds"] * 1e3)
+    print(shown.drop(columns=["seconds"]).to_string(index=False, float_format="{:.4g}".format))
+    single = len(table) - int(spanning.sum())
     if not spanning.any():
         print("no series has more than one rank count: nothing to scale (add ranks to the grid)")
-    elif not args.no_plots:
+    elif single:
+        print(f"({single} runs in series with a single rank count: only in the CSV)")
+    if spanning.any() and not args.no_plots:
         from scalelab.analysis import plots
 
         plots.scaling(table[spanning], out)
