@@ -6,7 +6,7 @@ torch's DistributedSampler (train/data.py), so W ranks at B per rank train on th
 batches as one process at B*W. `--batch` is per rank (weak scaling); `--global-batch G` fixes
 the batch over all ranks (strong scaling) and must divide by the rank count.
 
-What keeps the GPU busy (each measured in benchmarks/ddp_scaling.py): the prepared training
+What keeps the GPU busy (benchmarks/ddp_scaling.py measures the result): the prepared training
 set lives on the device (no host work per step); no host sync inside a step (losses stay on
 the device, phases are timed with CUDA events instead of synchronising); gradients are bucket
 views (gradient_as_bucket_view: no copy into the buckets); static_graph lets DDP skip the
