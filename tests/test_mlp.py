@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
 import struct
 import time
 from pathlib import Path
@@ -337,9 +336,25 @@ def test_seed_setting_reaches_90_percent(cli, mnist_dir, tmp_path):
 
     Measured 0.9095 (seed 0), 0.9030 (1), 0.9020 (2): a thin margin; lr 0.5 gives 0.9245.
     """
-    code, out, err = cli("run", "mlp", "--train", "--epochs", "20", "--batch", "100", "--lr",
-                         "0.1", "--hidden", "512", "--data-dir", mnist_dir, "--json", "--quiet",
-                         "--out", tmp_path / "runs.jsonl")
+    code, out, err = cli(
+        "run",
+        "mlp",
+        "--train",
+        "--epochs",
+        "20",
+        "--batch",
+        "100",
+        "--lr",
+        "0.1",
+        "--hidden",
+        "512",
+        "--data-dir",
+        mnist_dir,
+        "--json",
+        "--quiet",
+        "--out",
+        tmp_path / "runs.jsonl",
+    )
     assert code == 0, err
     record = json.loads(out.strip().splitlines()[-1])
     assert len(record["accuracy"]) == 20 and record["accuracy"][-1] >= 0.90

@@ -74,7 +74,10 @@ def _check_rank_record(rec, ranks, stdout):
         assert set(phases) >= {"scatter", "halo", "compute", "allreduce", "gather"}
     assert 0 <= rec["critical_path"]["rank"] < ranks
     for acc in rec["accounting"]:  # the phases explain the wall
-        assert abs(acc["unaccounted_fraction"]) < 0.05, rec["accounting"]
+        # Within 5%, or within 2 ms: at this test's 20-ms size the ~1 ms of Python between
+        # phases is all that is unaccounted, and a loaded 2-core runner can stretch it past 5%.
+        ok = abs(acc["unaccounted_fraction"]) < 0.05 or abs(acc["unaccounted_s"]) < 0.002
+        assert ok, rec["accounting"]
 
 
 @pytest.mark.mpi

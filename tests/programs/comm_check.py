@@ -36,8 +36,7 @@ assert torch.all(comm.allreduce(x.clone()) == size * (size + 1) / 2)
 assert torch.all(comm.allreduce(x.clone(), op="max") == size)
 
 # bcast from the last rank.
-b = comm.bcast(torch.arange(5, dtype=torch.int64) * 7 if rank == size - 1 else None,
-               root=size - 1)
+b = comm.bcast(torch.arange(5, dtype=torch.int64) * 7 if rank == size - 1 else None, root=size - 1)
 assert torch.equal(b.cpu(), torch.arange(5) * 7)
 
 # ring exchange with non-blocking point-to-point.

@@ -23,7 +23,11 @@ class OneLineParser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     from scalelab.cli import commands  # noqa: F401  (fills COMMANDS)
 
-    parser = OneLineParser(prog="scalelab", description=__doc__)
+    parser = OneLineParser(
+        prog="scalelab",
+        description="Run a network under one execution strategy after another, check that "
+        "they compute the same function, and explain where the time goes.",
+    )
     parser.add_argument("--version", action="version", version=f"scalelab {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
     sub.required = True

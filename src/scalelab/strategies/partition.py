@@ -375,8 +375,10 @@ def env_mem_limit() -> float | None:
 def cap_allocator(device: torch.device, limit_bytes: float | None) -> None:
     """Make the CUDA caching allocator raise OutOfMemoryError beyond limit_bytes."""
     if device.type == "cuda" and limit_bytes is not None:
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(limit_bytes / total, 1.0), device)
+        # The allocator API wants an index: "cuda" alone means the current device.
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        total = torch.cuda.get_device_properties(index).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(limit_bytes / total, 1.0), index)
 
 
 HEADROOM = 0.9  # of a device's memory for the modelled bytes: workspaces, buffers, fragmentation

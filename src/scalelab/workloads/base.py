@@ -131,10 +131,20 @@ class Workload(ABC):
 
     name: ClassVar[str]
     item: ClassVar[str] = "images"  # what throughput counts: images, inputs, ...
+    native_size: ClassVar[int | None] = None  # input height = width when --image-size is unset
+    native_classes: ClassVar[int | None] = None  # output width when --num-classes is unset
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
         self.validate()
+
+    @property
+    def image_size(self) -> int:
+        return self.native_size if self.cfg.image_size is None else self.cfg.image_size
+
+    @property
+    def num_classes(self) -> int:
+        return self.native_classes if self.cfg.num_classes is None else self.cfg.num_classes
 
     def validate(self) -> None:
         """Raise UsageError for options this workload cannot honour (e.g. image too small)."""

@@ -92,13 +92,8 @@ class DeepStackWorkload(Workload):
     name = "deepstack"
     item = "inputs"
 
-    @property
-    def image_size(self) -> int:
-        return NATIVE_SIZE if self.cfg.image_size is None else self.cfg.image_size
-
-    @property
-    def num_classes(self) -> int:
-        return NATIVE_CLASSES if self.cfg.num_classes is None else self.cfg.num_classes
+    native_size = NATIVE_SIZE
+    native_classes = NATIVE_CLASSES
 
     def validate(self) -> None:
         # 3x3 pad-1 convs keep the size, so any S >= 1 computes (convs/fcs >= 1: RunConfig).

@@ -148,13 +148,8 @@ class ResNet18(Workload):
     item = "images"
     stem = IMAGENET_STEM
 
-    @property
-    def image_size(self) -> int:
-        return NATIVE_SIZE if self.cfg.image_size is None else self.cfg.image_size
-
-    @property
-    def num_classes(self) -> int:
-        return NATIVE_CLASSES if self.cfg.num_classes is None else self.cfg.num_classes
+    native_size = NATIVE_SIZE
+    native_classes = NATIVE_CLASSES
 
     def validate(self) -> None:
         # Every conv and pool here maps a >= 1 input to a >= 1 output, so any size computes.

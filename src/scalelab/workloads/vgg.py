@@ -110,13 +110,8 @@ class VGG16(Workload):
     name = "vgg16"
     item = "images"
 
-    @property
-    def image_size(self) -> int:
-        return NATIVE_SIZE if self.cfg.image_size is None else self.cfg.image_size
-
-    @property
-    def num_classes(self) -> int:
-        return NATIVE_CLASSES if self.cfg.num_classes is None else self.cfg.num_classes
+    native_size = NATIVE_SIZE
+    native_classes = NATIVE_CLASSES
 
     def validate(self) -> None:
         if self.image_size < MIN_SIZE:
