@@ -165,5 +165,7 @@ def test_real_oom_is_caught_and_freed_on_cuda(cli):
     assert code == 0, err
     n = int(stdout.split("stack that trains: ")[1].split()[0])
     assert 2 <= n < 40 and " no " in stdout
-    assert torch.cuda.memory_allocated() == before
+    # Back where it started, up to the cuBLAS/cuDNN workspaces the first GEMMs leave in the
+    # caching allocator for good (tens of MiB), far below the 2 GiB the failed tries held.
+    assert torch.cuda.memory_allocated() - before < 64 * 2**20
     torch.cuda.set_per_process_memory_fraction(1.0)
