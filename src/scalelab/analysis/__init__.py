@@ -46,3 +46,22 @@ def load_records(path: str | Path) -> list[dict[str, Any]]:
         schemas = ", ".join(sorted({str(r.get("schema")) for r in records}))
         raise UsageError(f"{path}: holds no run records (schema {schemas}; expected {SCHEMA})")
     return runs
+
+
+def load_for_roofline(
+    results: str | Path, ceilings_path: str | None, plots: bool
+) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """What `roofline` and `report` start from: checked dependencies, the run records, and
+    the ceilings (warning on stderr when they were measured on another machine)."""
+    import sys
+
+    from scalelab.analysis.roofline import ceilings_for
+
+    require("pandas", "the analysis")
+    if plots:
+        require_plotting()
+    records = load_records(results)
+    ceilings, warning = ceilings_for(results, ceilings_path, records)
+    if warning:
+        sys.stderr.write(f"scalelab: warning: {warning}\n")
+    return records, ceilings

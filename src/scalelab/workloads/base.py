@@ -147,7 +147,13 @@ class Workload(ABC):
         return self.native_classes if self.cfg.num_classes is None else self.cfg.num_classes
 
     def validate(self) -> None:
-        """Raise UsageError for options this workload cannot honour (e.g. image too small)."""
+        """Raise UsageError for options this workload cannot honour (e.g. image too small).
+
+        The base checks the generic sizes; workloads with a tighter bound extend it."""
+        if self.native_size is not None and self.image_size < 1:
+            raise UsageError(f"{self.name} needs --image-size >= 1, got {self.image_size}")
+        if self.native_classes is not None and self.num_classes < 1:
+            raise UsageError(f"--num-classes must be >= 1, got {self.num_classes}")
 
     # --- the model -----------------------------------------------------------------------
     @abstractmethod

@@ -29,7 +29,6 @@ import torch
 from torch import nn
 
 from scalelab.data.cifar import lookup_pixels, lookup_pixels_np, pixel_table
-from scalelab.errors import UsageError
 from scalelab.oracle import ops
 from scalelab.workloads.base import (
     WORKLOADS,
@@ -94,13 +93,6 @@ class DeepStackWorkload(Workload):
 
     native_size = NATIVE_SIZE
     native_classes = NATIVE_CLASSES
-
-    def validate(self) -> None:
-        # 3x3 pad-1 convs keep the size, so any S >= 1 computes (convs/fcs >= 1: RunConfig).
-        if self.image_size < 1:
-            raise UsageError(f"deepstack needs --image-size >= 1, got {self.image_size}")
-        if self.num_classes < 1:
-            raise UsageError(f"--num-classes must be >= 1, got {self.num_classes}")
 
     def _build(self) -> nn.Module:
         return build_deepstack(self.cfg.convs, self.cfg.fcs, self.num_classes)

@@ -151,13 +151,6 @@ class ResNet18(Workload):
     native_size = NATIVE_SIZE
     native_classes = NATIVE_CLASSES
 
-    def validate(self) -> None:
-        # Every conv and pool here maps a >= 1 input to a >= 1 output, so any size computes.
-        if self.image_size < 1:
-            raise UsageError(f"{self.name} needs --image-size >= 1, got {self.image_size}")
-        if self.num_classes < 1:
-            raise UsageError(f"--num-classes must be >= 1, got {self.num_classes}")
-
     def _build(self) -> nn.Module:
         return ResNet(self.num_classes, self.stem)
 

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
-from scalelab.analysis import load_records, require, require_plotting
+from scalelab.analysis import load_for_roofline
 from scalelab.cli.base import COMMANDS, Command
 
 
@@ -21,16 +20,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    require("pandas", "the analysis")
-    if not args.no_plots:
-        require_plotting()
+    records, ceilings = load_for_roofline(args.results, args.ceilings, not args.no_plots)
     from scalelab.analysis.report import write_report
-    from scalelab.analysis.roofline import ceilings_for
 
-    records = load_records(args.results)
-    ceilings, warning = ceilings_for(args.results, args.ceilings, records)
-    if warning:
-        sys.stderr.write(f"scalelab: warning: {warning}\n")
     path = write_report(
         records, args.out_dir, ceilings, args.title, plots=not args.no_plots, mode=args.mode
     )

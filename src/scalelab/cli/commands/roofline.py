@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-from scalelab.analysis import load_records, require, require_plotting
+from scalelab.analysis import load_for_roofline
 from scalelab.cli.base import COMMANDS, Command
 from scalelab.errors import UsageError
 
@@ -36,16 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    require("pandas", "the analysis")
-    if not args.no_plots:
-        require_plotting()
+    records, ceilings = load_for_roofline(args.results, args.ceilings, not args.no_plots)
     from scalelab.analysis import roofline, system_roofline
-    from scalelab.analysis.roofline import ceilings_for
 
-    records = load_records(args.results)
-    ceilings, warning = ceilings_for(args.results, args.ceilings, records)
-    if warning:
-        sys.stderr.write(f"scalelab: warning: {warning}\n")
     layer_runs = roofline.layer_records(records)
     if args.run is not None:
         layer_runs = [r for r in layer_runs if r.get("id") == args.run]
