@@ -66,10 +66,6 @@ def test_trace_of_training_labels_nested_phases(cli, tmp_path):
 
 @pytest.mark.mpi
 def test_trace_one_file_per_rank_under_mpi(tmp_path):
-    from scalelab.strategies import STRATEGIES
-
-    if "mpi" not in STRATEGIES:
-        pytest.skip("the mpi strategy is not registered in this checkout")
     cmd = [find_mpiexec(), "-n", "2", sys.executable, "-m", "scalelab", "run", "alexnet",
            "--strategy", "mpi", "--ranks", "2", *SMALL, "--trace", str(tmp_path),
            "--no-record", "--json"]  # fmt: skip

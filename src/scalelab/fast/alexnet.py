@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from scalelab.fast import reference
-from scalelab.fast.registry import FAST_PATHS, Candidate, Plan, Stage
+from scalelab.fast.registry import FAST_PATHS, Candidate, Plan, Stage, dense_head_stage
 from scalelab.workloads.alexnet import LRN_ALPHA, LRN_BETA, LRN_K, LRN_SIZE, TRUNK
 from scalelab.workloads.base import Workload
 
@@ -107,17 +107,9 @@ def _fc_stage(model: nn.Module) -> Stage:
     w6p = w6.view(out, -1, side, side).permute(0, 2, 3, 1).reshape(out, flat)
     params = [(w6p, model.fc6.bias), (model.fc7.weight, model.fc7.bias)]
     params += [(model.fc8.weight, model.fc8.bias)]
-    params = [(w.detach().to(BF16), b.detach().to(BF16)) for w, b in params]
-
-    def fc(x: torch.Tensor) -> torch.Tensor:
-        h = x.permute(0, 2, 3, 1).reshape(x.shape[0], -1)  # NHWC storage: a view
-        for i, (w, b) in enumerate(params):
-            h = F.linear(h, w, b)
-            if i < len(params) - 1:
-                h = torch.relu_(h)
-        return h
-
-    return Stage("fc", [Candidate("cublas", fc)])
+    # NHWC storage: the flatten is a view.
+    flatten = lambda x: x.permute(0, 2, 3, 1).reshape(x.shape[0], -1)  # noqa: E731
+    return dense_head_stage(params, flatten, BF16)
 
 
 @FAST_PATHS.register("alexnet", "cuDNN NHWC convs; bias+ReLU+LRN+max-pool fused epilogues")

@@ -22,7 +22,7 @@ from torch import nn
 
 from scalelab.fast import reference
 from scalelab.fast.kernels import INTERPRET
-from scalelab.fast.registry import FAST_PATHS, Candidate, Plan, Stage
+from scalelab.fast.registry import FAST_PATHS, Candidate, Plan, Stage, dense_head_stage
 from scalelab.workloads.base import Workload
 from scalelab.workloads.charcnn import CONV_BLOCKS, POOL
 
@@ -129,19 +129,10 @@ def _fc_stage(model: nn.Module, length: int) -> Stage:
     w1 = model.fc1.weight.detach()
     hidden, flat = w1.shape
     channels = flat // length
-    w1p = w1.view(hidden, channels, length).transpose(1, 2).reshape(hidden, flat).to(BF16)
+    w1p = w1.view(hidden, channels, length).transpose(1, 2).reshape(hidden, flat)
     params = [(w1p, model.fc1.bias)] + [(m.weight, m.bias) for m in (model.fc2, model.fc3)]
-    params = [(w.detach().to(BF16), b.detach().to(BF16)) for w, b in params]
-
-    def fc(x: torch.Tensor) -> torch.Tensor:
-        h = x.reshape(x.shape[0], -1)  # (N, L * C), position-major
-        for i, (w, b) in enumerate(params):
-            h = F.linear(h, w, b)
-            if i < len(params) - 1:
-                h = torch.relu_(h)
-        return h
-
-    return Stage("fc", [Candidate("cublas", fc)])
+    # (N, L, C) -> (N, L * C), position-major, matching w1p's column order.
+    return dense_head_stage(params, lambda x: x.reshape(x.shape[0], -1), BF16)
 
 
 @FAST_PATHS.register("charcnn", "gather-conv1 + LayerNorm/ReLU/pool fused; fused conv epilogues")

@@ -55,6 +55,27 @@ class Plan:
     prepare: StageFn | None = None
 
 
+def dense_head_stage(
+    params: list[tuple[torch.Tensor, torch.Tensor]], flatten: StageFn, dtype: torch.dtype
+) -> Stage:
+    """Linear layers with ReLU between them (not after the last), cuBLAS in `dtype`.
+
+    params: (weight, bias) per layer, the first weight's columns already in the order
+    `flatten` lays the features out (the fast trunks keep channels last).
+    """
+    cast = [(w.detach().to(dtype), b.detach().to(dtype)) for w, b in params]
+
+    def fc(x: torch.Tensor) -> torch.Tensor:
+        h = flatten(x)
+        for i, (w, b) in enumerate(cast):
+            h = torch.nn.functional.linear(h, w, b)
+            if i < len(cast) - 1:
+                h = torch.relu_(h)
+        return h
+
+    return Stage("fc", [Candidate("cublas", fc)])
+
+
 # builder(workload, model, device) -> Plan; the model is the caller's, never modified.
 Builder = Callable[[Workload, nn.Module, torch.device], Plan]
 FAST_PATHS: Registry[Builder] = Registry("fast path")

@@ -31,6 +31,13 @@ class TrainHistory:
     steps: int = 0
     items: int = 0  # items trained on, all ranks together
 
+    def end_epoch(self, items: int, mean_loss: float, accuracy: float, progress: Any) -> None:
+        """Book one finished epoch and report it (progress: instrument.progress.Progress)."""
+        self.items += items
+        self.loss.append(mean_loss)
+        self.accuracy.append(accuracy)
+        progress.milestone(self.steps, epoch=len(self.loss), loss=mean_loss, heldout_acc=accuracy)
+
 
 @dataclass
 class RunOutput:

@@ -308,14 +308,8 @@ class PipelineStrategy(TorchStrategy):
                     break
             self.step_laps += epoch_laps
             timings.add(sum(self.step_walls[-len(epoch_laps) :]), _sum_laps(epoch_laps))
-            history.items += items
-            history.loss.append(self.all_sum(loss_sum) / items)
-            history.accuracy.append(self._evaluate(heldout, n_held))
-            progress.milestone(
-                history.steps,
-                epoch=epoch + 1,
-                loss=history.loss[-1],
-                heldout_acc=history.accuracy[-1],
+            history.end_epoch(
+                items, self.all_sum(loss_sum) / items, self._evaluate(heldout, n_held), progress
             )
             if history.steps >= n_steps:
                 break

@@ -105,14 +105,8 @@ class SerialStrategy(Strategy):
                 if history.steps >= n_steps:
                     break
             timings.add(time.perf_counter() - start, self.timer.lap())
-            history.items += items
-            history.loss.append(loss_sum / items)
-            history.accuracy.append(reference_accuracy(workload, params, heldout))
-            progress.milestone(
-                history.steps,
-                epoch=epoch + 1,
-                loss=history.loss[-1],
-                heldout_acc=history.accuracy[-1],
+            history.end_epoch(
+                items, loss_sum / items, reference_accuracy(workload, params, heldout), progress
             )
             if history.steps >= n_steps:
                 break
