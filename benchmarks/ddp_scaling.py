@@ -1,23 +1,28 @@
-"""DDP scaling of ResNet-18 (bf16, channels_last) on 1 and 2 GPUs: our `ddp` against the
-plain DDP loop a user would write, both measured here, in one script.
+"""DDP scaling of ResNet-18 (bf16, channels_last) on 1..N GPUs: our `ddp --fast` against
+the plain DDP loop a user would write, both measured here, in one script.
 
-    python benchmarks/ddp_scaling.py [OUT_DIR] [--variants]      (2 GPUs, ~5 min)
+    python benchmarks/ddp_scaling.py [OUT_DIR] [--gpus 1,2,4] [--configs weak-512,...]
+                                     [--cifar] [--variants]
 
-Configurations (synthetic CIFAR-shaped data, SGD momentum 0.9):
-    weak-512      512 images per GPU      1 GPU: global 512,  2 GPUs: global 1024
-    weak-128      128 images per GPU      1 GPU: global 128,  2 GPUs: global 256
-    strong-1024   global batch 1024       1 GPU: 1024 per GPU, 2 GPUs: 512 per GPU
+Configurations (synthetic CIFAR-shaped data, SGD momentum 0.9), at g GPUs:
+    weak-512      512 images per GPU       global 512 g
+    weak-128      128 images per GPU       global 128 g
+    strong-1024   global batch 1024        1024 / g per GPU
+    strong-4096   global batch 4096        4096 / g per GPU  (ours only)
 Throughput: images per second over the epochs after the first (the first pays cuDNN
-autotuning, allocator growth and DataLoader start-up), median over those epochs.
-Efficiency: E = thr(2 GPUs) / (2 * thr(1 GPU)) for every configuration (weak: same per-GPU
-batch; strong: same global batch), each against its own 1-GPU run.
+autotuning, allocator growth, graph capture and DataLoader start-up), median over those
+epochs. Efficiency at g GPUs: thr(g) / (g * thr(1)), each configuration against its own 1-GPU
+run (weak: same per-GPU batch; strong: same global batch).
 
-ours   `scalelab run resnet18 --strategy ddp --train --device cuda --amp bf16 --channels-last`
+ours   `scalelab run resnet18 --strategy ddp --train --fast --device cuda --amp bf16
+       --channels-last`: the training set resident on each GPU, the whole step (forward,
+       backward with DDP's bucketed all-reduces, SGD) replayed from one CUDA graph per rank.
 plain  DistributedDataParallel with default options, a TensorDataset on the host through
        DataLoader + DistributedSampler (4 workers, pinned memory), normalisation on the GPU,
        bf16 autocast, channels_last, and `loss.item()` each step for the running loss.
---variants also runs ours at weak-128 on 2 GPUs with --bucket-mb 5 and 100, without
-channels_last, and with --compile, to show what each choice is worth.
+--cifar also runs ours for `resnet18-cifar` (3x3 stem, no max-pool: 14x the FLOPs) at weak-512.
+--variants also runs ours at weak-128 on 2 GPUs with --bucket-mb 5 and 100, and without
+--fast (eager DDP), to show what each choice is worth.
 
 Prints a table and writes OUT_DIR/ddp_scaling.json (OUT_DIR: argument, else $OUT, else
 benchmarks/results).
@@ -36,12 +41,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 STEPS_PER_EPOCH = 30
 EPOCHS = 3  # the first is warm-up
-CONFIGS = {  # name -> {gpus: (per-GPU batch, global batch)}
-    "weak-512": {1: (512, 512), 2: (512, 1024)},
-    "weak-128": {1: (128, 128), 2: (128, 256)},
-    "strong-1024": {1: (1024, 1024), 2: (512, 1024)},
+CONFIGS = {  # name -> (per-GPU batch or None, global batch or None): one of the two is fixed
+    "weak-512": (512, None),
+    "weak-128": (128, None),
+    "strong-1024": (None, 1024),
+    "strong-4096": (None, 4096),
 }
-TARGETS = {"weak-512": 0.95, "weak-128": 0.85, "strong-1024": 0.90}
+PLAIN = ("weak-512", "weak-128", "strong-1024")  # the baselines the issues quote
+TARGETS = {"weak-512": 0.95, "weak-128": 0.85, "strong-1024": 0.90, "strong-4096": 0.90}
+
+
+def batches(config: str, gpus: int) -> tuple[int, int]:
+    """(per-GPU batch, global batch) of a configuration on `gpus` GPUs."""
+    per_gpu, global_batch = CONFIGS[config]
+    return (per_gpu, per_gpu * gpus) if per_gpu else (global_batch // gpus, global_batch)
 
 
 def env() -> dict[str, str]:
@@ -54,17 +67,17 @@ def steady_throughput(walls: list[float], items_per_epoch: int) -> float:
 
 
 # --- ours ---------------------------------------------------------------------------------------
-def ours(gpus: int, global_batch: int, *extra: str) -> dict:
+def ours(gpus: int, global_batch: int, *extra: str, workload: str = "resnet18") -> dict:
     n = global_batch * STEPS_PER_EPOCH
     cmd = [
-        sys.executable, "-m", "scalelab", "run", "resnet18", "--strategy", "ddp", "--train",
-        "--device", "cuda", "--amp", "bf16", "--channels-last", "--momentum", "0.9",
+        sys.executable, "-m", "scalelab", "run", workload, "--strategy", "ddp", "--train",
+        "--fast", "--device", "cuda", "--amp", "bf16", "--channels-last", "--momentum", "0.9",
         "--ranks", str(gpus), "--global-batch", str(global_batch), "--train-size", str(n),
         "--heldout-size", "512", "--epochs", str(EPOCHS), "--quiet", "--no-record", "--json",
         *extra,
     ]  # fmt: skip
-    if "--no-channels-last" in extra:
-        cmd = [c for c in cmd if c not in ("--channels-last", "--no-channels-last")]
+    if "--no-fast" in extra:
+        cmd = [c for c in cmd if c not in ("--fast", "--no-fast")]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)}\n{proc.stderr[-3000:]}")
@@ -139,67 +152,96 @@ def plain_worker(per_gpu: int) -> None:
 
 
 # --- the study ------------------------------------------------------------------------------------
-def measure(variants: bool) -> dict:
+def measure(gpu_counts: list[int], cifar: bool, variants: bool) -> dict:
     rows = []
-    for name, by_gpus in CONFIGS.items():
-        for gpus, (per_gpu, global_batch) in by_gpus.items():
-            row = {"config": name, "gpus": gpus, "per_gpu": per_gpu, "global": global_batch}
-            row["ours"] = ours(gpus, global_batch)["img_s"]
-            row["plain"] = plain(gpus, per_gpu)["img_s"]
-            rows.append(row)
-            print(f"  {name} x{gpus}: ours {row['ours']:.0f}, plain {row['plain']:.0f} img/s",
-                  file=sys.stderr, flush=True)  # fmt: skip
+    for name in CONFIGS:
+        for gpus in gpu_counts:
+            rows.append(point("resnet18", name, gpus, plain_too=name in PLAIN))
+    if cifar:
+        rows += [point("resnet18-cifar", "weak-512", gpus, False) for gpus in gpu_counts]
     result = {"rows": rows, "efficiency": efficiencies(rows), "targets": TARGETS}
     if variants:
         result["variants"] = run_variants()
     return result
 
 
+def point(workload: str, name: str, gpus: int, plain_too: bool) -> dict:
+    per_gpu, global_batch = batches(name, gpus)
+    row = {"workload": workload, "config": name, "gpus": gpus, "per_gpu": per_gpu,
+           "global": global_batch}  # fmt: skip
+    row["ours"] = ours(gpus, global_batch, workload=workload)["img_s"]
+    row["plain"] = plain(gpus, per_gpu)["img_s"] if plain_too else None
+    print(f"  {workload} {name} x{gpus}: ours {row['ours']:.0f} img/s, plain {row['plain']}",
+          file=sys.stderr, flush=True)  # fmt: skip
+    return row
+
+
 def efficiencies(rows: list[dict]) -> dict:
-    out = {}
-    for name in CONFIGS:
-        one, two = (next(r for r in rows if r["config"] == name and r["gpus"] == g) for g in (1, 2))
-        out[name] = {k: two[k] / (2 * one[k]) for k in ("ours", "plain")}
+    """workload/config -> GPUs -> {ours, plain}: thr(g) / (g * thr(1))."""
+    out: dict = {}
+    for r in rows:
+        one = next((o for o in rows if o["workload"] == r["workload"]
+                    and o["config"] == r["config"] and o["gpus"] == 1), None)  # fmt: skip
+        if r["gpus"] == 1 or one is None:
+            continue
+        eff = {k: r[k] / (r["gpus"] * one[k]) for k in ("ours", "plain") if r[k] and one[k]}
+        out.setdefault(f"{r['workload']}/{r['config']}", {})[str(r["gpus"])] = eff
     return out
 
 
 def run_variants() -> dict:
-    """ours at weak-128 on 2 GPUs: what bucket size, channels_last and compile are worth."""
+    """ours at weak-128 on 2 GPUs: what graph capture and the bucket size are worth."""
     runs = {
-        "default (25 MB)": (),
-        "--bucket-mb 5": ("--bucket-mb", "5"),
-        "--bucket-mb 100": ("--bucket-mb", "100"),
-        "no channels_last": ("--no-channels-last",),
-        "--compile": ("--compile",),
+        "--fast (25 MB buckets)": (),
+        "--fast --bucket-mb 5": ("--bucket-mb", "5"),
+        "--fast --bucket-mb 100": ("--bucket-mb", "100"),
+        "eager (no --fast)": ("--no-fast",),
     }
     return {label: ours(2, 256, *extra)["img_s"] for label, extra in runs.items()}
 
 
 def table(result: dict) -> str:
-    lines = [f"{'config':<12} {'GPUs':>4} {'per GPU':>8} {'global':>7} {'ours img/s':>11} "
-             f"{'plain img/s':>12} {'ours/plain':>10}"]  # fmt: skip
+    lines = [f"{'workload':<15} {'config':<12} {'GPUs':>4} {'per GPU':>8} {'global':>7} "
+             f"{'ours img/s':>11} {'plain img/s':>12} {'ours/plain':>10}"]  # fmt: skip
     for r in result["rows"]:
-        ratio = r["ours"] / r["plain"]
-        lines.append(f"{r['config']:<12} {r['gpus']:>4} {r['per_gpu']:>8} {r['global']:>7} "
-                     f"{r['ours']:>11.0f} {r['plain']:>12.0f} {ratio:>10.2f}")  # fmt: skip
-    lines.append(f"\n{'efficiency':<12} {'ours':>6} {'plain':>6} {'target':>7}")
-    for name, eff in result["efficiency"].items():
-        ok = "ok" if eff["ours"] >= TARGETS[name] else "MISSED"
-        lines.append(f"{name:<12} {eff['ours']:>6.2f} {eff['plain']:>6.2f} "
-                     f"{'>= ' + str(TARGETS[name]):>7} {ok}")  # fmt: skip
+        plain_s = f"{r['plain']:>12.0f}" if r["plain"] else f"{'-':>12}"
+        ratio = f"{r['ours'] / r['plain']:>10.2f}" if r["plain"] else f"{'-':>10}"
+        lines.append(f"{r['workload']:<15} {r['config']:<12} {r['gpus']:>4} {r['per_gpu']:>8} "
+                     f"{r['global']:>7} {r['ours']:>11.0f} {plain_s} {ratio}")  # fmt: skip
+    lines.append(f"\n{'efficiency':<28} {'GPUs':>4} {'ours':>6} {'plain':>6} {'target':>7}")
+    for key, by_gpus in result["efficiency"].items():
+        target = TARGETS[key.split("/")[1]]
+        for gpus, eff in by_gpus.items():
+            ok = "ok" if eff["ours"] >= target else "MISSED"
+            plain_e = f"{eff['plain']:>6.2f}" if "plain" in eff else f"{'-':>6}"
+            lines.append(f"{key:<28} {gpus:>4} {eff['ours']:>6.2f} {plain_e} "
+                         f"{'>= ' + str(target):>7} {ok}")  # fmt: skip
     for label, img_s in result.get("variants", {}).items():
-        lines.append(f"variant weak-128 x2 {label:<18} {img_s:>9.0f} img/s")
+        lines.append(f"variant weak-128 x2 {label:<24} {img_s:>9.0f} img/s")
     return "\n".join(lines)
+
+
+def take_option(argv: list[str], flag: str, default: str) -> str:
+    """Remove `flag VALUE` from argv and return VALUE (default when absent)."""
+    if flag not in argv:
+        return default
+    i = argv.index(flag)
+    value = argv.pop(i + 1)
+    argv.pop(i)
+    return value
 
 
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--plain-worker"]:
         plain_worker(int(argv[1]))
         return 0
+    gpus = [int(g) for g in take_option(argv, "--gpus", "1,2").split(",")]
+    for name in set(CONFIGS) - set(take_option(argv, "--configs", ",".join(CONFIGS)).split(",")):
+        del CONFIGS[name]
     args = [a for a in argv if not a.startswith("--")]
     out = Path(args[0] if args else os.environ.get("OUT", ROOT / "benchmarks" / "results"))
     start = time.time()
-    result = measure(variants="--variants" in argv)
+    result = measure(gpus, cifar="--cifar" in argv, variants="--variants" in argv)
     result["wall_s"] = time.time() - start
     import torch
 

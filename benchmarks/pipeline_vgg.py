@@ -1,20 +1,22 @@
-"""Pipeline parallelism on 2 GPUs (issue 6): VGG-16 training against one GPU, the bubble
-against (K-1)/(M+K-1), and deepstack stacks that do not fit one GPU.
+"""Pipeline parallelism (issues 6 and 9): VGG-16 training on K GPUs against one GPU, the
+bubble against (K-1)/(M+K-1), and deepstack stacks that do not fit one GPU.
 
-    python benchmarks/pipeline_vgg.py [OUT_DIR]          (OUT_DIR defaults to $OUT or .)
+    python benchmarks/pipeline_vgg.py [OUT_DIR] [--stages 2,4] [--no-deepstack] [--full]
+    (OUT_DIR defaults to $OUT or .)
 
 1. Plain PyTorch, one GPU: VGG-16 (scalelab's module, torchvision's layers) training steps,
    bf16 autocast, channels_last, SGD, at batch 64 and 256; median step time -> img/s.
-2. `scalelab run vgg16 --strategy pipeline` on 2 GPUs, global batch 256, M = 8 and 16 (GPipe)
-   and M = 8 (1F1B): steady img/s (median step after the first), speedup over (1) at
-   batch 256, bubble measured / simulated / formula.
+2. `scalelab run vgg16 --strategy pipeline` on K GPUs (K from --stages), global batch 256:
+   K=2: M = 8 and 16 (GPipe), M = 8 (1F1B); K=4: M = 8, 16 (GPipe), 16 (1F1B). Steady img/s
+   (median step after the first), speedup over (1) at batch 256, bubble measured /
+   simulated / formula.
 3. `scalelab fit deepstack` under a 10.91 GiB allocator cap (the seed's GTX 1080 Ti): the
    seed's (convs, fcs) table; then a (90, 90) stack that does not fit, its proposed stage
-   count, and its pipeline training on 2 capped GPUs.
+   count, and its pipeline training on 2 capped GPUs (skipped with --no-deepstack).
 4. With --full: a 2000-conv stack that does not fit a whole H200, trained on two.
 
 Writes OUT_DIR/pipeline_vgg.jsonl (scalelab records of every run plus one summary record)
-and prints a table. Budget: ~5 minutes on 2 H200 (--full adds ~1.5).
+and prints a table. Budget: ~5 minutes on 2 H200 (--full adds ~1.5, K=4 ~2).
 """
 
 from __future__ import annotations
@@ -35,7 +37,10 @@ from scalelab.workloads.vgg import VGG
 
 BATCHES = (64, 256)
 PIPE_STEPS = 14  # the first (allocation, cuDNN autotuning) is left out of the median
-PIPE_RUNS = [("gpipe", 8), ("gpipe", 16), ("1f1b", 8)]
+PIPE_RUNS = {  # stages -> (schedule, micro-batches) runs
+    2: [("gpipe", 8), ("gpipe", 16), ("1f1b", 8)],
+    4: [("gpipe", 8), ("gpipe", 16), ("1f1b", 16)],
+}
 
 
 def plain_vgg_step_time(batch: int, steps: int = 20, warmup: int = 5) -> float:
@@ -73,9 +78,10 @@ def scalelab(args: list[str], out: Path, env: dict | None = None) -> int:
     return code
 
 
-def pipeline_run(schedule: str, micro: int, out: Path) -> dict | None:
+def pipeline_run(stages: int, schedule: str, micro: int, out: Path) -> dict | None:
     before = len(read_records(out)) if out.exists() else 0
-    args = ["run", "vgg16", "--strategy", "pipeline", "--ranks", "2", "--stages", "2"]
+    args = ["run", "vgg16", "--strategy", "pipeline", "--ranks", str(stages)]
+    args += ["--stages", str(stages)]
     args += ["--device", "cuda", "--dtype", "bf16", "--channels-last", "--train"]
     args += ["--batch", "256", "--microbatches", str(micro), "--schedule", schedule]
     args += ["--steps", str(PIPE_STEPS), "--train-size", str(256 * PIPE_STEPS)]
@@ -112,13 +118,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", nargs="?", default=os.environ.get("OUT", "."))
     parser.add_argument("--full", action="store_true", help="also a stack too big for an H200")
+    parser.add_argument("--stages", default="2", help="comma list of stage counts (2,4)")
+    parser.add_argument("--no-deepstack", action="store_true", help="skip the fit demos")
     args = parser.parse_args()
+    stage_counts = [int(k) for k in args.stages.split(",")]
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / "pipeline_vgg.jsonl"
     full = args.full
-    if torch.cuda.device_count() < 2:
-        print("needs 2 CUDA GPUs")
+    if torch.cuda.device_count() < max(stage_counts):
+        print(f"needs {max(stage_counts)} CUDA GPUs")
         return 2
     plain = {b: b / plain_vgg_step_time(b) for b in BATCHES}
     rows = [
@@ -126,16 +135,17 @@ def main() -> int:
         for b, v in plain.items()
     ]
     summary = {"plain_img_s": plain, "pipeline": []}
-    for schedule, micro in PIPE_RUNS:
-        rec = pipeline_run(schedule, micro, out)
+    runs = [(k, sched, m) for k in stage_counts for sched, m in PIPE_RUNS[k]]
+    for stages, schedule, micro in runs:
+        rec = pipeline_run(stages, schedule, micro, out)
         if rec is None:
-            rows.append((f"pipeline 2 GPUs {schedule} M={micro}", "FAILED", *["-"] * 5))
+            rows.append((f"pipeline {stages} GPUs {schedule} M={micro}", "FAILED", *["-"] * 5))
             continue
         p = rec["pipeline"]
         speed = p["steady_throughput"]
         rows.append(
             (
-                f"pipeline 2 GPUs {schedule} M={micro}, batch 256",
+                f"pipeline {stages} GPUs {schedule} M={micro}, batch 256",
                 f"{speed:.0f}",
                 f"{speed / plain[256]:.2f}",
                 f"{p['bubble_measured']:.3f}",
@@ -145,13 +155,13 @@ def main() -> int:
             )
         )
         summary["pipeline"].append(
-            {"schedule": schedule, "microbatches": micro, "img_s": speed,
+            {"stages": stages, "schedule": schedule, "microbatches": micro, "img_s": speed,
              "speedup": speed / plain[256], "bubble": {k: p[k] for k in
              ("bubble_measured", "bubble_simulated", "bubble_formula")},
              "stage": p["stage"], "record": rec["id"]}
         )  # fmt: skip
     print(table(rows))
-    fits = deepstack_demos(out, full)
+    fits = [] if args.no_deepstack else deepstack_demos(out, full)
     summary["deepstack"] = [r.get("answer") for r in fits if r.get("schema") == "scalelab.fit/1"]
     append_record(
         out, new_record(kind="pipeline_vgg_summary", gpu=torch.cuda.get_device_name(0), **summary)

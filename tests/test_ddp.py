@@ -63,6 +63,23 @@ def test_one_rank_runs_in_process_and_matches_local():
         assert rec["accuracy"] == local["accuracy"]
 
 
+def test_fast_trainer_on_ddp_shards_follows_the_plain_loop(monkeypatch, capsys):
+    """--fast's trainer logic on CPU (the captured step run eagerly): DistributedSampler's
+    batches by index, warm-up undone, the short last step; fp64 losses equal plain ddp's."""
+    import scalelab.fast.train as fast_train
+
+    common = {**EVEN, "strategy": "ddp", "batch": 30, "dtype": "fp64", "momentum": 0.9}
+    plain = execute(RunConfig(**common), None).record
+    fallback = execute(RunConfig(fast=True, **{**common, "quiet": False}), None).record
+    assert "fast training on cpu: CUDA graphs unavailable" in capsys.readouterr().err
+    monkeypatch.setattr(fast_train, "step_unsupported", lambda *a: None)
+    fast = execute(RunConfig(fast=True, **common), None).record
+    assert fast["steps"] == plain["steps"] == 14  # 7 per epoch: 202 = 6 * 30 + 22
+    for rec in (fallback, fast):
+        np.testing.assert_allclose(rec["loss"], plain["loss"], rtol=1e-12)
+        assert rec["accuracy"] == plain["accuracy"]
+
+
 def test_channels_last_computes_the_same_training():
     common = dict(
         workload="resnet18", strategy="ddp", train=True, batch=4, train_size=8,
@@ -159,3 +176,26 @@ def test_two_gpus_bf16_follow_the_one_gpu_loss_curve(workload, rtol, tmp_path):
     # the relative gap reaches 16% at losses of ~0.004, where BN's half batches dominate.
     np.testing.assert_allclose(curves[1], curves[0], rtol=rtol, atol=0.01 * curves[0][0])
     assert curves[0][-1] < curves[0][0]  # it trained
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_fast_ddp_step_captured_with_its_all_reduce_follows_plain_ddp(tmp_path):
+    """--fast on 2 GPUs: forward, backward with DDP's all-reduces and SGD replayed from one
+    CUDA graph per rank; the loss curve follows eager ddp's within bf16 tolerance."""
+    args = [
+        "run", "resnet18", "--strategy", "ddp", "--train", "--device", "cuda", "--amp", "bf16",
+        "--channels-last", "--batch", "64", "--train-size", "1100", "--heldout-size", "256",
+        "--epochs", "4", "--lr", "0.05", "--momentum", "0.9", "--ranks", "2", "--no-record",
+        "--json",
+    ]  # fmt: skip
+    recs = []
+    for extra in ((), ("--fast",)):
+        proc = run([sys.executable, "-m", "scalelab", *args, *extra], timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        recs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    assert "step (with DDP all-reduce) captured as a CUDA graph" in proc.stderr
+    plain, fast = recs
+    assert fast["steps"] == plain["steps"] == 36  # 9 per epoch, the last one short
+    np.testing.assert_allclose(fast["loss"], plain["loss"], rtol=5e-2, atol=0.01 * plain["loss"][0])
+    assert fast["loss"][-1] < fast["loss"][0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import sys
 import typing
@@ -39,8 +40,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def watch_for_hangs() -> None:
+    """SCALELAB_STACKS_AFTER_S=T: every process (each rank too) prints all its threads' Python
+    stacks to stderr after T seconds, and again every T seconds, without stopping: where a
+    rank waits in a collective that never completes shows up in the log."""
+    after = os.environ.get("SCALELAB_STACKS_AFTER_S")
+    if after:
+        faulthandler.dump_traceback_later(float(after), repeat=True, file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    watch_for_hangs()
     args = build_parser().parse_args(argv)
     args.argv = list(argv)  # a launcher re-runs exactly this command line on every rank
     try:

@@ -20,11 +20,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from scalelab.fast.feeds import Feed, GlobalFeed
 from scalelab.fast.generic import has_conv2d
 from scalelab.fast.graphs import warm_up
 from scalelab.instrument.timer import PhaseTimer, Timings
 from scalelab.train.loop import Trainer, TrainPlan, default_plan, train_epochs
-from scalelab.train.sources import GlobalBatches, Step, batch_order, batch_slices
+from scalelab.train.sources import GlobalBatches, Step
 from scalelab.workloads.base import Inputs, Workload
 
 if TYPE_CHECKING:
@@ -59,13 +60,18 @@ class GraphStep:
         data: tuple[torch.Tensor, torch.Tensor],
         batch: int,
         amp: torch.dtype | None,
+        warmup: int = 3,
+        convert_layout: bool = True,
     ) -> None:
         self.model, self.opt, self.loss_fn, self.batch, self.amp = model, opt, loss, batch, amp
+        self.warmup = warmup
         with torch.no_grad():
             self.x_all = prepare(data[0])  # (n, ...) model inputs
         self.y_all = data[1]
         self.device = self.x_all.device
-        self.channels_last = has_conv2d(model)
+        # convert_layout=False: the caller chose the layout (a DDP wrapper's buckets must keep
+        # the parameters' memory, so the model cannot be converted after wrapping).
+        self.channels_last = convert_layout and has_conv2d(model)
         if self.channels_last:  # Module.to keeps the Parameter objects: opt stays valid
             model.to(memory_format=torch.channels_last)
         self.idx = torch.zeros(batch, dtype=torch.long, device=self.device)
@@ -90,11 +96,11 @@ class GraphStep:
         saved = self._snapshot()
         self.opt.zero_grad(set_to_none=True)
         if self.device.type != "cuda":
-            for _ in range(3):
+            for _ in range(self.warmup):
                 self._step()
             self._restore(saved)
             return None, None
-        warm_up(self._step, 3)
+        warm_up(self._step, self.warmup)
         # Gradients are None at capture, so the captured backward writes them (no += stale).
         self.opt.zero_grad(set_to_none=True)
         graph = torch.cuda.CUDAGraph()
@@ -146,28 +152,44 @@ class GraphStep:
 
 
 class FastTrainer(Trainer):
-    """The shared Trainer with each epoch's steps replayed from a GraphStep."""
+    """The shared Trainer with each epoch's steps replayed from a GraphStep.
 
-    def __init__(self, strategy, workload, model, plan, timer, history, train: Inputs) -> None:
+    feed: where the batches come from (fast/feeds.py); warmup: eager steps before capture
+    (DDP needs 11: its first iterations log and sync); convert_layout: see GraphStep.
+    """
+
+    def __init__(
+        self,
+        strategy,
+        workload,
+        model,
+        plan,
+        timer,
+        history,
+        *,
+        feed: Feed,
+        warmup: int = 3,
+        convert_layout: bool = True,
+    ) -> None:
         super().__init__(strategy, workload, model, plan, timer, history)
-        self.train_data = train
+        self.feed, self.warmup, self.convert_layout = feed, warmup, convert_layout
         self.graph: GraphStep | None = None  # captured in the first epoch, after any --resume
 
     def _setup(self) -> None:
+        device = self.strategy.device
         with self.timer.phase("h2d"):
-            data = (
-                self.train_data.x.to(self.strategy.device),
-                self.train_data.y.to(self.strategy.device),
-            )
+            x, y, prepare = self.feed.resident(device)
         with self.timer.phase("capture"):
             self.graph = GraphStep(
                 self.model,
                 self.opt,
-                self.plan.prepare,
+                prepare,
                 self.plan.loss,
-                data,
-                self.cfg.batch,
+                (x, y),
+                self.feed.batch,
                 self.strategy.precision.autocast,
+                warmup=self.warmup,
+                convert_layout=self.convert_layout,
             )
 
     def _epoch(self) -> tuple[float, dict[str, float]]:
@@ -175,40 +197,47 @@ class FastTrainer(Trainer):
         start, self.excluded = time.perf_counter(), 0.0
         if self.graph is None:  # data upload and capture count in the first epoch
             self._setup()
-        n = len(self.train_data)
-        order = batch_order(n, self.pos.epoch, self.cfg.seed).to(self.strategy.device)
+        steps = self.feed.steps(self.pos.epoch, self.pos.step, self.strategy.device)
         with self.timer.phase("compute"):  # one phase: a phase per step would sync per step
-            for part in batch_slices(n, self.cfg.batch)[self.pos.step :]:
-                idx = order[part]
-                loss = self.graph.step(idx)
+            for idx in steps:
+                loss = self.graph.step(idx)  # summed loss of this rank's items
+                items = len(idx) * self.feed.world
                 self.pos.loss_sum += loss
-                self.pos.items += len(idx)
+                self.pos.items += items
                 self.pos.step += 1
                 self.history.steps += 1
-                self.trained += len(idx)
-                self._after_step(loss, Step(Inputs(idx), len(idx), 1.0))
+                self.trained += items
+                self._after_step(loss, Step(Inputs(idx), items, 1.0))
                 if self.finished:
                     break
         self.sync()
         return time.perf_counter() - start - self.excluded, self.timer.lap()
 
 
-def unsupported(strategy: TorchStrategy, opt: torch.optim.Optimizer, plan: TrainPlan) -> str | None:
-    """Why the captured step cannot stand in for train_step here, or None."""
-    from scalelab.strategies.torch_base import TorchStrategy
-
+def step_unsupported(strategy: TorchStrategy, opt: torch.optim.Optimizer) -> str | None:
+    """Why no captured step can run here (device, optimizer, precision), or None."""
     if strategy.device.type != "cuda":
         return f"on {strategy.device.type}: CUDA graphs unavailable (no CUDA GPU)"
-    if type(strategy).reduce_gradients is not TorchStrategy.reduce_gradients:
-        return f"strategy {strategy.name} reduces gradients across ranks inside the step"
-    if type(strategy).shard is not TorchStrategy.shard or type(plan.source) is not GlobalBatches:
-        return f"strategy {strategy.name} draws its batches its own way"
     if not isinstance(opt, torch.optim.SGD) or any(
         g["dampening"] != 0 or g["nesterov"] for g in opt.param_groups
     ):
         return f"optimizer {type(opt).__name__} state cannot be reset after capture"
     if strategy.precision.autocast is torch.float16:
         return "fp16 needs a gradient scaler; use --dtype bf16"
+    return None
+
+
+def unsupported(strategy: TorchStrategy, opt: torch.optim.Optimizer, plan: TrainPlan) -> str | None:
+    """Why the captured step cannot stand in for the one-process train_step here, or None."""
+    from scalelab.strategies.torch_base import TorchStrategy
+
+    reason = step_unsupported(strategy, opt)
+    if reason is not None:
+        return reason
+    if type(strategy).reduce_gradients is not TorchStrategy.reduce_gradients:
+        return f"strategy {strategy.name} reduces gradients across ranks inside the step"
+    if type(strategy).shard is not TorchStrategy.shard or type(plan.source) is not GlobalBatches:
+        return f"strategy {strategy.name} draws its batches its own way"
     return None
 
 
@@ -236,4 +265,6 @@ def fast_train_epochs(
         log(f"fast training {reason}; running the plain training loop")
         return train_epochs(strategy, workload, model, train, heldout, timer, history, plan)
     log(f"fast training: data resident on {strategy.device}, step captured as a CUDA graph")
-    return FastTrainer(strategy, workload, model, plan, timer, history, train).run()
+    cfg = strategy.cfg
+    feed = GlobalFeed(train, cfg.batch, cfg.seed, plan.prepare)
+    return FastTrainer(strategy, workload, model, plan, timer, history, feed=feed).run()

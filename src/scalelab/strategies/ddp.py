@@ -19,9 +19,12 @@ reduce.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import inspect
 import itertools
 import os
+from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -38,10 +41,13 @@ from scalelab.precision import get_precision
 from scalelab.strategies.base import STRATEGIES, RunOutput
 from scalelab.strategies.torch_base import TorchStrategy, resolve_device
 from scalelab.train.data import LoaderShards, ResidentShards
-from scalelab.train.loop import TrainPlan, evaluate, require_labels, run_training
+from scalelab.train.loop import Trainer, TrainPlan, evaluate, require_labels, run_training
 from scalelab.workloads.base import Inputs, Workload
 
 EVAL_BATCH = 1024
+# DDP's first iterations log statistics and sync the host; CUDA graph capture of a DDP step
+# needs more eager iterations than that before it (torch.cuda.graphs docs: at least 11).
+DDP_GRAPH_WARMUP = 11
 # BN buffers are not broadcast before every forward (rank 0's are sent before evaluations and
 # checkpoints instead); torch >= 2.12 renamed the option.
 _DDP_ARGS = inspect.signature(DistributedDataParallel.__init__).parameters
@@ -193,7 +199,38 @@ class DDPStrategy(TorchStrategy):
             n_train=len(train),
             notes=self.notes(source),
         )
-        return run_training(self, workload, self.wrap(module), plan)
+        net = self.wrap(module)
+        fast = self.fast_trainer(workload, net, plan)
+        return run_training(self, workload, net, plan, make_trainer=fast)
+
+    def fast_trainer(
+        self, workload: Workload, net: nn.Module, plan: TrainPlan
+    ) -> Callable[..., Trainer] | None:
+        """--fast: the whole step (forward, backward with DDP's bucketed all-reduces, SGD)
+        replayed from one CUDA graph per rank, or None with one line saying why not."""
+        if not self.cfg.fast:
+            return None
+        from scalelab.fast import stderr_log
+        from scalelab.fast.feeds import ShardFeed
+        from scalelab.fast.train import FastTrainer, step_unsupported
+
+        log = stderr_log(self.cfg.quiet or not self.is_root)
+        reason = step_unsupported(self, workload.optimizer(net))
+        if reason is None and not isinstance(plan.source, ResidentShards):
+            reason = "with --workers the batches come from host processes"
+        if reason is None and self.cfg.compile:
+            reason = "--compile captures graphs of its own"
+        if reason is not None:
+            log(f"fast training {reason}; running the plain training loop")
+            return None
+        log(f"fast training: data resident on {self.device}, step (with DDP all-reduce) "
+            "captured as a CUDA graph")  # fmt: skip
+        return functools.partial(
+            FastTrainer,
+            feed=ShardFeed(plan.source),
+            warmup=DDP_GRAPH_WARMUP if self.comm.size > 1 else 3,
+            convert_layout=False,  # wrap() chose the layout before DDP took the parameters
+        )
 
     def source(self, workload: Workload, train: Inputs) -> ResidentShards | LoaderShards:
         cfg, comm = self.cfg, self.comm
@@ -210,14 +247,21 @@ class DDPStrategy(TorchStrategy):
         if cfg.channels_last:
             net = ChannelsLast(net)
         if self.comm.size > 1:
-            net = DistributedDataParallel(
-                net,
-                device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                bucket_cap_mb=cfg.bucket_mb,
-                gradient_as_bucket_view=True,
-                static_graph=not cfg.compile,  # compiled DDP splits graphs at buckets itself
-                **NO_FORWARD_BUFFER_SYNC,
-            )
+            # A step captured as a CUDA graph (--fast) needs DDP built on a side stream.
+            side = torch.cuda.Stream() if cfg.fast and self.device.type == "cuda" else None
+            if side is not None:
+                side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side) if side is not None else nullcontext():
+                net = DistributedDataParallel(
+                    net,
+                    device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                    bucket_cap_mb=cfg.bucket_mb,
+                    gradient_as_bucket_view=True,
+                    static_graph=not cfg.compile,  # compiled DDP splits graphs at buckets
+                    **NO_FORWARD_BUFFER_SYNC,
+                )
+            if side is not None:
+                torch.cuda.current_stream().wait_stream(side)
         return torch.compile(net) if cfg.compile else net
 
     def notes(self, source: ResidentShards | LoaderShards) -> dict:

@@ -87,12 +87,16 @@ class ResidentShards(_Shares):
         self.x = torch.cat(chunks)  # (N, ...) model input, storage dtype
         self.y = train.y.to(device)
 
-    def epoch(self, epoch: int, skip: int) -> Iterator[Step]:
+    def indices(self, epoch: int, skip: int) -> Iterator[torch.Tensor]:
+        """This rank's item indices (on the device) for each step of the epoch from `skip`."""
         self.sampler.set_epoch(epoch)
         idx = torch.tensor(list(self.sampler), device=self.x.device)  # one copy per epoch
         b = self.per_rank
         for k in range(skip, self.steps_per_epoch()):
-            part = idx[k * b : (k + 1) * b]
+            yield idx[k * b : (k + 1) * b]
+
+    def epoch(self, epoch: int, skip: int) -> Iterator[Step]:
+        for part in self.indices(epoch, skip):
             yield Step(Inputs(self.x[part], self.y[part]), len(part) * self.world, 1.0)
 
 

@@ -324,12 +324,14 @@ def run_training(
     model: nn.Module,
     plan: TrainPlan,
     result_model: nn.Module | None = None,
+    make_trainer: Callable[..., Trainer] | None = None,
 ) -> RunOutput:
-    """Train with plan and package the run for the runner (phases gathered on the root)."""
+    """Train with plan and package the run for the runner (phases gathered on the root).
+    make_trainer: a Trainer subclass (or partial) that runs the steps its own way (--fast)."""
     from scalelab.strategies.base import RunOutput, TrainHistory
 
     history = TrainHistory()
-    trainer = Trainer(strategy, workload, model, plan, strategy.timer, history)
+    trainer = (make_trainer or Trainer)(strategy, workload, model, plan, strategy.timer, history)
     timings = trainer.run()
     notes = {**plan.notes, "global_batch": plan.source.global_batch}
     if trainer.saver.written:
