@@ -48,6 +48,7 @@ CONFIGS = {  # name -> (per-GPU batch or None, global batch or None): one of the
     "strong-4096": (None, 4096),
 }
 PLAIN = ("weak-512", "weak-128", "strong-1024")  # the baselines the issues quote
+PLAIN_GPUS = (1, 2)  # the baselines were quoted on 1 and 2 GPUs
 TARGETS = {"weak-512": 0.95, "weak-128": 0.85, "strong-1024": 0.90, "strong-4096": 0.90}
 
 
@@ -156,13 +157,17 @@ def measure(gpu_counts: list[int], cifar: bool, variants: bool) -> dict:
     rows = []
     for name in CONFIGS:
         for gpus in gpu_counts:
-            rows.append(point("resnet18", name, gpus, plain_too=name in PLAIN))
+            plain_too = name in PLAIN and gpus in PLAIN_GPUS
+            rows.append(point("resnet18", name, gpus, plain_too=plain_too))
     if cifar:
         rows += [point("resnet18-cifar", "weak-512", gpus, False) for gpus in gpu_counts]
     result = {"rows": rows, "efficiency": efficiencies(rows), "targets": TARGETS}
     if variants:
         result["variants"] = run_variants()
     return result
+
+
+PARTIAL: dict = {"rows": [], "partial": True, "file": None}  # kept if the run is cut short
 
 
 def point(workload: str, name: str, gpus: int, plain_too: bool) -> dict:
@@ -173,6 +178,9 @@ def point(workload: str, name: str, gpus: int, plain_too: bool) -> dict:
     row["plain"] = plain(gpus, per_gpu)["img_s"] if plain_too else None
     print(f"  {workload} {name} x{gpus}: ours {row['ours']:.0f} img/s, plain {row['plain']}",
           file=sys.stderr, flush=True)  # fmt: skip
+    PARTIAL["rows"].append(row)
+    if PARTIAL["file"] is not None:
+        PARTIAL["file"].write_text(json.dumps({k: v for k, v in PARTIAL.items() if k != "file"}))
     return row
 
 
@@ -240,6 +248,8 @@ def main(argv: list[str]) -> int:
         del CONFIGS[name]
     args = [a for a in argv if not a.startswith("--")]
     out = Path(args[0] if args else os.environ.get("OUT", ROOT / "benchmarks" / "results"))
+    out.mkdir(parents=True, exist_ok=True)
+    PARTIAL["file"] = out / "ddp_scaling.partial.json"
     start = time.time()
     result = measure(gpus, cifar="--cifar" in argv, variants="--variants" in argv)
     result["wall_s"] = time.time() - start
@@ -250,6 +260,7 @@ def main(argv: list[str]) -> int:
     print(table(result))
     out.mkdir(parents=True, exist_ok=True)
     (out / "ddp_scaling.json").write_text(json.dumps(result, indent=1))
+    PARTIAL["file"].unlink(missing_ok=True)
     print(f"wrote {out / 'ddp_scaling.json'} ({result['wall_s']:.0f} s)")
     return 0
 

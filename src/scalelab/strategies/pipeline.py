@@ -127,6 +127,7 @@ class PipelineStrategy(TorchStrategy):
             channels_last=cfg.channels_last,
         )
         self.executor = StageExecutor(self.ctx)
+        self.executor.connect(pipeline_peers(comm.rank, comm.size))
 
     def _auto_counts(self, sample: torch.Tensor) -> list[int]:
         """Root: measure every layer on one micro-batch, then split by time within memory."""
@@ -373,6 +374,15 @@ class PipelineStrategy(TorchStrategy):
             for name, n in moved.items():
                 total[name] = total.get(name, 0) + n
         return total
+
+
+def pipeline_peers(rank: int, stages: int) -> list[int]:
+    """The ranks this stage exchanges with: its neighbours, and the first and last stages
+    with each other (labels go 0 -> K-1, outputs K-1 -> 0)."""
+    peers = {rank - 1, rank + 1}
+    if rank in (0, stages - 1):
+        peers.add(stages - 1 - rank)
+    return sorted(p for p in peers if 0 <= p < stages and p != rank)
 
 
 def _sum_laps(laps: list[dict[str, float]]) -> dict[str, float]:

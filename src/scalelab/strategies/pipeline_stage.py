@@ -112,6 +112,25 @@ class StageExecutor:
             for w in works:
                 w.wait()
 
+    def connect(self, peers: list[int]) -> None:
+        """Open the point-to-point links to every peer, both ways, before any timed work.
+
+        NCCL connects a pair's point-to-point channels lazily, inside the first grouped call
+        that needs them, and that connect is a handshake both ranks must be inside NCCL for.
+        GPipe's first backward send (stage s+1 -> s) is met by a receive stage s posted long
+        before, in a group with its last forward send; stage s then waits for the device, out
+        of NCCL, while stage s+1 waits in the connect: both hang (seen on 2 H200s). One
+        symmetric exchange per pair here, where every rank posts all of its pairs in one
+        group, leaves every later call to find its links ready."""
+        ctx = self.ctx
+        if not peers:
+            return
+        one = lambda: torch.zeros(1, device=ctx.device)  # noqa: E731
+        ops = [dist.P2POp(dist.isend, one(), peer) for peer in peers]
+        ops += [dist.P2POp(dist.irecv, one(), peer) for peer in peers]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
     def drain(self) -> None:
         if self.pending:
             with self.ctx.timer.phase("send"):

@@ -8,6 +8,7 @@ from scalelab.cli.commands import (  # noqa: F401
     fit,
     layers,
     listing,
+    predict,
     report,
     roofline,
     run,

@@ -1,0 +1,215 @@
+"""`scalelab predict WORKLOAD --strategy S --ranks 1,2,...`: how a study will scale, from the
+measured ceilings, a network profile and (optionally) one-rank measurements to calibrate on;
+`scalelab predict --validate RESULTS`: the model against every measurement there.
+
+The model: scalelab.predict (docs/PREDICT.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+from scalelab.cli.base import COMMANDS, Command
+from scalelab.cli.options import add_config_options, config_from_args
+from scalelab.errors import UsageError
+
+GPU_FIRST = {"ddp", "mpi-gpu", "nccl", "pipeline"}  # --device defaults to cuda for these
+TRAINING = {"ddp", "mpi-dp", "tensor"}  # these strategies only train
+GPUS_PER_NODE = 8
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("workload", nargs="?", help="workload to predict (not with --validate)")
+    p.add_argument("--ranks", default="1,2,4,8", help="rank counts, comma list (default 1,2,4,8)")
+    p.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=None,
+        help=f"ranks per node: GPUs per node (default {GPUS_PER_NODE}), CPU ranks per node for "
+        "CPU strategies (default: the ceilings machine's cores)",
+    )
+    p.add_argument(
+        "--nics-per-node",
+        type=int,
+        default=None,
+        help="network ports per node (default: one per GPU; 1 for CPU ranks)",
+    )
+    p.add_argument("--ceilings", default=None, help="ceilings.json from `scalelab ceilings`")
+    p.add_argument(
+        "--network",
+        default=None,
+        help="inter-node network: a profile (ndr400, hdr200, roce200, roce100) or a JSON file "
+        "with a measured alpha_s/beta_Bps",
+    )
+    p.add_argument(
+        "--calibrate",
+        default=None,
+        metavar="RESULTS",
+        help="results file or folder with one-rank measurements to calibrate compute on",
+    )
+    p.add_argument(
+        "--validate",
+        default=None,
+        metavar="RESULTS",
+        help="compare the model with every measured record under RESULTS",
+    )
+    p.add_argument("-o", "--out", default=None, help="folder for predict.csv/.json and the plot")
+    p.add_argument("--no-plots", action="store_true", help="table and files only")
+    add_config_options(p, skip={"ranks"})
+
+
+def run(args: argparse.Namespace) -> int:
+    from scalelab.analysis import require
+
+    require("pandas", "scalelab predict")
+    from scalelab.predict.network import load_network
+
+    network = load_network(args.network)
+    if args.validate is not None:
+        return validate(args, network)
+    return predict(args, network)
+
+
+# --- prediction ----------------------------------------------------------------------------
+def predict(args: argparse.Namespace, network) -> int:
+    from scalelab.predict.figures import figures_at
+    from scalelab.predict.frame import bottleneck_summary, prediction_table
+    from scalelab.predict.models import Context, model_for
+
+    if args.workload is None:
+        raise UsageError("name a workload to predict (or give --validate RESULTS)")
+    if args.strategy is None:
+        raise UsageError("give --strategy (the strategy to predict: ddp, mpi, mpi-gpu, nccl, ...)")
+    model_for(args.strategy)  # an unmodelled strategy fails before anything is read
+    ranks = _ranks(args.ranks)
+    figures = figures_at(args.ceilings)
+    template = _scenario(args, figures)
+    ctx = Context(figures, network, _calibration_pool(args.calibrate))
+    table, notes = prediction_table(ctx, template, ranks)
+    summary = bottleneck_summary(table)
+    print(_header(template, network))
+    print(_shown(table).to_string(index=False, float_format="{:.4g}".format))
+    print(f"bottleneck: {summary}")
+    for note in notes:
+        print(f"- {note}")
+    if args.out is not None:
+        _write(args, table, notes, summary, template, network)
+    return 0
+
+
+def _ranks(text: str) -> list[int]:
+    try:
+        ranks = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise UsageError(f"--ranks {text!r}: give a comma list of integers, e.g. 1,2,4,8") from None
+    if any(n < 1 for n in ranks):
+        raise UsageError(f"--ranks {text!r}: rank counts must be >= 1")
+    return sorted(set(ranks))
+
+
+def _scenario(args: argparse.Namespace, figures):
+    from scalelab.predict.scenario import Scenario
+
+    gpu = args.device == "cuda" or (args.device is None and args.strategy in GPU_FIRST)
+    overrides = {"workload": args.workload, "ranks": 1, "device": "cuda" if gpu else "cpu"}
+    if args.strategy in TRAINING:
+        overrides["train"] = True
+    cfg = config_from_args(args, **overrides)
+    cores = (figures.data.get("machine") or {}).get("cpu_cores") or 1
+    per_node = args.gpus_per_node or (GPUS_PER_NODE if gpu else int(cores))
+    if per_node < 1 or (args.nics_per_node is not None and args.nics_per_node < 1):
+        raise UsageError("--gpus-per-node and --nics-per-node must be >= 1")
+    return Scenario(cfg, 1, per_node, args.nics_per_node)
+
+
+def _calibration_pool(path: str | None):
+    from scalelab.predict.calibration import Pool
+    from scalelab.predict.points import discover
+
+    pool = Pool()
+    if path is None:
+        return pool
+    if not Path(path).exists():
+        raise UsageError(f"--calibrate {path}: no such results file or folder")
+    for p in discover(Path(path)).pools.values():
+        pool.extend(p)
+    return pool
+
+
+def _header(s, network) -> str:
+    cfg = s.cfg
+    mode = "strong scaling, global batch" if s.strong else "weak scaling, per rank"
+    batch = s.global_batch if s.strong else cfg.batch
+    where = f"network {network.describe()}" if network is not None else "one node (no --network)"
+    split = f" --split {cfg.split}" if cfg.strategy in ("mpi", "mpi-gpu", "nccl") else ""
+    return (
+        f"predict: {cfg.workload} {cfg.strategy}{split}, {s.precision} on {cfg.device}, "
+        f"{'training' if cfg.train else 'inference'}, {mode} {batch}; "
+        f"{s.per_node} ranks per node; {where}"
+    )
+
+
+def _shown(table):
+    drop = [c for c in ("global_batch",) if c in table]
+    return table.drop(columns=drop)
+
+
+def _write(args, table, notes, summary, template, network) -> None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    table.to_csv(out / "predict.csv", index=False)
+    meta = {
+        "scenario": template.cfg.to_dict(),
+        "per_node": template.per_node,
+        "network": None if network is None else network.describe(),
+        "bottleneck": summary,
+        "notes": notes,
+        "rows": json.loads(table.to_json(orient="records")),
+    }
+    (out / "predict.json").write_text(json.dumps(meta, indent=1))
+    wrote = "predict.csv, predict.json"
+    if not args.no_plots:
+        from scalelab.analysis import require_plotting
+
+        require_plotting()
+        from scalelab.analysis.predict_plots import prediction_plot
+
+        title = _header(template, network).split(";")[0].removeprefix("predict: ")
+        prediction_plot(table, out, title=title)
+        wrote += ", predict.png"
+    print(f"wrote {out}/: {wrote}")
+
+
+# --- validation ----------------------------------------------------------------------------
+def validate(args: argparse.Namespace, network) -> int:
+    from scalelab.predict.validate import validate as run_validation
+
+    v = run_validation(args.validate, args.ceilings, network)
+    pairs = ", ".join(f"{r} -> {c}" for r, c in sorted(v.ceilings.items()))
+    print(f"validate: {args.validate} (ceilings: {pairs})")
+    shown = v.table.assign(error=v.table["error_pct"].map(lambda e: f"{e:+.1f}%"))
+    shown = shown.drop(columns=["error_pct"])
+    print(shown.to_string(index=False, float_format="{:.4g}".format))
+    skipped = "; ".join(f"{n} {why}" for why, n in sorted(v.skipped.items()))
+    print(f"skipped: {skipped or 'nothing'}")
+    far = v.outside()
+    worst = v.table["error_pct"].abs().max()
+    print(
+        f"outside 15%: {len(far)} point(s): " + ", ".join(far["source"])
+        if len(far)
+        else f"every point within 15% (worst {worst:.1f}%)"
+    )
+    if args.out is not None:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        v.table.to_csv(out / "validate.csv", index=False)
+    print(v.summary())
+    return 0 if not math.isnan(v.mape()) else 2
+
+
+COMMANDS.register(
+    "predict", "performance model: time, throughput and bottleneck at N ranks; --validate"
+)(Command(add_arguments, run))

@@ -1,0 +1,108 @@
+"""Measured points the model is calibrated on, and how compute time moves with the batch.
+
+A user measures a configuration on one rank (one GPU, one core) and asks how it scales; the
+model takes that measurement's compute time as given and predicts everything else. A
+CalPoint is such a one-rank measurement: its compute seconds per iteration at its batch, the
+host time no phase accounts for, and (where the record has them) per-layer times.
+
+Compute at another batch b (strong scaling shrinks each rank's share):
+
+    t(b) = t_a + c (b - b_a)
+
+anchored at the point a of the same configuration (same named series, else the same batch,
+else the nearest), with slope c fitted by least squares over every one-rank point of the
+family (same workload, device, precision, ...) when they span two batch sizes: the intercept
+is the per-step cost that does not shrink with the batch (kernel launches on a GPU). With one
+batch size only, t is proportional to b (c = t_a / b_a).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from scalelab.predict.scenario import Scenario
+
+
+@dataclass(frozen=True)
+class CalPoint:
+    family: tuple
+    strategy: str
+    split: str | None
+    batch: int  # items per iteration on the one rank
+    compute_s: float  # compute seconds per iteration (a whole step for training summaries)
+    overhead_s: float  # per-iteration host time outside every phase
+    source: str
+    series: str | None = None
+    layer_times: tuple[tuple[str, float], ...] | None = None  # (step name, seconds)
+
+
+@dataclass(frozen=True)
+class MultiPoint:
+    """A measured multi-rank point, for the few figures only such a run shows (DDP's host
+    cost per step): the scenario it ran and its seconds per iteration."""
+
+    scenario: Scenario
+    seconds: float
+    source: str
+
+
+@dataclass
+class Pool:
+    """Measurements of one machine. `prefer`: a results file's name; when that file holds
+    points of a family, only they calibrate it (the same study, the same day)."""
+
+    singles: list[CalPoint] = field(default_factory=list)
+    multis: list[MultiPoint] = field(default_factory=list)
+    prefer: str = ""
+
+    def _own(self, points: list) -> list:
+        mine = [p for p in points if self.prefer and p.source.startswith(self.prefer)]
+        return mine or points
+
+    def extend(self, other: Pool) -> None:
+        self.singles += other.singles
+        self.multis += other.multis
+
+    def candidates(self, scenario: Scenario, spatial: bool = False) -> list[CalPoint]:
+        """One-rank points of the scenario's family; spatial models prefer spatial records."""
+        fam = self._own([p for p in self.singles if p.family == scenario.family()])
+        if spatial:
+            same = [p for p in fam if p.split == "spatial"]
+            return same or fam
+        return [p for p in fam if p.split != "spatial"] or fam
+
+    def multi(self, scenario: Scenario) -> list[MultiPoint]:
+        """Multi-rank points of the scenario's family and strategy."""
+        fam, strategy = scenario.family(), scenario.cfg.strategy
+        same = [m for m in self.multis if m.scenario.cfg.strategy == strategy]
+        return self._own([m for m in same if m.scenario.family() == fam])
+
+
+def near_miss(pool: Pool, scenario: Scenario) -> str | None:
+    """Why the closest one-rank measurement of the same workload does not calibrate this
+    scenario: the settings that differ (None when the pool has none of the workload)."""
+    from scalelab.predict.scenario import MATCH_KEYS
+
+    names = [*MATCH_KEYS, "precision", "threads"]
+    want = scenario.family()
+    same = [p for p in pool.singles if p.family[0] == want[0]]
+    if not same:
+        return None
+    diff = min(([n for n, a, b in zip(names, p.family, want) if a != b] for p in same), key=len)
+    best = next(p for p in same if [n for n, a, b in zip(names, p.family, want) if a != b] == diff)
+    shown = ", ".join(
+        f"{n} {a!r} there vs {b!r} here" for n, a, b in zip(names, best.family, want) if a != b
+    )
+    return f"{best.source} differs in {shown}"
+
+
+def batch_law(pool: Pool, scenario: Scenario, spatial: bool = False) -> BatchLaw | None:
+    points = pool.candidates(scenario, spatial)
+    if not points:
+        return None
+    a = anchor(points, scenario)
+    return BatchLaw(a, slope(points, a))

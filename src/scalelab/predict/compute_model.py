@@ -1,0 +1,112 @@
+"""Compute time of one rank's share: calibrated on a one-rank measurement where the pool has
+one, otherwise bounded below by the measured ceilings (roofline over the cost table).
+
+Roofline of layer l at batch b (per iteration; training counts 3x the forward, as FLOPs do):
+
+    t_l(b) = max(flops_l * b / F, bytes_l(b) / B)
+
+F the GEMM ceiling for the precision (CPU: NumPy's, one core per thread), B the memory copy
+ceiling, bytes_l(b) = itemsize * (b * (in + out) + params) from the cost table. It is a lower
+bound (no launch latency, no cache misses): predictions built on it say so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scalelab.config import RunConfig
+from scalelab.precision import get_precision
+from scalelab.predict.calibration import BatchLaw, Pool, batch_law, near_miss
+from scalelab.predict.figures import Figures
+from scalelab.predict.scenario import Scenario
+from scalelab.workloads.base import LayerCost, Workload
+
+
+def build_workload(cfg: RunConfig) -> Workload:
+    import scalelab.workloads  # noqa: F401  (fills WORKLOADS)
+    from scalelab.workloads.base import WORKLOADS
+
+    return WORKLOADS.get(cfg.workload)(cfg)
+
+
+def roofline_layers(scenario: Scenario, figures: Figures, batch: float) -> list[tuple[str, float]]:
+    cfg = scenario.cfg
+    costs = build_workload(cfg).cost_table()
+    threads = cfg.threads if cfg.device == "cpu" else None
+    flops = figures.gemm_flops(cfg.device, scenario.precision, threads)
+    mem = figures.mem_Bps(cfg.device, threads)
+    itemsize = get_precision(scenario.precision).itemsize
+    factor = 3.0 if cfg.train else 1.0
+    return [(c.name, factor * _layer_seconds(c, batch, itemsize, flops, mem)) for c in costs]
+
+
+def _layer_seconds(c: LayerCost, batch: float, itemsize: int, flops: float, mem: float) -> float:
+    moved = itemsize * (batch * (c.in_elems + c.out_elems) + c.params)
+    return max(c.flops * batch / flops, moved / mem)
+
+
+@dataclass
+class ComputeModel:
+    """Seconds of compute per iteration for one rank's batch, and where the figure comes from."""
+
+    scenario: Scenario
+    figures: Figures
+    law: BatchLaw | None
+    notes: list[str] = field(default_factory=list)
+
+    @classmethod
+    def build(cls, scenario: Scenario, figures: Figures, pool: Pool, spatial: bool = False):
+        law = batch_law(pool, scenario, spatial)
+        model = cls(scenario, figures, law)
+        if law is None:
+            miss = near_miss(pool, scenario)
+            why = f"the closest, {miss}" if miss else "pass --calibrate RESULTS"
+            model.notes.append(
+                "compute: roofline lower bound from the ceilings (no one-rank measurement of "
+                f"this configuration to calibrate on; {why})"
+            )
+        else:
+            model.notes.append(law.describe())
+        return model
+
+    @property
+    def calibrated(self) -> bool:
+        return self.law is not None
+
+    @property
+    def sources(self) -> dict[str, str]:
+        return {} if self.law is None else {self.law.point.source: "compute"}
+
+    @property
+    def overhead_s(self) -> float:
+        """Host time per iteration outside every phase, as measured on one rank."""
+        return 0.0 if self.law is None else self.law.point.overhead_s
+
+    def seconds(self, batch: float) -> float:
+        if self.law is not None:
+            return self.law.seconds(batch)
+        return sum(t for _, t in roofline_layers(self.scenario, self.figures, batch))
+
+    @property
+    def fixed_s(self) -> float:
+        """The calibrated per-iteration cost that does not shrink with the batch (0 for the
+        roofline and for time proportional to the batch)."""
+        if self.law is None:
+            return 0.0
+        a = self.law.point
+        return max(0.0, a.compute_s - self.law.per_item_s * a.batch)
+
+    def phases(self, batch: float) -> dict[str, float]:
+        """{"launch": the fixed part, "compute": the rest} of the compute at batch."""
+        total = self.seconds(batch)
+        fixed = min(self.fixed_s, total)
+        return {"launch": fixed, "compute": total - fixed} if fixed > 0 else {"compute": total}
+
+    def layer_times(self, batch: float) -> list[tuple[str, float]]:
+        """Per-layer seconds at batch: the anchor's measured layers scaled to its compute
+        time at batch, else roofline layers (for the shares the spatial split needs)."""
+        total = self.seconds(batch)
+        measured = self.law.point.layer_times if self.law is not None else None
+        rows = list(measured) if measured else roofline_layers(self.scenario, self.figures, batch)
+        scale = total / max(sum(t for _, t in rows), 1e-30)
+        return [(name, t * scale) for name, t in rows]

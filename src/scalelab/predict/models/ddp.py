@@ -1,0 +1,116 @@
+"""`ddp`: DistributedDataParallel training; `mpi-dp`: the same over MPI with one flat buffer.
+
+ddp, per optimizer step on N ranks with b items each:
+
+    compute    t(b), the whole one-GPU step (forward, backward, optimizer) at b per rank
+    allreduce  the gradients (P parameters x storage bytes) in DDP's buckets, each all-reduced
+               as soon as backward has produced it (gradients.py); only what outlasts
+               backward (2/3 of the step) is exposed
+    ddp_host   D, the host cost DDP adds to every step (reducer hooks, bucket bookkeeping,
+               collective launches): one GPU trains the bare model and never pays it, and
+               in a launch-bound step nothing hides it. No ceiling measures it, so it is
+               calibrated on one measured multi-GPU run (the fewest ranks, then the
+               smallest per-rank batch): D = measured - t(b) - exposed all-reduce. Without
+               such a run D = 0 and the prediction says so.
+
+mpi-dp: compute t(B/N), then one all-reduce of the flat gradient buffer over MPI (host
+buffers; staged d2h + h2d on GPUs); --nonblocking all-reduces layer by layer under backward.
+"""
+
+from __future__ import annotations
+
+from scalelab.predict.calibration import MultiPoint
+from scalelab.predict.models.base import (
+    MODELS,
+    Context,
+    StrategyModel,
+    Wire,
+    param_layers,
+    storage_bytes,
+)
+from scalelab.predict.models.gradients import DDP_FIRST_BUCKET, MiB, buckets, exposed_allreduce
+from scalelab.predict.scenario import Prediction, Scenario
+
+BACKWARD_SHARE = 2 / 3  # backward costs two forwards: 2 of a step's 3 forward-equivalents
+COMM = frozenset({"allreduce"})
+NO_HOST_COST = (
+    "DDP host cost per step not calibrated (no measured multi-GPU ddp run of this "
+    "configuration): multi-GPU times are a lower bound when the step is launch-bound"
+)
+
+
+@MODELS.register("ddp", "DistributedDataParallel: bucketed all-reduce under backward")
+class DDPModel(StrategyModel):
+    def infeasible(self, scenario: Scenario) -> str | None:
+        g = scenario.cfg.global_batch
+        if g is not None and g % scenario.ranks:
+            return f"global batch {g} does not divide over {scenario.ranks} ranks"
+        return None
+
+    def predict(self, ctx: Context, scenario: Scenario) -> Prediction:
+        pred = self.without_host(ctx, scenario)
+        if scenario.ranks > 1:
+            host, source, note = self.host_cost(ctx, scenario)
+            pred.phases["ddp_host"] = host
+            if source is not None:
+                pred.calibration[source] = "DDP host cost"
+            pred.notes.append(note)
+        return pred
+
+    def without_host(self, ctx: Context, s: Scenario) -> Prediction:
+        compute = ctx.compute(s)
+        step = compute.seconds(s.rank_batch)
+        fabric = ctx.fabric(s, self.wire(s).backend) if s.ranks > 1 else None
+        plan = buckets(param_layers(s), storage_bytes(s), DDP_FIRST_BUCKET, s.cfg.bucket_mb * MiB)
+        busy, exposed = 0.0, 0.0
+        if fabric is not None:
+            reduce = lambda n: fabric.allreduce(n, s.ranks)  # noqa: E731
+            busy, exposed = exposed_allreduce(plan, BACKWARD_SHARE * step, reduce)
+        phases = {**compute.phases(s.rank_batch), "allreduce": exposed}
+        pred = Prediction(s, phases, COMM, compute.sources, list(compute.notes))
+        pred.extra = {"allreduce_total_ms": busy * 1e3, "buckets": len(plan)}
+        return pred
+
+    def host_cost(self, ctx: Context, s: Scenario) -> tuple[float, str | None, str]:
+        """(D seconds per step, the measured run it comes from, a note)."""
+        runs = [m for m in ctx.pool.multi(s) if m.scenario.ranks > 1]
+        if not runs:
+            return 0.0, None, NO_HOST_COST
+        m: MultiPoint = min(runs, key=lambda r: (r.scenario.ranks, r.scenario.rank_batch, r.source))
+        host = max(0.0, m.seconds - self.without_host(ctx, m.scenario).seconds)
+        note = (
+            f"DDP host cost {host * 1e3:.3g} ms/step, calibrated on {m.source} "
+            f"({m.scenario.ranks} ranks, {m.scenario.rank_batch:g} per rank)"
+        )
+        return host, m.source, note
+
+
+@MODELS.register("mpi-dp", "data parallel over MPI: one flat all-reduce (or per layer)")
+class MPIDPModel(StrategyModel):
+    def wire(self, scenario: Scenario) -> Wire:
+        gpu = scenario.cfg.device == "cuda"
+        return Wire("mpi", staged=gpu, gpu=gpu)
+
+    def infeasible(self, scenario: Scenario) -> str | None:
+        if scenario.ranks > scenario.cfg.batch:
+            return f"{scenario.ranks} ranks but only {scenario.cfg.batch} items per step"
+        return None
+
+    def predict(self, ctx: Context, s: Scenario) -> Prediction:
+        compute = ctx.compute(s)
+        step = compute.seconds(-(-s.cfg.batch // s.ranks))
+        wire, layers = self.wire(s), param_layers(s)
+        fabric = ctx.fabric(s, wire.backend) if s.ranks > 1 else None
+        exposed = 0.0
+        if fabric is not None:
+            per_layer = s.cfg.nonblocking
+            cap = 0 if per_layer else float("inf")
+            plan = buckets(layers, storage_bytes(s), cap, cap)
+
+            def reduce(n: float) -> float:
+                return fabric.allreduce(n, s.ranks) + wire.stage(ctx.figures, n)
+
+            _, exposed = exposed_allreduce(plan, BACKWARD_SHARE * step, reduce)
+        phases = {**compute.phases(-(-s.cfg.batch // s.ranks)), "allreduce": exposed}
+        phases["overhead"] = compute.overhead_s
+        return Prediction(s, phases, COMM, compute.sources, list(compute.notes))

@@ -1,0 +1,131 @@
+"""`mpi`, `mpi-gpu` and `nccl` inference: one model per --split, the transport per strategy.
+
+batch (per iteration, B items over N ranks, critical path through the root):
+    scatter   root's local copy of its share (host wires: 2 B/N in / host copy bandwidth)
+              + the wire: (N-1) alpha + (N-1)/N * B in / beta     (in: bytes per input item)
+              mpi-gpu: + h2d of the share from the pageable receive buffer
+              nccl:    + h2d of the whole batch on the root first (pinned input)
+    compute   t(ceil(B / N))                                       (calibration.py)
+    gather    outputs (B/N x classes, compute dtype): d2h of the share (mpi-gpu, pinned),
+              the wire, and on nccl the root's pageable d2h of the whole output
+    overhead  the one-rank record's host time outside every phase
+--overlap (mpi-gpu) pipelines --chunks chunks: only one chunk's in- and outbound transfers
+stay exposed. broadcast: every rank gets the batch and all weights (binomial tree) and
+computes the whole batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from scalelab.predict.models.base import (
+    MODELS,
+    Context,
+    StrategyModel,
+    Wire,
+    item_bytes,
+    output_width,
+    param_layers,
+    storage_bytes,
+)
+from scalelab.predict.scenario import Prediction, Scenario
+from scalelab.registry import Registry
+
+SplitFn = Callable[[Context, Scenario, Wire], Prediction]
+SPLITS: Registry[SplitFn] = Registry("split model")
+COMM = frozenset({"scatter", "gather", "bcast", "halo", "allreduce"})
+
+
+class SplitModel(StrategyModel):
+    wire_of: Wire
+
+    def wire(self, scenario: Scenario) -> Wire:
+        return self.wire_of
+
+    def infeasible(self, scenario: Scenario) -> str | None:
+        cfg = scenario.cfg
+        if cfg.split == "batch" and scenario.ranks > cfg.batch:
+            return f"{scenario.ranks} ranks but only {cfg.batch} items in the batch"
+        if cfg.split == "spatial":
+            from scalelab.predict.models.spatial import spatial_infeasible
+
+            return spatial_infeasible(scenario)
+        return None
+
+    def predict(self, ctx: Context, scenario: Scenario) -> Prediction:
+        import scalelab.predict.models.spatial  # noqa: F401  (registers the spatial split)
+
+        return SPLITS.get(scenario.cfg.split)(ctx, scenario, self.wire(scenario))
+
+
+@MODELS.register("mpi", "CPU ranks, MPI on host buffers")
+class MPIModel(SplitModel):
+    wire_of = Wire("mpi", staged=False, gpu=False)
+
+
+@MODELS.register("mpi-gpu", "GPU ranks, MPI through pinned host staging")
+class MPIGPUModel(SplitModel):
+    wire_of = Wire("mpi", staged=True, gpu=True)
+
+
+@MODELS.register("nccl", "GPU ranks, NCCL on device buffers")
+class NCCLModel(SplitModel):
+    def wire(self, scenario: Scenario) -> Wire:
+        gpu = scenario.cfg.device == "cuda"
+        return Wire("nccl" if gpu else "gloo", staged=False, gpu=gpu)
+
+
+def scatter_in(ctx: Context, s: Scenario, wire: Wire, total: float) -> float:
+    """Root -> every rank's share of `total` input bytes, and onto the rank's device."""
+    n, f = s.ranks, ctx.figures
+    t = ctx.fabric(s, wire.backend).scatter(total, n)
+    if not wire.gpu:
+        return t + 2 * total / n / f.host_copy_Bps()
+    if wire.staged:  # MPI receives into pageable host memory, then h2d
+        return t + 2 * total / n / f.host_copy_Bps() + total / n / f.copy_Bps("h2d", "pageable")
+    return total / f.copy_Bps("h2d", "pinned") + t  # nccl: the root's pinned batch goes up first
+
+
+def gather_out(ctx: Context, s: Scenario, wire: Wire, total: float) -> float:
+    """Every rank's share of `total` output bytes -> the root's host."""
+    n, f = s.ranks, ctx.figures
+    t = ctx.fabric(s, wire.backend).scatter(total, n)
+    if wire.staged:
+        return total / n / f.copy_Bps("d2h", "pinned") + t
+    if wire.gpu:
+        return t + total / f.copy_Bps("d2h", "pageable")
+    return t
+
+
+@SPLITS.register("batch", "Scatterv the batch, compute, Gatherv")
+def batch_split(ctx: Context, s: Scenario, wire: Wire) -> Prediction:
+    cfg, n = s.cfg, s.ranks
+    compute = ctx.compute(s)
+    share = math.ceil(cfg.batch / n)
+    phases = {
+        "scatter": scatter_in(ctx, s, wire, cfg.batch * item_bytes(s)),
+        **compute.phases(share),
+        "gather": gather_out(ctx, s, wire, cfg.batch * output_width(s) * storage_bytes(s)),
+        "overhead": compute.overhead_s,
+    }
+    notes = list(compute.notes)
+    if cfg.overlap and wire.gpu:
+        chunks = max(cfg.chunks, 1)
+        phases["scatter"] /= chunks
+        phases["gather"] /= chunks
+        notes.append(f"--overlap: {chunks} chunks, one chunk's transfers exposed")
+    return Prediction(s, phases, COMM, compute.sources, notes)
+
+
+@SPLITS.register("broadcast", "every rank gets the whole batch and every weight")
+def broadcast_split(ctx: Context, s: Scenario, wire: Wire) -> Prediction:
+    cfg, n, f = s.cfg, s.ranks, ctx.figures
+    compute = ctx.compute(s)
+    weights = sum(p for _, p, _ in param_layers(s)) * storage_bytes(s)
+    total = cfg.batch * item_bytes(s) + weights
+    bcast = ctx.fabric(s, wire.backend).bcast(total, n)
+    if wire.gpu and n > 1:
+        bcast += total / f.copy_Bps("h2d", "pageable" if wire.staged else "pinned")
+    phases = {"bcast": bcast, **compute.phases(cfg.batch), "overhead": compute.overhead_s}
+    return Prediction(s, phases, COMM, compute.sources, list(compute.notes))

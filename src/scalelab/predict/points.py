@@ -1,0 +1,184 @@
+"""Measured points found in a results folder, recognised by content rather than file name.
+
+Recognised: scalelab run records (one JSON object per line; the time of one iteration or
+optimizer step), DDP scaling summaries (benchmarks/ddp_scaling.py: {"rows": [{config, gpus,
+per_gpu, global, ours, plain}]}; `ours` is scalelab's ddp, `plain` a hand-written baseline
+the model does not describe), the pipeline benchmark's summary record (one-GPU step times to
+calibrate on) and ceilings files. Anything else is counted, with the reason, and passed over.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from scalelab.config import RunConfig
+from scalelab.predict.calibration import CalPoint, MultiPoint, Pool
+from scalelab.predict.scenario import PER_RANK_BATCH, Scenario
+
+CEILINGS = "scalelab.ceilings/1"
+RUN = "scalelab.run/1"
+# What benchmarks/ddp_scaling.py runs (its summary rows do not repeat it).
+DDP_SUMMARY = {"workload": "resnet18", "amp": "bf16", "channels_last": True}
+
+
+@dataclass(frozen=True)
+class Measured:
+    scenario: Scenario
+    seconds: float  # per iteration (inference) or optimizer step (training)
+    source: str  # file:line or file[row]
+    origin: Path  # the file, to pair it with the ceilings of its machine
+
+
+@dataclass
+class Found:
+    points: list[Measured] = field(default_factory=list)
+    pools: dict[Path, Pool] = field(default_factory=dict)  # per file
+    ceilings: dict[Path, dict[str, Any]] = field(default_factory=dict)
+    skipped: Counter = field(default_factory=Counter)
+
+    def pool(self, origin: Path) -> Pool:
+        return self.pools.setdefault(origin, Pool())
+
+
+def discover(root: Path) -> Found:
+    files = sorted([*root.rglob("*.jsonl"), *root.rglob("*.json")]) if root.is_dir() else [root]
+    found = Found()
+    for path in files:
+        objects = _objects(path)
+        if objects is None:
+            found.skipped[f"not JSON: {path.name}"] += 1
+            continue
+        for where, obj in objects:
+            _classify(found, path, where, obj)
+    return found
+
+
+def _objects(path: Path) -> list[tuple[str, Any]] | None:
+    text = path.read_text(errors="replace")
+    try:
+        if path.suffix == ".jsonl":
+            lines = [(n, ln) for n, ln in enumerate(text.splitlines(), 1) if ln.strip()]
+            return [(f"{path.name}:{n}", json.loads(ln)) for n, ln in lines]
+        return [(path.name, json.loads(text))]
+    except json.JSONDecodeError:
+        return None
+
+
+def _classify(found: Found, path: Path, where: str, obj: Any) -> None:
+    schema = obj.get("schema") if isinstance(obj, dict) else None
+    if schema == CEILINGS:
+        found.ceilings[path] = obj
+    elif isinstance(obj, dict) and _is_ddp_summary(obj):
+        _ddp_summary(found, path, obj)
+    elif schema == RUN and obj.get("kind") == "pipeline_vgg_summary":
+        _pipeline_summary(found, path, where, obj)
+    elif schema == RUN:
+        _run_record(found, path, where, obj)
+    elif isinstance(schema, str) and schema.startswith("scalelab.bench/"):
+        found.skipped["bench records (one GPU, fast path: no scaling)"] += 1
+    else:
+        found.skipped[f"in no known format: {path.name}"] += 1
+
+
+# --- run records -----------------------------------------------------------------------------
+def _run_record(found: Found, path: Path, where: str, rec: dict[str, Any]) -> None:
+    from scalelab.analysis.frame import per_iteration, phase_scale, run_config
+    from scalelab.predict.models import MODELS
+
+    if rec.get("status", "ok") != "ok" or "wall_s" not in rec:
+        found.skipped["failed runs"] += 1
+        return
+    cfg = run_config(rec)
+    ranks = int(rec.get("ranks") or cfg.ranks)
+    scenario = Scenario(cfg, ranks, per_node=ranks)  # a record's ranks shared one host
+    seconds = _step_seconds(rec, cfg, per_iteration(rec)[1])
+    if ranks == 1:
+        found.pool(path).singles.append(_cal_point(rec, scenario, seconds, phase_scale(rec), where))
+    elif cfg.strategy in PER_RANK_BATCH:
+        found.pool(path).multis.append(MultiPoint(scenario, seconds, where))
+    if cfg.strategy not in MODELS:
+        found.skipped[f"{cfg.strategy} runs (no model of that strategy)"] += 1
+        return
+    found.points.append(Measured(scenario, seconds, where, path))
+
+
+def _step_seconds(rec: dict[str, Any], cfg: RunConfig, default: float) -> float:
+    steady = (rec.get("pipeline") or {}).get("steady_throughput")
+    return cfg.batch / steady if steady else default
+
+
+def _cal_point(rec: dict, s: Scenario, seconds: float, scale: float, where: str) -> CalPoint:
+    """A one-rank record as a calibration point: a training step counts whole; an inference
+    iteration counts its compute phase, and the host time outside every phase separately."""
+    if s.cfg.train:
+        return CalPoint(
+            s.family(), s.cfg.strategy, s.cfg.split, round(s.rank_batch), seconds, 0.0, where
+        )
+    phases = {k: v * scale for k, v in (rec.get("phases") or {}).items()}
+    compute = phases.get("compute", seconds)
+    overhead = max(0.0, seconds - sum(phases.values()))
+    split = s.cfg.split if s.cfg.strategy in ("mpi", "mpi-gpu", "nccl") else None
+    layers = _layer_times(rec, s) if split == "spatial" else _per_layer(rec)
+    return CalPoint(
+        s.family(), s.cfg.strategy, split, s.cfg.batch, compute, overhead, where, None, layers
+    )
+
+
+def _layer_times(rec: dict, s: Scenario) -> tuple | None:
+    from scalelab.predict.models.spatial import timeline_layers, trunk_of
+
+    return _per_layer(rec) or timeline_layers(rec, trunk_of(s))
+
+
+def _per_layer(rec: dict) -> tuple | None:
+    from scalelab.analysis.frame import layer_rows
+
+    rows = layer_rows(rec)
+    return tuple((r["name"], float(r["seconds"])) for r in rows if r.get("seconds")) or None
+
+
+# --- summaries -------------------------------------------------------------------------------
+def _is_ddp_summary(obj: dict) -> bool:
+    rows = obj.get("rows")
+    need = {"config", "gpus", "per_gpu", "global", "ours"}
+    return isinstance(rows, list) and bool(rows) and all(need <= set(r) for r in rows)
+
+
+def _ddp_summary(found: Found, path: Path, obj: dict) -> None:
+    for i, row in enumerate(obj["rows"]):
+        gpus, name = int(row["gpus"]), str(row["config"])
+        strong = name.startswith("strong")
+        cfg = RunConfig(
+            workload=obj.get("workload", DDP_SUMMARY["workload"]), strategy="ddp", device="cuda",
+            train=True, amp=obj.get("amp", DDP_SUMMARY["amp"]), batch=int(row["per_gpu"]),
+            global_batch=int(row["global"]) if strong else None, ranks=gpus,
+            channels_last=obj.get("channels_last", DDP_SUMMARY["channels_last"]),
+        )  # fmt: skip
+        s = Scenario(cfg, gpus, per_node=gpus, series=name)
+        seconds, where = row["global"] / row["ours"], f"{path.name}[{i}] {name} x{gpus}"
+        if gpus == 1:
+            found.pool(path).singles.append(
+                CalPoint(s.family(), "ddp", None, int(row["per_gpu"]), seconds, 0.0, where, name)
+            )
+        else:
+            found.pool(path).multis.append(MultiPoint(s, seconds, where))
+        found.points.append(Measured(s, seconds, where, path))
+        if "plain" in row:
+            found.skipped["plain-DDP baseline rows (not a scalelab strategy)"] += 1
+
+
+def _pipeline_summary(found: Found, path: Path, where: str, rec: dict) -> None:
+    """One-GPU training steps of the pipeline benchmark's model: calibration only."""
+    for batch, img_s in (rec.get("plain_img_s") or {}).items():
+        cfg = RunConfig(
+            workload="vgg16", strategy="local", device="cuda", train=True, dtype="bf16",
+            channels_last=True, batch=int(batch),
+        )  # fmt: skip
+        s = Scenario(cfg, 1, 1)
+        seconds = int(batch) / float(img_s)
+        point = CalPoint(s.family(), "local", None, int(batch), seconds, 0.0, f"{where} b{batch}")
+        found.pool(path).singles.append(point)

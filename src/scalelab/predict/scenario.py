@@ -1,0 +1,117 @@
+"""What is predicted (a Scenario: a run config at N ranks) and what comes back (a Prediction:
+seconds per iteration on the critical path, phase by phase)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from scalelab.config import RunConfig
+
+# Config fields that must agree between a measurement and a scenario it calibrates (the rest
+# are bookkeeping or the strategy's own communication choices).
+MATCH_KEYS = (
+    "workload",
+    "device",
+    "train",
+    "image_size",
+    "num_classes",
+    "hidden",
+    "convs",
+    "fcs",
+    "channels_last",
+    "compile",
+    "fast",
+    "swap_relu_pool",
+)
+# Strategies whose --batch counts items per rank (the rest: all ranks together).
+PER_RANK_BATCH = frozenset({"ddp"})
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """cfg at `ranks` ranks with `per_node` ranks on each node (GPUs per node, or CPU ranks
+    per node). `series`: a named configuration (a summary's "weak-512") to calibrate
+    against, when the measurement has one."""
+
+    cfg: RunConfig
+    ranks: int
+    per_node: int
+    nics: int | None = None  # network ports per node; None: one per rank on GPUs, 1 on CPUs
+    series: str | None = None
+
+    @property
+    def precision(self) -> str:
+        return self.cfg.amp or self.cfg.dtype
+
+    @property
+    def global_batch(self) -> int:
+        cfg = self.cfg
+        if cfg.strategy in PER_RANK_BATCH:
+            return cfg.global_batch if cfg.global_batch is not None else cfg.batch * self.ranks
+        return cfg.batch
+
+    @property
+    def strong(self) -> bool:
+        """Strong scaling: the global batch stays fixed as ranks grow."""
+        return self.cfg.strategy not in PER_RANK_BATCH or self.cfg.global_batch is not None
+
+    @property
+    def rank_batch(self) -> float:
+        """Mean items per rank per iteration."""
+        return self.global_batch / self.ranks
+
+    @property
+    def nodes(self) -> int:
+        return math.ceil(self.ranks / self.per_node)
+
+    @property
+    def nics_per_node(self) -> int:
+        if self.nics is not None:
+            return self.nics
+        return self.per_node if self.cfg.device == "cuda" else 1
+
+    def family(self) -> tuple:
+        """What a calibration measurement must share with this scenario (unset sizes read as
+        the workload's native ones)."""
+        cfg = self.cfg
+        keys = [_native(cfg, k) for k in MATCH_KEYS]
+        threads = cfg.threads if cfg.device == "cpu" else None
+        return (*keys, self.precision, threads)
+
+    def at(self, ranks: int) -> Scenario:
+        return dataclasses.replace(
+            self, ranks=ranks, cfg=dataclasses.replace(self.cfg, ranks=ranks)
+        )
+
+
+def _native(cfg: RunConfig, key: str):
+    value = getattr(cfg, key)
+    if value is None and key in ("image_size", "num_classes"):
+        from scalelab.predict.compute_model import build_workload
+
+        return getattr(build_workload(cfg), key)
+    return value
+
+
+@dataclass
+class Prediction:
+    """Seconds per iteration (inference) or optimizer step (training), phase by phase along
+    the critical path; `comm_phases` names the phases that cross ranks."""
+
+    scenario: Scenario
+    phases: dict[str, float]
+    comm_phases: frozenset[str] = frozenset()
+    calibration: dict[str, str] = field(default_factory=dict)  # measured point -> what it set
+    notes: list[str] = field(default_factory=list)
+    feasible: str | None = None  # why the scenario cannot run (None: it can)
+    extra: dict[str, float] = field(default_factory=dict)  # more columns for the table
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.phases.values())
+
+    @property
+    def throughput(self) -> float:
+        return self.scenario.global_batch / self.seconds if self.seconds > 0 else math.nan

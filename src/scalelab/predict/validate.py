@@ -1,0 +1,130 @@
+"""Every measured point under a folder against the model: predicted vs measured time, the error
+per point and the mean absolute percentage error, with the calibration points named.
+
+Each results file is paired with the ceilings of its machine: --ceilings when given; else
+the ceilings file in the folder whose name shares the most with the results file's name
+(mpi_scaling_h200x2.jsonl -> ceilings_h200x2.json); else the only one. A point is predicted
+from the measurements of its own machine only; the one-rank points it is calibrated on (and
+the multi-GPU run that sets DDP's host cost) match by construction and are marked, and the
+MAPE is also given over the points that calibrated nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from difflib import SequenceMatcher
+from pathlib import Path
+
+import pandas as pd
+
+from scalelab.errors import UsageError
+from scalelab.predict.calibration import Pool
+from scalelab.predict.figures import Figures
+from scalelab.predict.frame import predict_one
+from scalelab.predict.models import Context
+from scalelab.predict.network import NetworkProfile
+from scalelab.predict.points import Found, Measured, discover
+
+LIMIT = 0.15  # the issue's per-point bound: within 15 % of the measured time
+
+
+@dataclass
+class Validation:
+    table: pd.DataFrame
+    skipped: dict[str, int]
+    ceilings: dict[str, str]  # results file -> ceilings file used
+
+    def mape(self, predicted_only: bool = False) -> float:
+        t = self.table[self.table["role"] == "predicted"] if predicted_only else self.table
+        return float(t["error_pct"].abs().mean()) if len(t) else math.nan
+
+    def summary(self) -> str:
+        """The last line: `MAPE: 4.1% (12 points; 7 not used for calibration: 5.3%)`."""
+        n, k = len(self.table), int((self.table["role"] == "predicted").sum())
+        rest = f"{k} not used for calibration: {self.mape(True):.1f}%"
+        return f"MAPE: {self.mape():.1f}% ({n} points; {rest})"
+
+    def outside(self) -> pd.DataFrame:
+        return self.table[self.table["error_pct"].abs() > 100 * LIMIT]
+
+
+def validate(root: str | Path, ceilings: str | None, network: NetworkProfile | None) -> Validation:
+    root = Path(root)
+    if not root.exists():
+        raise UsageError(f"{root}: no such results file or folder")
+    found = discover(root)
+    if not found.points:
+        raise UsageError(
+            f"{root}: no measured point the model covers (skipped: {dict(found.skipped)})"
+        )
+    explicit = _explicit(ceilings)
+    pairs = {p.origin: explicit or _pair(p.origin, found) for p in found.points}
+    rows = []
+    for origin, (cpath, cdata) in sorted(pairs.items()):
+        pool = _pool(found, pairs, cpath)
+        pool.prefer = origin.name
+        ctx = Context(Figures(cdata, str(cpath)), network, pool)
+        for point in (p for p in found.points if p.origin == origin):
+            row = _row(ctx, point)
+            if row is None:
+                found.skipped["points whose configuration the model does not cover"] += 1
+            else:
+                rows.append(row)
+    used = {str(o.name): str(c.name) for o, (c, _) in pairs.items()}
+    return Validation(pd.DataFrame(rows), dict(found.skipped), used)
+
+
+def _explicit(path: str | None):
+    if path is None:
+        return None
+    from scalelab.instrument.ceilings import read_ceilings
+
+    return Path(path), read_ceilings(path)
+
+
+def _pair(origin: Path, found: Found):
+    if not found.ceilings:
+        raise UsageError(
+            f"no ceilings file for {origin.name}: give --ceilings or put the machine's "
+            "ceilings.json (from `scalelab ceilings`) in the folder"
+        )
+    best = max(
+        found.ceilings, key=lambda c: (SequenceMatcher(None, c.stem, origin.stem).ratio(), str(c))
+    )
+    return best, found.ceilings[best]
+
+
+def _pool(found: Found, pairs: dict, cpath: Path) -> Pool:
+    """Every file's measurements that were made on the same machine (same ceilings)."""
+    pool = Pool()
+    for origin, (c, _) in pairs.items():
+        if c == cpath and origin in found.pools:
+            pool.extend(found.pools[origin])
+    return pool
+
+
+def _row(ctx: Context, point: Measured) -> dict | None:
+    pred = predict_one(ctx, point.scenario)
+    if pred.feasible is not None:
+        return None
+    s, cfg = point.scenario, point.scenario.cfg
+    role = pred.calibration.get(point.source)
+    return {
+        "source": point.source,
+        "workload": cfg.workload,
+        "strategy": _strategy_label(cfg),
+        "ranks": s.ranks,
+        "rank_batch": int(s.rank_batch) if float(s.rank_batch).is_integer() else s.rank_batch,
+        "measured_ms": point.seconds * 1e3,
+        "predicted_ms": pred.seconds * 1e3,
+        "error_pct": 100 * (pred.seconds / point.seconds - 1),
+        "role": f"calibration ({role})" if role else "predicted",
+    }
+
+
+def _strategy_label(cfg) -> str:
+    label = cfg.strategy
+    if cfg.strategy in ("mpi", "mpi-gpu", "nccl"):
+        label += f" --split {cfg.split}" + (" --overlap" if cfg.overlap else "")
+    return label

@@ -1,0 +1,259 @@
+"""`scalelab predict`: the model against the checked-in measurements (tests/fixtures/predict,
+copies of benchmarks/results), the communication model against hand formulas, and the CLI's
+bad-input errors."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from scalelab.config import RunConfig
+from scalelab.predict.comm_model import (
+    Fabric,
+    Link,
+    flat_allreduce,
+    hierarchical_allreduce,
+    ring_allreduce,
+    ring_link_from_fit,
+    tree_allreduce,
+)
+from scalelab.predict.figures import Figures
+from scalelab.predict.models.gradients import Bucket, buckets, exposed_allreduce
+from scalelab.predict.models.model_parallel import balanced_loads
+from scalelab.predict.models.spatial import halo_bytes, trunk_of
+from scalelab.predict.network import NETWORKS, load_network
+from scalelab.predict.scenario import Scenario
+from scalelab.predict.validate import validate
+from scalelab.strategies.halo import plan_trunk
+
+FIXTURES = Path(__file__).parent / "fixtures" / "predict"
+CEILINGS = FIXTURES / "ceilings_h200x2.json"
+
+
+@pytest.fixture(scope="module")
+def validation():
+    return validate(FIXTURES, None, None)
+
+
+# --- the done-when criterion on the committed measurements -------------------------------------
+def test_validate_meets_the_issue_bound(validation):
+    t = validation.table
+    assert len(t) == 14
+    assert validation.mape() <= 10.0
+    assert validation.mape(predicted_only=True) <= 10.0
+    assert t["error_pct"].abs().max() <= 15.0, t[["source", "error_pct"]]
+    assert validation.outside().empty
+
+
+def test_calibration_points_are_named(validation):
+    roles = validation.table.set_index("source")["role"]
+    assert (roles == "predicted").sum() == 8
+    assert roles["ddp_scaling_h200x2.json[3] weak-128 x2"] == "calibration (DDP host cost)"
+    assert roles["mpi_scaling_h200x2.jsonl:1"] == "calibration (compute)"
+    assert roles["mpi_scaling_h200x2.jsonl:4"] == "predicted"  # alexnet, 8 ranks
+    assert roles["mpi_scaling_h200x2.jsonl:8"] == "predicted"  # nccl: calibrated on mpi-gpu
+    # a point that calibrated its own prediction matches exactly (the DDP rows are whole steps)
+    ddp_cal = validation.table[validation.table["role"] != "predicted"]
+    assert ddp_cal[ddp_cal["workload"] == "resnet18"]["error_pct"].abs().max() < 1e-9
+
+
+def test_skipped_files_are_counted(validation):
+    skipped = validation.skipped
+    assert skipped["failed runs"] == 1
+    assert skipped["bench records (one GPU, fast path: no scaling)"] == 1
+    assert skipped["plain-DDP baseline rows (not a scalelab strategy)"] == 6
+    assert skipped["in no known format: mpi_scaling_h200x2_summary.json"] == 1
+
+
+def test_files_are_found_by_content_not_name(tmp_path, validation):
+    for i, src in enumerate(sorted(FIXTURES.rglob("*.json*"))):
+        shutil.copy(src, tmp_path / f"file{i}{src.suffix}")
+    again = validate(tmp_path, str(CEILINGS), None)
+    assert again.mape() == pytest.approx(validation.mape())
+
+
+def test_a_four_gpu_summary_row_is_predicted(tmp_path):
+    """A ddp_scaling_h200x4.json with 4-GPU rows is validated without code changes."""
+    summary = json.loads((FIXTURES / "ddp_scaling_h200x2.json").read_text())
+    four = {"config": "weak-512", "gpus": 4, "per_gpu": 512, "global": 2048, "ours": 150000.0}
+    summary["rows"].append(four)
+    (tmp_path / "ddp_scaling_h200x4.json").write_text(json.dumps(summary))
+    shutil.copy(CEILINGS, tmp_path / "ceilings_h200x4.json")
+    t = validate(tmp_path, None, None).table.set_index("source")
+    row = t.loc["ddp_scaling_h200x4.json[6] weak-512 x4"]
+    assert row["ranks"] == 4 and row["role"] == "predicted"
+    assert row["measured_ms"] == pytest.approx(2048 / 150000.0 * 1e3)
+
+
+def test_halo_volumes_match_the_records_byte_for_byte():
+    """The halo plan the model uses moves exactly the bytes each rank's record counted."""
+    lines = (FIXTURES / "mpi_scaling_h200x2.jsonl").read_text().splitlines()
+    for rec in map(json.loads, lines):
+        if rec["workload"] != "alexnet" or rec["ranks"] == 1:
+            continue
+        s = Scenario(
+            RunConfig(workload="alexnet", strategy="mpi", split="spatial", batch=32), 1, 32
+        )
+        s = s.at(rec["ranks"])
+        trunk = trunk_of(s)
+        got = halo_bytes(s, trunk, plan_trunk(trunk.geometries(), s.ranks))
+        per_rank = [sum(layer[r] for layer in got) for r in range(s.ranks)]
+        assert per_rank == [b.get("halo", 0) for b in rec["rank_bytes"]]
+
+
+# --- communication model against hand formulas -------------------------------------------------
+def test_ring_and_tree_allreduce_closed_form():
+    link = Link(alpha_s=1e-5, beta_Bps=1e10)
+    # ring: 2(N-1) alpha + 2(N-1)/N n/beta = 14e-5 + 1.75e-2
+    assert ring_allreduce(1e8, 8, link) == pytest.approx(2 * 7 * 1e-5 + 2 * 7 / 8 * 1e8 / 1e10)
+    # tree: 2 log2(N) alpha + 2 n / beta
+    assert tree_allreduce(1e8, 8, link) == pytest.approx(2 * 3 * 1e-5 + 2 * 1e8 / 1e10)
+    assert flat_allreduce(1e8, 8, link) == pytest.approx(0.01764)  # the ring is faster here
+    assert flat_allreduce(8, 1024, link) == pytest.approx(2 * 10 * 1e-5 + 16 / 1e10)  # tree
+    assert ring_allreduce(1e8, 1, link) == 0.0
+
+
+def test_ring_link_reproduces_the_measured_fit():
+    """Read back as a ring, a fit measured on p ranks gives alpha + n/beta again at p."""
+    for p in (2, 4, 8):
+        link = ring_link_from_fit(3e-5, 3.5e11, p)
+        assert ring_allreduce(1e7, p, link) == pytest.approx(3e-5 + 1e7 / 3.5e11)
+
+
+def test_hierarchical_allreduce_closed_form():
+    intra, inter = Link(1e-6, 1e11), Link(5e-6, 2.5e10)
+    inside = 2 * 7 * 1e-6 + 2 * 7 / 8 * 1e8 / 1e11  # reduce-scatter + all-gather over 8 GPUs
+    across = 2 * 3 * 5e-6 + 2 * 3 / 4 * (1e8 / 8) / 2.5e10  # ring over 4 nodes of n/8
+    assert hierarchical_allreduce(1e8, 8, 4, intra, inter) == pytest.approx(inside + across)
+    fabric = Fabric(intra, Link(1e-6, 1e11), inter, per_node=8)
+    assert fabric.allreduce(1e8, 32) == pytest.approx(inside + across)
+    assert fabric.allreduce(1e8, 8) == pytest.approx(ring_allreduce(1e8, 8, intra))
+
+
+def test_network_profile_becomes_the_inter_node_link():
+    fig = Figures(json.loads(CEILINGS.read_text()), str(CEILINGS))
+    ndr = NETWORKS.get("ndr400")
+    fabric = fig.fabric("nccl", per_node=8, network=ndr, nics=8)
+    alpha, beta = fig.data["comm"]["nccl"]["allreduce"]["alpha_s"], 50e9
+    assert fabric.intra_ring == Link(alpha / 2, fig.data["comm"]["nccl"]["allreduce"]["beta_Bps"])
+    # datasheet latency + the library's measured per-step cost; one 400 Gb/s port per GPU
+    assert fabric.inter == Link(1e-6 + alpha / 2, beta)
+    assert fig.fabric("nccl", 8, ndr, nics=2).inter.beta_Bps == pytest.approx(beta / 4)
+
+
+def test_measured_network_file(tmp_path):
+    path = tmp_path / "ib.json"
+    path.write_text(json.dumps({"alpha_s": 2e-6, "beta_Bps": 2e10}))
+    net = load_network(str(path))
+    assert net.measured and net.latency_s == 2e-6 and net.bw_Bps == 2e10
+    fig = Figures(json.loads(CEILINGS.read_text()), str(CEILINGS))
+    assert fig.fabric("nccl", 8, net, nics=8).inter == Link(2e-6, 2e10)  # nothing added
+
+
+def test_buckets_and_overlap():
+    # backward order: l2 (3/4 of the FLOPs) first; the first bucket closes at 1000 bytes
+    plan = buckets([("l1", 100, 10), ("l2", 300, 30)], 4, first=1000, cap=2000)
+    assert plan == [Bucket(1200, 0.75), Bucket(400, 1.0)]
+    two = [Bucket(4e6, 0.5), Bucket(4e6, 1.0)]
+    assert exposed_allreduce(two, 1.0, lambda n: 0.3) == pytest.approx((0.6, 0.3))
+    assert exposed_allreduce(two, 1.0, lambda n: 0.8) == pytest.approx((1.6, 1.1))
+
+
+def test_balanced_pipeline_stages():
+    assert balanced_loads([1, 1, 1, 1, 4], 2) == ([4, 4], [3])
+    loads, cuts = balanced_loads([5, 1, 1, 1, 1, 1], 3)
+    assert max(loads) == 5 and len(cuts) == 2
+
+
+# --- the CLI -----------------------------------------------------------------------------------
+def _usage_error(result, needle):
+    code, out, err = result
+    assert code == 2, (code, out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], err
+    assert "Traceback" not in err
+
+
+def test_cli_validate_ends_with_mape(cli):
+    code, out, err = cli("predict", "--validate", FIXTURES)
+    assert code == 0, err
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("MAPE: ") and "not used for calibration" in last
+    assert float(last.split()[1].rstrip("%")) <= 10.0
+    assert "every point within 15%" in out
+
+
+def test_cli_predicts_up_to_1024_gpus(cli, tmp_path):
+    ranks = ",".join(str(2**i) for i in range(11))
+    code, out, err = cli(
+        "predict", "resnet18", "--strategy", "ddp", "--ranks", ranks, "--gpus-per-node", 8,
+        "--ceilings", CEILINGS, "--network", "ndr400", "--batch", 512, "--amp", "bf16",
+        "--channels-last", "--calibrate", FIXTURES, "-o", tmp_path,
+    )  # fmt: skip
+    assert code == 0, err
+    assert "DDP host cost 2.38 ms/step" in out and "weak-512 x1" in out
+    rows = json.loads((tmp_path / "predict.json").read_text())["rows"]
+    assert [r["ranks"] for r in rows] == [2**i for i in range(11)]
+    assert rows[-1]["nodes"] == 128 and 0 < rows[-1]["efficiency"] < 1
+    assert rows[0]["ms"] == pytest.approx(10.832, rel=1e-3)  # the weak-512 1-GPU measurement
+    assert (tmp_path / "predict.png").stat().st_size < 200_000
+
+
+def test_cli_without_calibration_says_roofline(cli):
+    code, out, _ = cli(
+        "predict", "alexnet", "--strategy", "mpi", "--split", "spatial", "--batch", 32,
+        "--ranks", "1,2,16", "--ceilings", CEILINGS,
+    )  # fmt: skip
+    assert code == 0
+    assert "roofline lower bound" in out
+    assert "not runnable" in out  # 16 ranks: a slab thinner than the c2 halo
+
+
+def test_cli_bad_network(cli):
+    _usage_error(
+        cli("predict", "resnet18", "--strategy", "ddp", "--ceilings", CEILINGS, "--network", "x9"),
+        "unknown network profile 'x9'",
+    )
+
+
+def test_cli_unmodelled_strategy(cli):
+    _usage_error(
+        cli("predict", "resnet18", "--strategy", "serial", "--ceilings", CEILINGS),
+        "no model of strategy 'serial'",
+    )
+
+
+def test_cli_missing_ceilings_figure_names_it_and_how(cli, tmp_path):
+    data = json.loads(CEILINGS.read_text())
+    del data["comm"]["nccl"]
+    partial = tmp_path / "ceilings.json"
+    partial.write_text(json.dumps(data))
+    result = cli(
+        "predict", "resnet18", "--strategy", "ddp", "--ranks", "1,2", "--ceilings", partial
+    )
+    _usage_error(result, "comm.nccl.allreduce")
+    assert "scalelab ceilings --ranks 2 --backend nccl" in result[2]
+
+
+def test_cli_multi_node_needs_a_network(cli):
+    _usage_error(
+        cli("predict", "resnet18", "--strategy", "ddp", "--ranks", "16", "--ceilings", CEILINGS),
+        "give --network",
+    )
+
+
+def test_cli_no_ceilings_says_how_to_measure(cli, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _usage_error(cli("predict", "resnet18", "--strategy", "ddp"), "scalelab ceilings")
+
+
+def test_bottleneck_is_named_per_row(cli):
+    code, out, _ = cli(
+        "predict", "charcnn", "--strategy", "nccl", "--split", "spatial", "--batch", 1024,
+        "--ranks", "1,16", "--ceilings", CEILINGS, "--network", "ndr400",
+    )  # fmt: skip
+    assert code == 0
+    assert "compute-bound: compute" in out
+    bottleneck = next(line for line in out.splitlines() if line.startswith("bottleneck:"))
+    assert "network-bound past 1 ranks: all-reduce" in bottleneck
