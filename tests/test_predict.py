@@ -86,6 +86,30 @@ def test_a_four_gpu_summary_row_is_predicted(tmp_path):
     assert row["measured_ms"] == pytest.approx(2048 / 150000.0 * 1e3)
 
 
+def test_new_summary_format_and_comm_only_ceilings(tmp_path):
+    """The multi-GPU study's layout: rows naming their workload (ours ran --fast), plain None
+    past 2 GPUs, a partial file beside the complete one, and a --comm-only ceilings file:
+    points needing a figure it lacks are passed over, naming the figure and the command."""
+    summary = json.loads((FIXTURES / "ddp_scaling_h200x2.json").read_text())
+    rows = [{**r, "workload": "resnet18"} for r in summary["rows"]]
+    rows.append({**rows[0], "gpus": 4, "global": 2048, "ours": 150000.0, "plain": None})
+    (tmp_path / "ddp_scaling.json").write_text(json.dumps({"rows": rows}))
+    (tmp_path / "ddp_scaling.partial.json").write_text(json.dumps({"rows": rows, "partial": 1}))
+    shutil.copy(FIXTURES / "mpi_scaling_h200x2.jsonl", tmp_path / "runs.jsonl")
+    full = json.loads(CEILINGS.read_text())
+    comm_only = {"schema": full["schema"], "comm": {"nccl": full["comm"]["nccl"]}}
+    (tmp_path / "ceilings_nccl_x4.json").write_text(json.dumps(comm_only))
+    v = validate(tmp_path, None, None)
+    assert set(v.table["workload"]) == {"resnet18"} and len(v.table) == 7
+    four = v.table.set_index("source").loc["ddp_scaling.json[6] weak-512 x4"]
+    assert four["role"] == "predicted"  # calibrated on the same file's --fast 1-GPU row
+    assert v.skipped["partial summary beside a complete one: ddp_scaling.partial.json"] == 1
+    assert v.skipped["plain-DDP baseline rows (not a scalelab strategy)"] == 6
+    lacking = {why: n for why, n in v.skipped.items() if "cannot be predicted" in why}
+    assert sum(lacking.values()) == 8  # every run record needs MPI or PCIe figures
+    assert any("comm.mpi.allreduce" in w and "--backend mpi --comm-only" in w for w in lacking)
+
+
 def test_halo_volumes_match_the_records_byte_for_byte():
     """The halo plan the model uses moves exactly the bytes each rank's record counted."""
     lines = (FIXTURES / "mpi_scaling_h200x2.jsonl").read_text().splitlines()

@@ -13,6 +13,7 @@ import pandas as pd
 from scalelab.analysis import require
 
 PHASE_COLORS = {
+    "launch": "#a1c9f4",
     "compute": "#4c72b0",
     "overhead": "#8c8c8c",
     "ddp_host": "#b0b0b0",

@@ -82,6 +82,53 @@ class Pool:
         return self._own([m for m in same if m.scenario.family() == fam])
 
 
+def anchor(points: list[CalPoint], scenario: Scenario) -> CalPoint:
+    """The one-rank point of the same configuration: same series, else the batch one rank
+    ran in the scaling series (strong: the global batch; weak: the per-rank batch), else the
+    nearest batch."""
+    if scenario.series is not None:
+        named = [p for p in points if p.series == scenario.series]
+        if named:
+            return named[0]
+    target = scenario.global_batch if scenario.strong else scenario.rank_batch
+    return min(points, key=lambda p: (abs(math.log(p.batch / target)), p.source))
+
+
+def slope(points: Iterable[CalPoint], a: CalPoint) -> float:
+    """Seconds per item: least squares over the family's batches, within [0, t_a / b_a]."""
+    by_batch: dict[int, list[float]] = {}
+    for p in points:
+        by_batch.setdefault(p.batch, []).append(p.compute_s)
+    proportional = a.compute_s / a.batch
+    if len(by_batch) < 2:
+        return proportional
+    b = np.array(list(by_batch), dtype=np.float64)
+    t = np.array([float(np.median(v)) for v in by_batch.values()])
+    c = float(np.polyfit(b, t, 1)[0])
+    return min(max(c, 0.0), proportional)
+
+
+@dataclass(frozen=True)
+class BatchLaw:
+    """t(b) = t_a + c (b - b_a), never below c b (a negative intercept is not physical)."""
+
+    point: CalPoint
+    per_item_s: float
+
+    def seconds(self, batch: float) -> float:
+        a = self.point
+        return max(a.compute_s + self.per_item_s * (batch - a.batch), self.per_item_s * batch)
+
+    def describe(self) -> str:
+        a = self.point
+        fixed = a.compute_s - self.per_item_s * a.batch
+        return (
+            f"compute calibrated on {a.source} ({a.strategy}, 1 rank, batch {a.batch}: "
+            f"{a.compute_s * 1e3:.4g} ms; {self.per_item_s * 1e6:.4g} us/item + "
+            f"{fixed * 1e3:.3g} ms/iteration)"
+        )
+
+
 def near_miss(pool: Pool, scenario: Scenario) -> str | None:
     """Why the closest one-rank measurement of the same workload does not calibrate this
     scenario: the settings that differ (None when the pool has none of the workload)."""

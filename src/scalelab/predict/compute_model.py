@@ -5,9 +5,10 @@ Roofline of layer l at batch b (per iteration; training counts 3x the forward, a
 
     t_l(b) = max(flops_l * b / F, bytes_l(b) / B)
 
-F the GEMM ceiling for the precision (CPU: NumPy's, one core per thread), B the memory copy
-ceiling, bytes_l(b) = itemsize * (b * (in + out) + params) from the cost table. It is a lower
-bound (no launch latency, no cache misses): predictions built on it say so.
+F the GEMM ceiling for the precision (CPU ranks: the ceilings' NumPy float64 GEMM, one core
+per thread), B the memory copy ceiling, bytes_l(b) = itemsize * (b * (in + out) + params)
+from the cost table. It is a lower bound (no launch latency, no cache misses): predictions
+built on it say so.
 """
 
 from __future__ import annotations
@@ -68,10 +69,6 @@ class ComputeModel:
         else:
             model.notes.append(law.describe())
         return model
-
-    @property
-    def calibrated(self) -> bool:
-        return self.law is not None
 
     @property
     def sources(self) -> dict[str, str]:

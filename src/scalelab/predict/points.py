@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from scalelab.config import RunConfig
+from scalelab.errors import UsageError
 from scalelab.predict.calibration import CalPoint, MultiPoint, Pool
 from scalelab.predict.scenario import PER_RANK_BATCH, Scenario
 
@@ -39,6 +40,7 @@ class Found:
     pools: dict[Path, Pool] = field(default_factory=dict)  # per file
     ceilings: dict[Path, dict[str, Any]] = field(default_factory=dict)
     skipped: Counter = field(default_factory=Counter)
+    ddp_files: list[Path] = field(default_factory=list)  # DDP summaries read so far
 
     def pool(self, origin: Path) -> Pool:
         return self.pools.setdefault(origin, Pool())
@@ -46,6 +48,7 @@ class Found:
 
 def discover(root: Path) -> Found:
     files = sorted([*root.rglob("*.jsonl"), *root.rglob("*.json")]) if root.is_dir() else [root]
+    files.sort(key=lambda f: ".partial." in f.name)  # a complete summary before its partial
     found = Found()
     for path in files:
         objects = _objects(path)
@@ -53,7 +56,10 @@ def discover(root: Path) -> Found:
             found.skipped[f"not JSON: {path.name}"] += 1
             continue
         for where, obj in objects:
-            _classify(found, path, where, obj)
+            try:
+                _classify(found, path, where, obj)
+            except UsageError as exc:  # e.g. a workload this checkout does not know
+                found.skipped[f"unreadable entries: {exc}"] += 1
     return found
 
 
@@ -94,6 +100,10 @@ def _run_record(found: Found, path: Path, where: str, rec: dict[str, Any]) -> No
         return
     cfg = run_config(rec)
     ranks = int(rec.get("ranks") or cfg.ranks)
+    cores = (rec.get("env") or {}).get("cpu_count")
+    if cfg.device == "cpu" and cores and ranks * (cfg.threads or 1) > cores:
+        found.skipped["CPU runs with more threads than cores (time-sliced: not modelled)"] += 1
+        return
     scenario = Scenario(cfg, ranks, per_node=ranks)  # a record's ranks shared one host
     seconds = _step_seconds(rec, cfg, per_iteration(rec)[1])
     if ranks == 1:
@@ -149,26 +159,38 @@ def _is_ddp_summary(obj: dict) -> bool:
 
 
 def _ddp_summary(found: Found, path: Path, obj: dict) -> None:
+    if obj.get("partial") and any(p.parent == path.parent for p in found.ddp_files):
+        found.skipped[f"partial summary beside a complete one: {path.name}"] += 1
+        return
+    found.ddp_files.append(path)
     for i, row in enumerate(obj["rows"]):
         gpus, name = int(row["gpus"]), str(row["config"])
-        strong = name.startswith("strong")
-        cfg = RunConfig(
-            workload=obj.get("workload", DDP_SUMMARY["workload"]), strategy="ddp", device="cuda",
-            train=True, amp=obj.get("amp", DDP_SUMMARY["amp"]), batch=int(row["per_gpu"]),
-            global_batch=int(row["global"]) if strong else None, ranks=gpus,
-            channels_last=obj.get("channels_last", DDP_SUMMARY["channels_last"]),
-        )  # fmt: skip
-        s = Scenario(cfg, gpus, per_node=gpus, series=name)
+        s = Scenario(_summary_config(obj, row), gpus, per_node=gpus, series=name)
         seconds, where = row["global"] / row["ours"], f"{path.name}[{i}] {name} x{gpus}"
         if gpus == 1:
-            found.pool(path).singles.append(
-                CalPoint(s.family(), "ddp", None, int(row["per_gpu"]), seconds, 0.0, where, name)
+            point = CalPoint(
+                s.family(), "ddp", None, int(row["per_gpu"]), seconds, 0.0, where, name
             )
+            found.pool(path).singles.append(point)
         else:
             found.pool(path).multis.append(MultiPoint(s, seconds, where))
         found.points.append(Measured(s, seconds, where, path))
-        if "plain" in row:
+        if row.get("plain") is not None:
             found.skipped["plain-DDP baseline rows (not a scalelab strategy)"] += 1
+
+
+def _summary_config(obj: dict, row: dict) -> RunConfig:
+    """The `scalelab run` a summary row measured. Rows that name their workload come from
+    the script that runs ours with --fast (CUDA-graph step); older summaries ran eager."""
+    fast = bool(row.get("fast", obj.get("fast", "workload" in row)))
+    strong = str(row["config"]).startswith("strong")
+    return RunConfig(
+        workload=row.get("workload", obj.get("workload", DDP_SUMMARY["workload"])),
+        strategy="ddp", device="cuda", train=True, fast=fast,
+        amp=obj.get("amp", DDP_SUMMARY["amp"]), batch=int(row["per_gpu"]),
+        global_batch=int(row["global"]) if strong else None, ranks=int(row["gpus"]),
+        channels_last=obj.get("channels_last", DDP_SUMMARY["channels_last"]),
+    )  # fmt: skip
 
 
 def _pipeline_summary(found: Found, path: Path, where: str, rec: dict) -> None:

@@ -66,12 +66,14 @@ def validate(root: str | Path, ceilings: str | None, network: NetworkProfile | N
         pool.prefer = origin.name
         ctx = Context(Figures(cdata, str(cpath)), network, pool)
         for point in (p for p in found.points if p.origin == origin):
-            row = _row(ctx, point)
+            row, why = _row(ctx, point)
             if row is None:
-                found.skipped["points whose configuration the model does not cover"] += 1
+                found.skipped[why] += 1
             else:
                 rows.append(row)
-    used = {str(o.name): str(c.name) for o, (c, _) in pairs.items()}
+    if not rows:
+        raise UsageError(f"{root}: no point could be predicted ({dict(found.skipped)})")
+    used = {str(o.name): _named(c, d) for o, (c, d) in pairs.items()}
     return Validation(pd.DataFrame(rows), dict(found.skipped), used)
 
 
@@ -83,16 +85,49 @@ def _explicit(path: str | None):
     return Path(path), read_ceilings(path)
 
 
-def _pair(origin: Path, found: Found):
+def _pair(origin: Path, found: Found) -> tuple[Path, dict]:
+    """The ceilings of origin's machine: those in the nearest folder up from it that holds
+    any, the one whose name is closest first; sections it lacks (a `--comm-only` file
+    beside a full one) are taken from the others in that folder."""
     if not found.ceilings:
         raise UsageError(
             f"no ceilings file for {origin.name}: give --ceilings or put the machine's "
             "ceilings.json (from `scalelab ceilings`) in the folder"
         )
-    best = max(
-        found.ceilings, key=lambda c: (SequenceMatcher(None, c.stem, origin.stem).ratio(), str(c))
-    )
-    return best, found.ceilings[best]
+    near = _nearest(origin, list(found.ceilings))
+    near.sort(key=lambda c: (-SequenceMatcher(None, c.stem, origin.stem).ratio(), str(c)))
+    merged = dict(found.ceilings[near[0]])
+    merged["comm"] = dict(merged.get("comm") or {})
+    for other in near[1:]:
+        added = _fill(merged, found.ceilings[other])
+        if added:
+            merged.setdefault("_filled_from", []).append(other.name)
+    return near[0], merged
+
+
+def _nearest(origin: Path, files: list[Path]) -> list[Path]:
+    for folder in origin.parents:
+        here = [c for c in files if c.parent == folder]
+        if here:
+            return here
+    return files
+
+
+def _fill(into: dict, other: dict) -> bool:
+    added = False
+    for key, value in other.items():
+        if key == "comm":
+            for backend, fit in (value or {}).items():
+                if backend not in into["comm"]:
+                    into["comm"][backend], added = fit, True
+        elif key not in into:
+            into[key], added = value, True
+    return added
+
+
+def _named(path: Path, data: dict) -> str:
+    extra = data.get("_filled_from")
+    return path.name + (f" (+ {', '.join(extra)})" if extra else "")
 
 
 def _pool(found: Found, pairs: dict, cpath: Path) -> Pool:
@@ -104,13 +139,17 @@ def _pool(found: Found, pairs: dict, cpath: Path) -> Pool:
     return pool
 
 
-def _row(ctx: Context, point: Measured) -> dict | None:
-    pred = predict_one(ctx, point.scenario)
+def _row(ctx: Context, point: Measured) -> tuple[dict | None, str]:
+    """(the table row, "") or (None, why the point was passed over)."""
+    try:
+        pred = predict_one(ctx, point.scenario)
+    except UsageError as exc:
+        return None, f"points that cannot be predicted: {exc}"
     if pred.feasible is not None:
-        return None
+        return None, f"points the model calls not runnable: {pred.feasible}"
     s, cfg = point.scenario, point.scenario.cfg
     role = pred.calibration.get(point.source)
-    return {
+    row = {
         "source": point.source,
         "workload": cfg.workload,
         "strategy": _strategy_label(cfg),
@@ -121,6 +160,7 @@ def _row(ctx: Context, point: Measured) -> dict | None:
         "error_pct": 100 * (pred.seconds / point.seconds - 1),
         "role": f"calibration ({role})" if role else "predicted",
     }
+    return row, ""
 
 
 def _strategy_label(cfg) -> str:

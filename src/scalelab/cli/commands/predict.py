@@ -193,8 +193,9 @@ def validate(args: argparse.Namespace, network) -> int:
     shown = v.table.assign(error=v.table["error_pct"].map(lambda e: f"{e:+.1f}%"))
     shown = shown.drop(columns=["error_pct"])
     print(shown.to_string(index=False, float_format="{:.4g}".format))
-    skipped = "; ".join(f"{n} {why}" for why, n in sorted(v.skipped.items()))
-    print(f"skipped: {skipped or 'nothing'}")
+    print("skipped:" + ("" if v.skipped else " nothing"))
+    for why, n in sorted(v.skipped.items()):
+        print(f"  {n} {why}")
     far = v.outside()
     worst = v.table["error_pct"].abs().max()
     print(

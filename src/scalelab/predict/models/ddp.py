@@ -68,7 +68,8 @@ class DDPModel(StrategyModel):
             busy, exposed = exposed_allreduce(plan, BACKWARD_SHARE * step, reduce)
         phases = {**compute.phases(s.rank_batch), "allreduce": exposed}
         pred = Prediction(s, phases, COMM, compute.sources, list(compute.notes))
-        pred.extra = {"allreduce_total_ms": busy * 1e3, "buckets": len(plan)}
+        hidden = 100 * (1 - exposed / busy) if busy > 0 else float("nan")
+        pred.extra = {"allreduce_hidden_pct": hidden, "buckets": len(plan)}
         return pred
 
     def host_cost(self, ctx: Context, s: Scenario) -> tuple[float, str | None, str]:
