@@ -176,7 +176,8 @@ def test_two_gpus_bf16_follow_the_one_gpu_loss_curve(workload, lr, rtol, atol, t
     # Relative agreement, or within atol x the starting loss. mlp has no batch statistics: 1%.
     # resnet18's BN normalises over each rank's 128 items, not 256, so 2 GPUs train a slightly
     # different function: measured on 4xH200 (2026-11-22) the curves differ by at most 0.065
-    # (2.6% of 2.48) at epoch 3, 9% relative; ungated gradient averaging would be far off.
+    # (2.6% of 2.48) at epoch 3, 9% relative; gradients summed instead of averaged (twice the
+    # step) would be far outside that.
     np.testing.assert_allclose(curves[1], curves[0], rtol=rtol, atol=atol * curves[0][0])
     assert curves[0][-1] < curves[0][0]  # it trained
 

@@ -67,6 +67,15 @@ class StrategyModel(ABC):
     def predict(self, ctx: Context, scenario: Scenario) -> Prediction: ...
 
 
+class OverMPI(StrategyModel):
+    """A strategy whose messages go through mpi4py: host-staged when the ranks drive GPUs
+    (Open MPI here is not CUDA-aware)."""
+
+    def wire(self, scenario: Scenario) -> Wire:
+        gpu = scenario.cfg.device == "cuda"
+        return Wire("mpi", staged=gpu, gpu=gpu)
+
+
 MODELS: Registry[type[StrategyModel]] = Registry("strategy model")
 
 

@@ -23,8 +23,8 @@ from scalelab.predict.calibration import MultiPoint
 from scalelab.predict.models.base import (
     MODELS,
     Context,
+    OverMPI,
     StrategyModel,
-    Wire,
     param_layers,
     storage_bytes,
 )
@@ -87,11 +87,7 @@ class DDPModel(StrategyModel):
 
 
 @MODELS.register("mpi-dp", "data parallel over MPI: one flat all-reduce (or per layer)")
-class MPIDPModel(StrategyModel):
-    def wire(self, scenario: Scenario) -> Wire:
-        gpu = scenario.cfg.device == "cuda"
-        return Wire("mpi", staged=gpu, gpu=gpu)
-
+class MPIDPModel(OverMPI):
     def infeasible(self, scenario: Scenario) -> str | None:
         if scenario.ranks > scenario.cfg.batch:
             return f"{scenario.ranks} ranks but only {scenario.cfg.batch} items per step"

@@ -20,7 +20,13 @@ from __future__ import annotations
 
 from scalelab.precision import get_precision
 from scalelab.predict.compute_model import build_workload, roofline_layers
-from scalelab.predict.models.base import MODELS, Context, StrategyModel, Wire, output_width
+from scalelab.predict.models.base import (
+    MODELS,
+    Context,
+    OverMPI,
+    StrategyModel,
+    output_width,
+)
 from scalelab.predict.scenario import Prediction, Scenario
 
 
@@ -86,11 +92,7 @@ class PipelineModel(StrategyModel):
 
 
 @MODELS.register("tensor", "the MLP's hidden units over ranks: one all-reduce per step")
-class TensorModel(StrategyModel):
-    def wire(self, scenario: Scenario) -> Wire:
-        gpu = scenario.cfg.device == "cuda"
-        return Wire("mpi", staged=gpu, gpu=gpu)
-
+class TensorModel(OverMPI):
     def infeasible(self, scenario: Scenario) -> str | None:
         if scenario.ranks > scenario.cfg.hidden:
             return f"{scenario.ranks} ranks but only {scenario.cfg.hidden} hidden units"
