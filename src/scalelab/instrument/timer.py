@@ -47,18 +47,30 @@ def notify_step() -> None:
 
 class DeviceSync:
     """The barrier a host clock needs before it can be read: kernels are asynchronous on CUDA.
-    Callable; `.device` tells a PhaseTimer where to record CUDA events."""
+    Callable; `.device` tells a PhaseTimer where to record CUDA events.
 
-    def __init__(self, device: torch.device) -> None:
+    stream_only: wait for the current stream alone, not every stream of the device. Work of
+    other streams that a phase consumes is joined to the current stream by then (a NCCL
+    work's wait() makes it wait on the collective); what stays outside is work nobody has
+    waited for yet, such as a pipeline stage's sends in flight, which a device-wide barrier
+    would turn into blocking sends (the stage could not start its next micro-batch until
+    the neighbour posted the matching receive)."""
+
+    def __init__(self, device: torch.device, stream_only: bool = False) -> None:
         self.device = device
+        self.stream_only = stream_only
 
     def __call__(self) -> None:
-        if self.device.type == "cuda":
+        if self.device.type != "cuda":
+            return
+        if self.stream_only:
+            torch.cuda.current_stream(self.device).synchronize()
+        else:
             torch.cuda.synchronize(self.device)
 
 
-def device_sync(device: torch.device) -> Callable[[], None]:
-    return DeviceSync(device)
+def device_sync(device: torch.device, stream_only: bool = False) -> Callable[[], None]:
+    return DeviceSync(device, stream_only)
 
 
 class PhaseTimer:

@@ -349,12 +349,17 @@ def profile_layers(
     train: bool,
     autocast,
     reps: int = 2,
+    channels_last: bool = False,
 ) -> list[LayerProfile]:
     """Measure each layer on micro-batch x (already prepared, on device), moving one layer at
-    a time onto the device and back, so a model too large for one device can be measured."""
+    a time onto the device and back, so a model too large for one device can be measured.
+    channels_last: the layout the stages will run in (cuDNN picks other kernels for NHWC
+    weights, so a layer timed in NCHW misleads the balance)."""
     out = []
     for layer in layers:
         layer.module.to(device=device, dtype=dtype).train(train)
+        if channels_last:
+            layer.module.to(memory_format=torch.channels_last)
         profile, x = _measure_layer(layer, x, train, autocast, device, reps)
         out.append(profile)
         layer.module.zero_grad(set_to_none=True)

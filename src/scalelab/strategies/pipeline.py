@@ -32,7 +32,13 @@ from scalelab.comm.launch import inside_torchrun
 from scalelab.comm.torchdist import TorchDistComm
 from scalelab.errors import UsageError
 from scalelab.instrument.progress import Progress
-from scalelab.instrument.timer import Timings, notify_step, timed_iterations
+from scalelab.instrument.timer import (
+    PhaseTimer,
+    Timings,
+    device_sync,
+    notify_step,
+    timed_iterations,
+)
 from scalelab.strategies import partition as part
 from scalelab.strategies.base import STRATEGIES, RunOutput, Strategy, TrainHistory
 from scalelab.strategies.manual_placement import ManualPlacement
@@ -61,6 +67,11 @@ class PipelineStrategy(TorchStrategy):
         if placement is cls:
             return super().__new__(cls)
         return placement(cfg)  # not a subclass: Python does not run our __init__ on it
+
+    def __init__(self, cfg) -> None:
+        super().__init__(cfg)
+        if self.device.type == "cuda":  # sends in flight must not block the next micro-batch
+            self.timer = PhaseTimer(device_sync(self.device, stream_only=True), nvtx=True)
 
     def make_comm(self) -> Comm:
         if self.cfg.ranks == 1 and not inside_torchrun():
@@ -135,7 +146,13 @@ class PipelineStrategy(TorchStrategy):
         n = even_counts(len(sample), cfg.microbatches)[0]
         x = self._prepare(sample[:n].to(self.device))
         self.profile = part.profile_layers(
-            self.layers, x, self.device, self.precision.storage, cfg.train, self.autocast
+            self.layers,
+            x,
+            self.device,
+            self.precision.storage,
+            cfg.train,
+            self.autocast,
+            channels_last=cfg.channels_last,
         )
         mem = part.memory_model(
             part.device_capacity(self.device, part.env_mem_limit()),
