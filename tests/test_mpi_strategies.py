@@ -74,9 +74,10 @@ def _check_rank_record(rec, ranks, stdout):
         assert set(phases) >= {"scatter", "halo", "compute", "allreduce", "gather"}
     assert 0 <= rec["critical_path"]["rank"] < ranks
     for acc in rec["accounting"]:  # the phases explain the wall
-        # Within 5%, or within 2 ms: at this test's 20-ms size the ~1 ms of Python between
-        # phases is all that is unaccounted, and a loaded 2-core runner can stretch it past 5%.
-        ok = abs(acc["unaccounted_fraction"]) < 0.05 or abs(acc["unaccounted_s"]) < 0.002
+        # Within 10%, or within 5 ms: at this test's 20-60 ms size the ~1 ms of Python between
+        # phases is all that is unaccounted, and a loaded 2-core runner stretches it (3.8 ms
+        # of 61 ms seen); a phase left out of the timer would leave a third or more.
+        ok = abs(acc["unaccounted_fraction"]) < 0.10 or abs(acc["unaccounted_s"]) < 0.005
         assert ok, rec["accounting"]
 
 
