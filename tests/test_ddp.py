@@ -116,8 +116,12 @@ def test_killed_rank_stops_all_and_resume_is_bitwise(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     a, b = torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "b.pt")
     assert all(torch.equal(a[k], b[k]) for k in a)
-    first, last = (json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines())
+    # The killed run may add a `status: failed` record when rank 0 sees its peer die before
+    # torchrun stops it; the uninterrupted and the resumed runs are the two that succeeded.
+    records = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
+    first, last = (r for r in records if r["status"] == "ok")
     assert first["loss"] == last["loss"] and first["accuracy"] == last["accuracy"]
+    assert all(r["status"] in ("ok", "failed") for r in records) and len(records) <= 3
 
 
 @pytest.mark.parametrize(
