@@ -21,8 +21,9 @@ plain  DistributedDataParallel with default options, a TensorDataset on the host
        DataLoader + DistributedSampler (4 workers, pinned memory), normalisation on the GPU,
        bf16 autocast, channels_last, and `loss.item()` each step for the running loss.
 --cifar also runs ours for `resnet18-cifar` (3x3 stem, no max-pool: 14x the FLOPs) at weak-512.
---variants also runs ours at weak-128 on 2 GPUs with --bucket-mb 5 and 100, and without
---fast (eager DDP), to show what each choice is worth.
+--variants also runs ours at weak-128 on 2 GPUs with --bucket-mb 5 and 100, with the
+gradients all-reduced in bf16 (--grad-compress bf16), and without --fast (eager DDP), to show
+what each choice is worth.
 
 Prints a table and writes OUT_DIR/ddp_scaling.json (OUT_DIR: argument, else $OUT, else
 benchmarks/results).
@@ -203,6 +204,7 @@ def run_variants() -> dict:
         "--fast (25 MB buckets)": (),
         "--fast --bucket-mb 5": ("--bucket-mb", "5"),
         "--fast --bucket-mb 100": ("--bucket-mb", "100"),
+        "--fast --grad-compress bf16": ("--grad-compress", "bf16"),
         "eager (no --fast)": ("--no-fast",),
     }
     return {label: ours(2, 256, *extra)["img_s"] for label, extra in runs.items()}

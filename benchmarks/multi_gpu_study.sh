@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 9's scaling study on one host of 4 (or 8) GPUs, in two device calls of < 10 minutes:
+# Issue 9's scaling study on one host of 4 (or 8) GPUs, in device calls of < 10 minutes:
 #
 #   benchmarks/multi_gpu_study.sh ddp  [OUT_DIR]   ddp ResNet-18 (torchvision layout and the
 #       CIFAR variant), bf16, --fast: weak 512/GPU and 128/GPU, strong at global 1024 and
@@ -8,15 +8,16 @@
 #       all GPUs; charcnn mpi-gpu and nccl on 1/2/4(/8) GPUs; AlexNet mpi on 1..64 CPU
 #       ranks (height split to its limit of 14 ranks, batch split beyond); pipeline VGG-16
 #       with 2 and 4 stages, bubble against (K-1)/(M+K-1)
+#   benchmarks/multi_gpu_study.sh ceilings [OUT_DIR]   the host's full ceilings (for predict)
 #
 # GPU counts follow the machine (powers of two up to torch.cuda.device_count()). Results:
 # OUT_DIR (default $OUT, else benchmarks/results/multi_gpu): ddp_scaling.json, mpi/runs.jsonl
-# and mpi/summary.json, ceilings_nccl.json, pipeline_vgg.jsonl; tables on stdout.
+# and mpi/summary.json, ceilings_host.json, pipeline_vgg.jsonl; tables on stdout.
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-part=${1:?usage: multi_gpu_study.sh ddp|rest [OUT_DIR]}
+part=${1:?usage: multi_gpu_study.sh ddp|rest|ceilings [OUT_DIR]}
 out=${2:-${OUT:-benchmarks/results/multi_gpu}}
 py=${PYTHON:-python}
 mkdir -p "$out"
@@ -30,11 +31,17 @@ case "$part" in
   ddp)
     "$py" benchmarks/ddp_scaling.py "$out" --gpus "$gpus" --cifar --variants ;;
   rest)
-    for r in "$n"; do
-      "$py" -m scalelab ceilings --comm-only --ranks "$r" --backend nccl -o "$out/ceilings_nccl_x$r.json" --quiet \
-        || echo "ceilings x$r failed"
-    done
+    "$py" -m scalelab ceilings --comm-only --ranks "$n" --backend nccl -o "$out/ceilings_host.json" --quiet \
+      || echo "ceilings nccl x$n failed"
     "$py" benchmarks/mpi_scaling.py "$out/mpi" --ranks 1,2,4,8,14 --batch-ranks "$wide" --gpus "$gpus" --markdown
     "$py" benchmarks/pipeline_vgg.py "$out" --stages "$stages" --no-deepstack ;;
-  *) echo "unknown part $part (ddp or rest)"; exit 2 ;;
+  ceilings)
+    # This host's own ceilings (GEMM, HBM, PCIe; NCCL over all GPUs; MPI host buffers), so
+    # `scalelab predict --validate` does not borrow another host's figures (~2 minutes).
+    "$py" -m scalelab ceilings -o "$out/ceilings_host.json" --quiet || echo "ceilings failed"
+    "$py" -m scalelab ceilings --comm-only --ranks "$n" --backend nccl -o "$out/ceilings_host.json" --quiet \
+      || echo "ceilings nccl x$n failed"
+    "$py" -m scalelab ceilings --comm-only --ranks 2 --backend mpi -o "$out/ceilings_host.json" --quiet \
+      || echo "ceilings mpi x2 failed" ;;
+  *) echo "unknown part $part (ddp, rest or ceilings)"; exit 2 ;;
 esac

@@ -91,6 +91,9 @@ class RunConfig:
     )
     amp: str | None = opt(None, "ddp: autocast dtype bf16 or fp16 (fp16 with a grad scaler).")
     bucket_mb: float = opt(25.0, "ddp: gradient bucket size in MB.")
+    grad_compress: str | None = opt(
+        None, "ddp: all-reduce gradients in bf16 or fp16 (half the bytes; a DDP comm hook)."
+    )
     channels_last: bool = opt(False, "Use channels_last memory format for image models.")
     compile: bool = opt(False, "torch.compile the model.")
     workers: int = opt(0, "DataLoader worker processes.")
@@ -148,6 +151,8 @@ class RunConfig:
             raise UsageError("--ranks and --chunks must be >= 1")
         if self.amp not in (None, "bf16", "fp16"):
             raise UsageError(f"--amp must be bf16 or fp16, got {self.amp!r}")
+        if self.grad_compress not in (None, "bf16", "fp16"):
+            raise UsageError(f"--grad-compress must be bf16 or fp16, got {self.grad_compress!r}")
         if self.dtype not in PRECISIONS:
             raise UsageError(f"unknown dtype {self.dtype!r} (known: {', '.join(PRECISIONS)})")
         if self.device not in DEVICES:

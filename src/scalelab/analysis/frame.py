@@ -115,6 +115,7 @@ TELLING = (
     "nonblocking",
     "amp",
     "bucket_mb",
+    "grad_compress",
     "channels_last",
     "compile",
     "chunks",

@@ -31,6 +31,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from scalelab.comm import Comm, even_counts
@@ -47,6 +48,11 @@ from scalelab.train.loop import Trainer, TrainPlan, evaluate, require_labels, ru
 from scalelab.workloads.base import Inputs, Workload
 
 EVAL_BATCH = 1024
+# --grad-compress: each bucket cast to 16 bits, all-reduced, cast back (torch's DDP hooks).
+COMPRESS_HOOKS = {
+    "bf16": default_hooks.bf16_compress_hook,
+    "fp16": default_hooks.fp16_compress_hook,
+}
 # DDP's first iterations log statistics and sync the host; CUDA graph capture of a DDP step
 # needs more eager iterations than that before it (torch.cuda.graphs docs: at least 11).
 DDP_GRAPH_WARMUP = 11
@@ -95,6 +101,11 @@ def check_options(cfg: RunConfig) -> None:
             )
         if cfg.dtype not in ("fp32", cfg.amp):
             raise UsageError(f"--amp {cfg.amp} and --dtype {cfg.dtype} disagree; give one")
+    if cfg.grad_compress == "bf16" and cfg.device == "cpu":
+        raise UsageError(
+            "--grad-compress bf16 needs NCCL (torch's bf16 hook does not run on gloo); "
+            "use --grad-compress fp16 on the CPU"
+        )
     if cfg.global_batch is not None and cfg.global_batch < 1:
         raise UsageError(f"--global-batch must be >= 1, got {cfg.global_batch}")
     if cfg.bucket_mb <= 0:
@@ -264,6 +275,8 @@ class DDPStrategy(TorchStrategy):
                 )
             if side is not None:
                 torch.cuda.current_stream().wait_stream(side)
+            if cfg.grad_compress is not None:
+                net.register_comm_hook(None, COMPRESS_HOOKS[cfg.grad_compress])
         return torch.compile(net) if cfg.compile else net
 
     def notes(self, source: ResidentShards | LoaderShards) -> dict:
@@ -271,6 +284,7 @@ class DDPStrategy(TorchStrategy):
             "per_rank_batch": self.per_rank,
             "data_path": "loader" if isinstance(source, LoaderShards) else "device-resident",
             "bucket_mb": self.cfg.bucket_mb,
+            "grad_compress": self.cfg.grad_compress,
             "amp": self.cfg.amp,
             "backend": self.comm.backend,
         }

@@ -64,7 +64,10 @@ class DDPModel(StrategyModel):
         plan = buckets(param_layers(s), storage_bytes(s), DDP_FIRST_BUCKET, s.cfg.bucket_mb * MiB)
         busy, exposed = 0.0, 0.0
         if fabric is not None:
-            reduce = lambda n: fabric.allreduce(n, s.ranks)  # noqa: E731
+            # --grad-compress: each bucket travels as 16-bit values (the buckets are still cut
+            # by the gradients' storage size).
+            on_wire = 2 / storage_bytes(s) if s.cfg.grad_compress else 1.0
+            reduce = lambda n: fabric.allreduce(n * on_wire, s.ranks)  # noqa: E731
             busy, exposed = exposed_allreduce(plan, BACKWARD_SHARE * step, reduce)
         phases = {**compute.phases(s.rank_batch), "allreduce": exposed}
         pred = Prediction(s, phases, COMM, compute.sources, list(compute.notes))
