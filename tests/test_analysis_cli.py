@@ -7,9 +7,6 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("pandas")
-pytest.importorskip("matplotlib")
-
 FIXTURES = Path(__file__).parent / "fixtures"
 
 

@@ -7,13 +7,9 @@ import pytest
 
 from scalelab.errors import UsageError
 from scalelab.record import read_records
-from scalelab.strategies import STRATEGIES
-
-pytest.importorskip("pandas")
 
 
 @pytest.mark.mpi
-@pytest.mark.skipif("mpi-dp" not in STRATEGIES, reason="mpi-dp is not registered")
 def test_demo_degrades_and_resumes(tmp_path, monkeypatch):
     from scalelab.analysis import demo_study
 

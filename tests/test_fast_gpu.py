@@ -27,7 +27,6 @@ ORACLE_TOL = 5e-2  # precision.py's bf16 tolerance
 
 @pytest.fixture(scope="module")
 def kernels():
-    pytest.importorskip("triton")
     from scalelab.fast.kernels import charcnn_block1, conv1d, epilogue2d, layernorm1d
 
     return charcnn_block1, conv1d, epilogue2d, layernorm1d

@@ -9,9 +9,6 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("pandas")
-pytest.importorskip("matplotlib")
-
 FIXTURES = Path(__file__).parent / "fixtures"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 

@@ -124,7 +124,6 @@ def test_layer_type_table_reads_layer_study_records(tmp_path):
     assert list(table["kind"]) == ["ReLU", "Linear"]
     assert table.loc[0, "ms"] == pytest.approx(1.0) and table.loc[0, "power_W"] == 250.0
     assert table.loc[1, "power_W"] != table.loc[1, "power_W"]  # NaN: not measured
-    pytest.importorskip("matplotlib")
     from scalelab.analysis import memory_plots
 
     assert all(p.exists() for p in memory_plots.layer_types(table, tmp_path))

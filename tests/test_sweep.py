@@ -11,7 +11,6 @@ from scalelab.analysis.sweep import _run_process, load_study, points
 from scalelab.cli.main import build_parser
 from scalelab.cli.options import config_from_args
 from scalelab.record import read_records
-from scalelab.strategies import STRATEGIES
 
 
 def _study(tmp_path, text, name="study.toml"):
@@ -140,7 +139,6 @@ def test_failed_point_is_recorded_and_skipped_then_retried(cli, tmp_path):
 
 
 @pytest.mark.mpi
-@pytest.mark.skipif("mpi" not in STRATEGIES, reason="the mpi strategy is not registered")
 def test_four_point_grid_with_real_ranks(cli, tmp_path):
     """mlp under `mpi` on 1 and 2 real ranks x 2 batches: 4 records, each with one phase
     table per rank; a second sweep runs nothing; the scaling analysis reads the results."""
@@ -160,7 +158,6 @@ def test_four_point_grid_with_real_ranks(cli, tmp_path):
     assert code == 0 and out.count("already, skipped") == 4 and "0 ran, 4 already done" in out
     assert time.perf_counter() - start < 5 and len(read_records(results)) == 4
 
-    pytest.importorskip("pandas")
     from scalelab.analysis.scaling import scaling_table
 
     table = scaling_table(recs)
