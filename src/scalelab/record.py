@@ -13,9 +13,12 @@ import json
 import os
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from scalelab.errors import UsageError
+
+if TYPE_CHECKING:
+    from scalelab.config import RunConfig
 
 SCHEMA = "scalelab.run/1"
 DEFAULT_RESULTS = Path("scalelab-results") / "runs.jsonl"
@@ -24,6 +27,26 @@ DEFAULT_RESULTS = Path("scalelab-results") / "runs.jsonl"
 def new_record(**fields: Any) -> dict[str, Any]:
     now = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     return {"schema": SCHEMA, "id": uuid.uuid4().hex[:12], "time": now, **fields}
+
+
+def failed_record(cfg: RunConfig, error: str, ranks: int | None = None, **extra: Any) -> dict:
+    """A `status: failed` record for a run that produced no result of its own (an exception
+    after setup, a launched job whose ranks died, a sweep point that wrote nothing): what was
+    asked (config, environment, git commit) and why it failed; extra: fields beside `error`."""
+    from scalelab import environment  # torch and friends: only when a failure is recorded
+
+    return new_record(
+        status="failed",
+        error=error,
+        **extra,
+        workload=cfg.workload,
+        strategy=cfg.strategy,
+        mode="train" if cfg.train else "infer",
+        ranks=cfg.ranks if ranks is None else ranks,
+        config=cfg.to_dict(),
+        env=environment.collect(),
+        **environment.git_commit(),
+    )
 
 
 def append_record(path: str | os.PathLike, record: dict[str, Any]) -> None:

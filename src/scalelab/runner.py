@@ -17,7 +17,7 @@ from scalelab.errors import UsageError
 from scalelab.instrument.session import instrumented
 from scalelab.oracle.check import CheckResult, check_output
 from scalelab.precision import PRECISIONS, Precision
-from scalelab.record import append_record, new_record
+from scalelab.record import append_record, failed_record, new_record
 from scalelab.strategies import STRATEGIES, RunOutput, Strategy
 from scalelab.weights import load_weights, save_weights
 from scalelab.workloads import WORKLOADS, Inputs, Workload
@@ -114,21 +114,9 @@ def _record_failure(
 ) -> None:
     if results is None or not strategy.is_root:
         return
-    append_record(
-        results,
-        new_record(
-            status="failed",
-            error=f"{type(exc).__name__}: {exc}",
-            traceback=traceback.format_exc(limit=8),
-            workload=cfg.workload,
-            strategy=cfg.strategy,
-            mode="train" if cfg.train else "infer",
-            ranks=strategy.comm.size,
-            config=cfg.to_dict(),
-            env=environment.collect(),
-            **environment.git_commit(),
-        ),
-    )
+    error = f"{type(exc).__name__}: {exc}"
+    tb = traceback.format_exc(limit=8)
+    append_record(results, failed_record(cfg, error, strategy.comm.size, traceback=tb))
 
 
 def build_record(

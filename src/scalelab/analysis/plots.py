@@ -133,21 +133,24 @@ def layer_roofline(
     _roofs(ax, roofs, df["ai"].to_numpy())
     for kind, g in df.groupby("kind"):
         ax.scatter(g["ai"], g["achieved"], label=kind, s=28, zorder=3)
-        for _, r in g.iterrows():
-            ax.annotate(
-                r["layer"],
-                (r["ai"], r["achieved"]),
-                fontsize=6,
-                xytext=(3, 2),
-                textcoords="offset points",
-            )
+        _label_points(ax, g["ai"], g["achieved"], g["layer"])
+    _loglog(ax, "arithmetic intensity (FLOP/byte)", "achieved FLOP/s")
+    return _save(fig, out_dir, stem, formats)
+
+
+def _label_points(ax: Any, xs: Sequence, ys: Sequence, labels: Sequence[str]) -> None:
+    for x, y, text in zip(xs, ys, labels):
+        ax.annotate(text, (x, y), fontsize=6, xytext=(3, 2), textcoords="offset points")
+
+
+def _loglog(ax: Any, xlabel: str, ylabel: str) -> None:
+    """Both axes logarithmic (a roofline), labelled, faint grid, legend."""
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("arithmetic intensity (FLOP/byte)")
-    ax.set_ylabel("achieved FLOP/s")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.grid(True, which="both", alpha=0.2)
     ax.legend(fontsize=7)
-    return _save(fig, out_dir, stem, formats)
 
 
 MARKERS = {"compute": "o", "PCIe": "s", "network": "^"}
@@ -176,20 +179,9 @@ def system_roofline(
             zorder=3,
             label=f"measured, {bound}-bound",
         )
-        for _, r in g.iterrows():
-            ax.annotate(
-                f"H={r['hidden']} B={r['batch']} N={r['ranks']}",
-                (r["ai"], r["measured"]),
-                fontsize=6,
-                xytext=(3, 2),
-                textcoords="offset points",
-            )
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("arithmetic intensity F / (bytes_pci + bytes_mpi) (FLOP/byte)")
-    ax.set_ylabel("FLOP/s per rank")
-    ax.grid(True, which="both", alpha=0.2)
-    ax.legend(fontsize=7)
+        labels = [f"H={r['hidden']} B={r['batch']} N={r['ranks']}" for _, r in g.iterrows()]
+        _label_points(ax, g["ai"], g["measured"], labels)
+    _loglog(ax, "arithmetic intensity F / (bytes_pci + bytes_mpi) (FLOP/byte)", "FLOP/s per rank")
     return _save(fig, out_dir, stem, formats)
 
 

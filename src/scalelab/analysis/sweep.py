@@ -38,11 +38,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from scalelab import environment
 from scalelab.comm.launch import mpiexec_command, torchrun_command
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
-from scalelab.record import append_record, new_record, read_records
+from scalelab.record import append_record, failed_record, read_records
 from scalelab.strategies import STRATEGIES
 from scalelab.workloads import WORKLOADS
 
@@ -301,19 +300,7 @@ def run_point(point: Point, results: Path, timeout: float | None = None) -> Outc
 
 
 def _failure(point: Point, error: str, code: int | None) -> dict[str, Any]:
-    cfg = point.config
-    return new_record(
-        status="failed",
-        error=error,
-        exit_code=code,
-        source="sweep",
-        workload=cfg.workload,
-        strategy=cfg.strategy,
-        mode="train" if cfg.train else "infer",
-        ranks=cfg.ranks,
-        config=cfg.to_dict(),
-        env=environment.collect(),
-    )
+    return failed_record(point.config, error, exit_code=code, source="sweep")
 
 
 def run_study(

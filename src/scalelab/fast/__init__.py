@@ -2,7 +2,7 @@
 autotuning and CUDA graphs, with plain torch as the fallback for every part.
 
     accelerate(workload, model, cfg, device) -> callable: transport-form x -> fp32 logits
-    fast_train_epochs(...)                  -> train_epochs with a CUDA-graph-captured step
+    fast.train.local_fast_trainer(...)      -> a Trainer whose step replays a CUDA graph
 
 Where a part is unavailable (no GPU, no Triton, a kernel failing validation) the path says so
 in one line and uses plain torch for that part.
@@ -24,7 +24,6 @@ from scalelab.fast import alexnet, charcnn, generic, resnet  # noqa: F401  (fill
 from scalelab.fast.forward import FastForward
 from scalelab.fast.kernels import INTERPRET, triton_unavailable
 from scalelab.fast.registry import FAST_PATHS
-from scalelab.fast.train import fast_train_epochs
 from scalelab.precision import get_precision
 from scalelab.workloads.base import Workload
 
@@ -33,7 +32,6 @@ __all__ = [
     "FastForward",
     "accelerate",
     "build_fast",
-    "fast_train_epochs",
     "stderr_log",
 ]
 

@@ -12,6 +12,7 @@ statistics) and momentum are restored afterwards: the first replay is the run's 
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -23,13 +24,11 @@ from torch import nn
 from scalelab.fast.feeds import Feed, GlobalFeed
 from scalelab.fast.generic import has_conv2d
 from scalelab.fast.graphs import warm_up
-from scalelab.instrument.timer import PhaseTimer, Timings
-from scalelab.train.loop import Trainer, TrainPlan, default_plan, train_epochs
+from scalelab.train.loop import Trainer, TrainPlan
 from scalelab.train.sources import GlobalBatches, Step
 from scalelab.workloads.base import Inputs, Workload
 
 if TYPE_CHECKING:
-    from scalelab.strategies.base import TrainHistory
     from scalelab.strategies.torch_base import TorchStrategy
 
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -241,30 +240,26 @@ def unsupported(strategy: TorchStrategy, opt: torch.optim.Optimizer, plan: Train
     return None
 
 
-def fast_train_epochs(
-    strategy: TorchStrategy,
-    workload: Workload,
-    model: nn.Module,
-    train: Inputs,
-    heldout: Inputs,
-    timer: PhaseTimer,
-    history: TrainHistory,
-    plan: TrainPlan | None = None,
-) -> Timings:
-    """train_epochs with the data on the GPU and the step replayed from a CUDA graph.
-
-    Same batches (batch_order), loss, optimizer, checkpoints and guards; one timing lap per
-    epoch, the data upload and graph capture charged to the first.
-    """
+def fast_trainer(
+    strategy: TorchStrategy, reason: str | None, feed: Feed, what: str = "step", **graph
+) -> Callable[..., Trainer] | None:
+    """A FastTrainer bound to feed (graph: GraphStep options), for train_epochs/run_training's
+    make_trainer; or None, after one line saying why the plain training loop runs instead."""
     from scalelab.fast import stderr_log
 
     log = stderr_log(strategy.cfg.quiet or not strategy.is_root)
-    plan = plan or default_plan(strategy, workload, model, train, heldout)
-    reason = unsupported(strategy, workload.optimizer(model), plan)
     if reason is not None:
         log(f"fast training {reason}; running the plain training loop")
-        return train_epochs(strategy, workload, model, train, heldout, timer, history, plan)
-    log(f"fast training: data resident on {strategy.device}, step captured as a CUDA graph")
+        return None
+    log(f"fast training: data resident on {strategy.device}, {what} captured as a CUDA graph")
+    return functools.partial(FastTrainer, feed=feed, **graph)
+
+
+def local_fast_trainer(
+    strategy: TorchStrategy, workload: Workload, plan: TrainPlan, train: Inputs
+) -> Callable[..., Trainer] | None:
+    """One process: same batches (batch_order), loss, optimizer, checkpoints and guards as the
+    plain loop; the data upload and graph capture are charged to the first epoch's lap."""
     cfg = strategy.cfg
-    feed = GlobalFeed(train, cfg.batch, cfg.seed, plan.prepare)
-    return FastTrainer(strategy, workload, model, plan, timer, history, feed=feed).run()
+    reason = unsupported(strategy, workload.optimizer(plan.module), plan)
+    return fast_trainer(strategy, reason, GlobalFeed(train, cfg.batch, cfg.seed, plan.prepare))

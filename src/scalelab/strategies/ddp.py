@@ -21,7 +21,6 @@ index copy and one graph launch.
 from __future__ import annotations
 
 import datetime as dt
-import functools
 import inspect
 import itertools
 import os
@@ -223,24 +222,19 @@ class DDPStrategy(TorchStrategy):
         replayed from one CUDA graph per rank, or None with one line saying why not."""
         if not self.cfg.fast:
             return None
-        from scalelab.fast import stderr_log
         from scalelab.fast.feeds import ShardFeed
-        from scalelab.fast.train import FastTrainer, step_unsupported
+        from scalelab.fast.train import fast_trainer, step_unsupported
 
-        log = stderr_log(self.cfg.quiet or not self.is_root)
         reason = step_unsupported(self, workload.optimizer(net))
         if reason is None and not isinstance(plan.source, ResidentShards):
             reason = "with --workers the batches come from host processes"
         if reason is None and self.cfg.compile:
             reason = "with --compile (compiled DDP inside a captured step is not supported yet)"
-        if reason is not None:
-            log(f"fast training {reason}; running the plain training loop")
-            return None
-        log(f"fast training: data resident on {self.device}, step (with DDP all-reduce) "
-            "captured as a CUDA graph")  # fmt: skip
-        return functools.partial(
-            FastTrainer,
-            feed=ShardFeed(plan.source),
+        return fast_trainer(
+            self,
+            reason,
+            ShardFeed(plan.source),
+            what="step (with DDP all-reduce)",
             warmup=DDP_GRAPH_WARMUP if self.comm.size > 1 else 3,
             convert_layout=False,  # wrap() chose the layout before DDP took the parameters
         )

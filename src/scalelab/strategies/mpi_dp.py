@@ -59,13 +59,22 @@ def batch_covers_ranks(batch: int, ranks: int) -> None:
         )
 
 
-def gpu_for_rank(cfg: RunConfig, comm: Comm) -> torch.device:
-    if cfg.device != "cuda":
-        return resolve_device(cfg.device)
-    resolve_device("cuda")
-    device = torch.device("cuda", comm.local_rank % torch.cuda.device_count())
-    torch.cuda.set_device(device)
-    return device
+class OnMPIRanks(TorchStrategy):
+    """A torch strategy whose ranks are MPI processes (mpi4py), each on the CPU or on its
+    node's GPU number local_rank (mod the GPU count)."""
+
+    launcher = "mpi"
+
+    def make_comm(self) -> Comm:
+        return MPIComm()
+
+    def pick_device(self) -> torch.device:
+        if self.cfg.device != "cuda":
+            return resolve_device(self.cfg.device)
+        resolve_device("cuda")
+        device = torch.device("cuda", self.comm.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        return device
 
 
 def host_stage(buf: torch.Tensor, comm: Comm) -> torch.Tensor | None:
@@ -252,9 +261,8 @@ class ScatteredBatches(BatchSource):
     "mpi-dp",
     "data-parallel training over MPI ranks: shares scattered per epoch, Allreduce of gradients",
 )
-class MPIDataParallel(TorchStrategy):
+class MPIDataParallel(OnMPIRanks):
     name = "mpi-dp"
-    launcher = "mpi"
 
     def __init__(self, cfg: RunConfig) -> None:
         refuse_options(cfg, "mpi-dp")
@@ -267,12 +275,6 @@ class MPIDataParallel(TorchStrategy):
         refuse_options(cfg, "mpi-dp")
         batch_covers_ranks(cfg.batch, cfg.ranks)
         return cfg.batch
-
-    def make_comm(self) -> Comm:
-        return MPIComm()
-
-    def pick_device(self) -> torch.device:
-        return gpu_for_rank(self.cfg, self.comm)
 
     def validate(self, workload: Workload) -> None:
         batch_covers_ranks(self.cfg.batch, self.comm.size)

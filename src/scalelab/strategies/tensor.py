@@ -24,13 +24,11 @@ import torch
 from torch import nn
 
 from scalelab.comm import Comm, even_counts
-from scalelab.comm.mpi import MPIComm
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
 from scalelab.instrument.timer import PhaseTimer, timed_iterations
 from scalelab.strategies.base import STRATEGIES, RunOutput
-from scalelab.strategies.mpi_dp import gpu_for_rank, host_stage, refuse_options, staged_allreduce
-from scalelab.strategies.torch_base import TorchStrategy
+from scalelab.strategies.mpi_dp import OnMPIRanks, host_stage, refuse_options, staged_allreduce
 from scalelab.train.loop import default_plan, require_labels, run_training
 from scalelab.workloads.base import Inputs, Workload
 
@@ -98,9 +96,8 @@ def slice_for(t: torch.Tensor, dim: int | None, rows: slice) -> torch.Tensor:
 @STRATEGIES.register(
     "tensor", "model-parallel MLP over MPI ranks: W1 rows / W2 columns split, one Allreduce a step"
 )
-class TensorParallel(TorchStrategy):
+class TensorParallel(OnMPIRanks):
     name = "tensor"
-    launcher = "mpi"
 
     def __init__(self, cfg: RunConfig) -> None:
         self.preflight(cfg)
@@ -118,12 +115,6 @@ class TensorParallel(TorchStrategy):
         if cfg.hidden < cfg.ranks:
             raise UsageError(f"--hidden {cfg.hidden} < {cfg.ranks} ranks: a rank would own no unit")
         return cfg.batch
-
-    def make_comm(self) -> Comm:
-        return MPIComm()
-
-    def pick_device(self) -> torch.device:
-        return gpu_for_rank(self.cfg, self.comm)
 
     def validate(self, workload: Workload) -> None:
         if self.cfg.hidden < self.comm.size:

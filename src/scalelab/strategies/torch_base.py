@@ -13,7 +13,7 @@ from torch import nn
 from scalelab.errors import UsageError
 from scalelab.instrument.timer import PhaseTimer, device_sync, timed_iterations
 from scalelab.strategies.base import RunOutput, Strategy, TrainHistory
-from scalelab.train.loop import train_epochs
+from scalelab.train.loop import default_plan, train_epochs
 from scalelab.workloads.base import Inputs, Workload
 
 
@@ -112,10 +112,15 @@ class TorchStrategy(Strategy):
         train, heldout = data
         model = self.place(model)
         history = TrainHistory()
-        loop = train_epochs
+        plan = default_plan(self, workload, model, train, heldout)
+        make_trainer = None
         if self.cfg.fast:
-            from scalelab.fast import fast_train_epochs as loop
-        timings = loop(self, workload, model, train, heldout, self.timer, history)
+            from scalelab.fast.train import local_fast_trainer
+
+            make_trainer = local_fast_trainer(self, workload, plan, train)
+        timings = train_epochs(
+            self, workload, model, train, heldout, self.timer, history, plan, make_trainer
+        )
         items_per_epoch = history.items / max(len(timings.walls), 1)
         return RunOutput(
             timings,

@@ -359,7 +359,9 @@ def train_epochs(
     timer: PhaseTimer,
     history: TrainHistory,
     plan: TrainPlan | None = None,
+    make_trainer: Callable[..., Trainer] | None = None,
 ) -> Timings:
-    """Train for cfg.epochs (or cfg.steps); one timing lap per epoch, evaluation untimed."""
+    """Train for cfg.epochs (or cfg.steps); one timing lap per epoch, evaluation untimed.
+    make_trainer: as in run_training (--fast)."""
     plan = plan or default_plan(strategy, workload, model, train, heldout)
-    return Trainer(strategy, workload, model, plan, timer, history).run()
+    return (make_trainer or Trainer)(strategy, workload, model, plan, timer, history).run()

@@ -19,7 +19,7 @@ from scalelab.cli.options import add_config_options, config_from_args, expand_li
 from scalelab.comm.launch import inside_launcher, relaunch, torchrun_command
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
-from scalelab.record import DEFAULT_RESULTS, append_record
+from scalelab.record import DEFAULT_RESULTS, append_record, failed_record
 from scalelab.runner import execute, format_summary
 from scalelab.strategies import STRATEGIES
 from scalelab.train import checkpoint
@@ -126,24 +126,11 @@ def _lines(path: Path | None) -> int:
 def _record_lost_job(cfg: RunConfig, results: Path, launcher: str, code: int) -> None:
     """A launched job failed and no rank wrote a record (a rank died or was killed, taking
     the root with it): the launching process records the failure."""
-    from scalelab import environment
-    from scalelab.record import new_record
-
-    append_record(
-        results,
-        new_record(
-            status="failed",
-            error=f"{launcher} exited with code {code}: a rank died or was killed "
-            "before the root could record the run",
-            workload=cfg.workload,
-            strategy=cfg.strategy,
-            mode="train" if cfg.train else "infer",
-            ranks=cfg.ranks,
-            config=cfg.to_dict(),
-            env=environment.collect(),
-            **environment.git_commit(),
-        ),
+    error = (
+        f"{launcher} exited with code {code}: a rank died or was killed before the root "
+        "could record the run"
     )
+    append_record(results, failed_record(cfg, error))
 
 
 def _defaults(args: argparse.Namespace) -> dict[str, Any]:
