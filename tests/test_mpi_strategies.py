@@ -74,11 +74,12 @@ def _check_rank_record(rec, ranks, stdout):
         assert set(phases) >= {"scatter", "halo", "compute", "allreduce", "gather"}
     assert 0 <= rec["critical_path"]["rank"] < ranks
     for acc in rec["accounting"]:  # the phases explain the wall
-        # Within 10%, or within 5 ms: at this test's 20-60 ms size the ~1 ms of Python between
-        # phases is all that is unaccounted, and a loaded 2-core runner stretches it (3.8 ms
-        # of 61 ms seen); a phase left out of the timer would leave a third or more.
-        ok = abs(acc["unaccounted_fraction"]) < 0.10 or abs(acc["unaccounted_s"]) < 0.005
-        assert ok, rec["accounting"]
+        # Phases never overlap past the wall, and they cover most of it. Not tighter: at this
+        # test's 20-60 ms size only ~1 ms of Python lies between phases, but 3 ranks on a
+        # 2-core runner get descheduled between phases (rank 1 past 10% seen in a clean CI
+        # run). Compute is 40-86% of a rank's wall here, so a timer missing it still fails.
+        assert acc["phases_s"] <= acc["wall_s"] * 1.001, rec["accounting"]
+        assert acc["unaccounted_fraction"] < 0.35, rec["accounting"]
 
 
 @pytest.mark.mpi
