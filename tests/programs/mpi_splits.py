@@ -13,12 +13,16 @@ other ranks print nothing.
 import json
 import sys
 
+import torch.distributed as dist
+
 from scalelab.comm.torchdist import TorchDistComm
 from scalelab.config import RunConfig
 from scalelab.runner import execute
 
 # One process group for all runs: re-creating it on torchrun's store after a destroy can
-# meet the previous group's addresses. The group ends with the process.
+# meet the previous group's addresses. It is destroyed once, at the end: left to interpreter
+# exit, gloo's threads were sometimes still running ("terminate called without an active
+# exception", seen in CI).
 TorchDistComm.close = lambda self: None
 
 STRATEGY = {
@@ -74,3 +78,7 @@ for workload, options, splits in CASES:
                 split if options.get("dtype", "fp32") == "fp32" else f"{split}-{options['dtype']}"
             )
             print(json.dumps({"split": label, **{k: rec.get(k) for k in keep}}), flush=True)
+
+if dist.is_initialized():
+    dist.barrier()  # no rank tears down while a peer still talks to it
+    dist.destroy_process_group()
