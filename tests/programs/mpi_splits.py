@@ -20,10 +20,8 @@ from scalelab.config import RunConfig
 from scalelab.runner import execute
 
 # One process group for all runs: re-creating it on torchrun's store after a destroy can
-# meet the previous group's addresses. It is destroyed once, at the end: left to interpreter
-# exit, gloo's threads were sometimes still running ("terminate called without an active
-# exception", seen in CI).
-TorchDistComm.close = lambda self: None
+# meet the previous group's addresses. It is closed once, at the end.
+CLOSE, TorchDistComm.close = TorchDistComm.close, lambda self: None
 
 STRATEGY = {
     "mpi": ("mpi", "cpu"),
@@ -79,6 +77,6 @@ for workload, options, splits in CASES:
             )
             print(json.dumps({"split": label, **{k: rec.get(k) for k in keep}}), flush=True)
 
+TorchDistComm.close = CLOSE
 if dist.is_initialized():
-    dist.barrier()  # no rank tears down while a peer still talks to it
-    dist.destroy_process_group()
+    TorchDistComm(dist.get_backend()).close()  # the group ends as every run's does

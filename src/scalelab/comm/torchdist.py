@@ -8,6 +8,7 @@ Scatterv/Gatherv), then trim: the padding costs at most one row per rank.
 from __future__ import annotations
 
 import datetime as dt
+import gc
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -125,6 +126,13 @@ class TorchDistComm(Comm):
         os._exit(code)
 
     def close(self) -> None:
+        """Destroy the group while the interpreter is fully alive. Objects that hold it in
+        reference cycles (a DDP wrapper's reducer) are collected first: left to interpreter
+        exit, gloo's worker threads were sometimes torn down mid-flight ("terminate called
+        without an active exception", rank 1 of a 2-rank ddp run in CI). The barrier keeps
+        a rank from tearing down while its peer still talks to it."""
         if self._owns_group and dist.is_initialized():
+            gc.collect()
+            dist.barrier()
             dist.destroy_process_group()
         self._owns_group = False
