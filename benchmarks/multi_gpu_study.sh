@@ -7,7 +7,7 @@
 #   benchmarks/multi_gpu_study.sh rest [OUT_DIR]   NCCL all-reduce bus bandwidth by size over
 #       all GPUs; charcnn mpi-gpu and nccl on 1/2/4(/8) GPUs; AlexNet mpi on 1..64 CPU
 #       ranks (height split to its limit of 14 ranks, batch split beyond); pipeline VGG-16
-#       with 2 and 4 stages, bubble against (K-1)/(M+K-1)
+#       with 1, 2, 4(, 8) stages, bubble against (K-1)/(M+K-1)
 #   benchmarks/multi_gpu_study.sh ceilings [OUT_DIR]   the host's full ceilings (for predict)
 #
 # GPU counts follow the machine (powers of two up to torch.cuda.device_count()). Results:
@@ -25,7 +25,7 @@ n=$("$py" -c 'import torch; print(torch.cuda.device_count())')
 gpus=$("$py" -c "print(','.join(str(g) for g in (1, 2, 4, 8) if g <= $n))")
 cores=$("$py" -c 'import os; print(os.cpu_count())')
 wide=$("$py" -c "print(','.join(str(r) for r in (16, 32, 64) if r <= $cores))")
-stages=$("$py" -c "print(','.join(str(k) for k in (2, 4, 8) if k <= $n))")
+stages=$("$py" -c "print(','.join(str(k) for k in (1, 2, 4, 8) if k <= $n))")
 echo "multi_gpu_study $part: $n GPUs ($gpus), $cores cores -> $out"
 case "$part" in
   ddp)

@@ -41,7 +41,7 @@ def interpreted():
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-KERNELS = ("block1", "block1-vs-onehot", "conv1d", "layernorm", "epilogue2d")
+KERNELS = ("block1", "block1-vs-onehot", "conv1d", "layernorm", "epilogue2d", "lrn_pool2d")
 
 
 @pytest.mark.parametrize("kernel", KERNELS)

@@ -27,9 +27,9 @@ ORACLE_TOL = 5e-2  # precision.py's bf16 tolerance
 
 @pytest.fixture(scope="module")
 def kernels():
-    from scalelab.fast.kernels import charcnn_block1, conv1d, epilogue2d, layernorm1d
+    from scalelab.fast.kernels import charcnn_block1, conv1d, epilogue2d, layernorm1d, lrn_pool2d
 
-    return charcnn_block1, conv1d, epilogue2d, layernorm1d
+    return charcnn_block1, conv1d, epilogue2d, layernorm1d, lrn_pool2d
 
 
 def _poisoned(shape, channels_last=False):
@@ -109,6 +109,8 @@ LRN = (5, 1e-4, 0.75, 2.0)
         (2, 384, 13, None, None),
         (3, 256, 13, None, (3, 2)),
         (2, 40, 13, (5, 1.0, 0.75, 2.0), (3, 2)),
+        (3, 33, 17, (5, 1.0, 0.75, 2.0), None),
+        (2, 300, 14, LRN, (3, 2)),
     ],
 )
 def test_epilogue2d_kernel(kernels, n, c, h, lrn, pool):
@@ -120,7 +122,10 @@ def test_epilogue2d_kernel(kernels, n, c, h, lrn, pool):
     kp, sp = pool or (1, 1)
     ho = (h - kp) // sp + 1
     out = _poisoned((n, c, ho, ho), channels_last=True)
-    kernels[2].epilogue2d(y, b, lrn, pool, out=out)
+    if lrn is None:
+        kernels[2].epilogue2d(y, b, pool, out=out)
+    else:
+        kernels[4].lrn_pool2d(y, b, lrn, pool, out=out)
     _check(out, R.epilogue2d(y, b, lrn, pool))
 
 

@@ -23,7 +23,13 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 import torch  # noqa: E402
 
 from scalelab.fast import reference as R  # noqa: E402
-from scalelab.fast.kernels import charcnn_block1, conv1d, epilogue2d, layernorm1d  # noqa: E402
+from scalelab.fast.kernels import (  # noqa: E402
+    charcnn_block1,
+    conv1d,
+    epilogue2d,
+    layernorm1d,
+    lrn_pool2d,
+)
 
 CASES: list[dict] = []
 TIGHT, LOOSE = 1e-5, 2e-2
@@ -107,6 +113,7 @@ def check_epilogue2d() -> None:
         ((3, 24, 9), None, None),
         ((2, 20, 11), strong, (3, 2)),
         ((1, 7, 8), strong, None),
+        ((2, 96, 15), (5, 1e-4, 0.75, 2.0), (3, 2)),
     )
     for (n, c, h), lrn, pool in cases:
         y, b = 3 * torch.randn(n, c, h, h), torch.randn(c)
@@ -115,11 +122,13 @@ def check_epilogue2d() -> None:
         for dtype, tol in ((torch.float32, TIGHT), (torch.bfloat16, LOOSE)):
             yd = y.to(dtype).contiguous(memory_format=torch.channels_last)
             out = poisoned((n, c, ho, ho), dtype, channels_last=True)
-            epilogue2d.epilogue2d(yd, b, lrn, pool, out=out, bm=64, bc=16)
+            if lrn is None:
+                epilogue2d.epilogue2d(yd, b, pool, out=out, bm=64, bc=16)
+            else:  # small tiles: several column blocks and row chunks per image
+                lrn_pool2d.lrn_pool2d(yd, b, lrn, pool, out=out, bw=4, rows=2)
             ref = R.epilogue2d(yd.float(), b, lrn, pool)
-            record(
-                f"epilogue2d N{n} C{c} H{h} lrn{lrn is not None} pool{pool} {dtype}", out, ref, tol
-            )
+            kernel = "epilogue2d" if lrn is None else "lrn_pool2d"
+            record(f"{kernel} N{n} C{c} H{h} pool{pool} {dtype}", out, ref, tol)
 
 
 def check_pipeline(workload_name: str, **kw) -> dict:

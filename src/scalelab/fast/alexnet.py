@@ -89,14 +89,21 @@ def _epilogue_stage(name: str, bias: torch.Tensor, lrn: bool, pool: bool) -> Sta
     b32 = bias.detach().float().contiguous()
     spec = dict(lrn=LRN if lrn else None, pool=(3, 2) if pool else None)
     torch_fn = functools.partial(reference.epilogue2d, bias=b32, **spec)
+    kernel = "lrn_pool2d" if lrn else "epilogue2d"
     triton_fn = functools.partial(_triton_epilogue, bias=b32, **spec)
-    return Stage(name, [Candidate("torch", torch_fn), Candidate("triton", triton_fn, "epilogue2d")])
+    return Stage(name, [Candidate("torch", torch_fn), Candidate("triton", triton_fn, kernel)])
 
 
 def _triton_epilogue(y, bias, lrn, pool):
+    """bias + ReLU (+ LRN) (+ max-pool): LRN needs every channel of a pixel in one program,
+    so it has its own kernel."""
+    if lrn is not None:
+        from scalelab.fast.kernels.lrn_pool2d import lrn_pool2d
+
+        return lrn_pool2d(y, bias, lrn, pool)
     from scalelab.fast.kernels.epilogue2d import epilogue2d
 
-    return epilogue2d(y, bias, lrn, pool)
+    return epilogue2d(y, bias, pool)
 
 
 def _fc_stage(model: nn.Module) -> Stage:

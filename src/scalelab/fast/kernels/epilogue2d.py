@@ -1,13 +1,10 @@
 """The epilogue of a 2-D convolution computed without its bias, on channels-last maps:
 
-    out = maxpool_{KP x KP, stride SP}( LRN( ReLU(y + bias) ) )
+    out = maxpool_{KP x KP, stride SP}( ReLU(y + bias) )
 
-LRN (optional) normalises across channels: z_c / (k + alpha/size * sum_{|c'-c| <= size//2}
-z_c'^2) ** beta, the window clipped at the channel edges (torch's nn.LocalResponseNorm).
-PyTorch runs bias, ReLU, LRN (square, pad, 3-D average pool, scale, pow, divide) and max-pool
-as about eight kernels over the full-size map; this is one pass that reads the conv output
-once per window tap (from cache) and writes only the pooled map. KP = SP = 1 is the plain
-bias + ReLU epilogue.
+One pass that reads the conv output once per window tap (from cache) and writes only the
+pooled map; KP = SP = 1 is the plain bias + ReLU epilogue. With LRN between ReLU and the pool
+(AlexNet's epi1/epi2) see lrn_pool2d.py, which normalises each pixel once.
 
 Shapes: y (N, H, W, C) with unit channel stride (a channels_last (N, C, H, W) tensor's
 storage); out (N, Ho, Wo, C) likewise, Ho = (H - KP) // SP + 1 (floor mode, no padding).
@@ -25,7 +22,7 @@ from scalelab.fast.kernels import INTERPRET
 @triton.jit
 def _load_act(y_ptr, bias_ptr, pix, c, mask, C: tl.constexpr):
     """ReLU(y + bias) at pixel offsets pix (BM,) and channels c (BC,); zero outside [0, C)."""
-    cm = (c >= 0) & (c < C)
+    cm = c < C
     v = tl.load(y_ptr + pix[:, None] + c[None, :], mask=mask[:, None] & cm[None, :], other=0.0)
     b = tl.load(bias_ptr + c, mask=cm, other=0.0)
     return tl.maximum(v.to(tl.float32) + b.to(tl.float32)[None, :], 0.0)
@@ -46,11 +43,6 @@ def _epilogue2d_kernel(
     s_oh,
     s_ow,
     C: tl.constexpr,
-    LRN: tl.constexpr,
-    SIZE: tl.constexpr,
-    ALPHA: tl.constexpr,
-    BETA: tl.constexpr,
-    KCONST: tl.constexpr,
     KP: tl.constexpr,
     SP: tl.constexpr,
     BM: tl.constexpr,
@@ -70,12 +62,6 @@ def _epilogue2d_kernel(
         for dw in tl.static_range(KP):
             pix = n * s_yn + (oh * SP + dh) * s_yh + (ow * SP + dw) * s_yw
             z = _load_act(y_ptr, bias_ptr, pix, c, mmask, C)
-            if LRN:
-                ssum = tl.zeros((BM, BC), tl.float32)
-                for d in tl.static_range(SIZE):
-                    nb = _load_act(y_ptr, bias_ptr, pix, c + (d - SIZE // 2), mmask, C)
-                    ssum += nb * nb
-                z = z * tl.exp2(-BETA * tl.log2(KCONST + (ALPHA / SIZE) * ssum))
             res = tl.maximum(res, z)
     dst = o_ptr + (n * s_on + oh * s_oh + ow * s_ow)[:, None] + c[None, :]
     tl.store(dst, res.to(o_ptr.dtype.element_ty), mask=mmask[:, None] & (c < C)[None, :])
@@ -84,7 +70,6 @@ def _epilogue2d_kernel(
 def epilogue2d(
     y: torch.Tensor,
     bias: torch.Tensor,
-    lrn: tuple[int, float, float, float] | None,
     pool: tuple[int, int] | None,
     out: torch.Tensor | None = None,
     bm: int = 64,
@@ -101,7 +86,6 @@ def epilogue2d(
             n, c, ho, wo, device=y.device, dtype=y.dtype, memory_format=torch.channels_last
         )
     assert out.stride(1) == 1
-    size, alpha, beta, k = lrn if lrn is not None else (1, 0.0, 0.0, 1.0)
     bc = min(bc, triton.next_power_of_2(c))
     m = n * ho * wo
     opts = {} if INTERPRET else {"num_warps": num_warps}
@@ -119,11 +103,6 @@ def epilogue2d(
         out.stride(2),
         out.stride(3),
         C=c,
-        LRN=lrn is not None,
-        SIZE=size,
-        ALPHA=alpha,
-        BETA=beta,
-        KCONST=k,
         KP=kp,
         SP=sp,
         BM=bm,
