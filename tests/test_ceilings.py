@@ -49,6 +49,9 @@ def test_cpu_ceilings_are_plausible(cpu_ceilings):
         assert 1e8 < data["cpu_mem_bw"][key] < 1e12
     assert data["cpu_gemm_flops"]["cores"] == cores
     assert "h2d" not in data and "comm" not in data  # no GPU, no launcher
+    conc = data["cpu_concurrency"]  # part of every default run (not only --comm-only ones)
+    assert conc["ranks"][0] == 1 and conc["ranks"][-1] == cores and conc["slowdown"][0] == 1.0
+    assert len(conc["slowdown"]) == len(conc["ranks"]) and "CPU processes at once" in out
     assert "GEMM cpu fp32" in out and str(path) in out
 
 

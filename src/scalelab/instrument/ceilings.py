@@ -29,6 +29,10 @@ noise on a shared machine only adds time); GEMM keeps the best size:
       "cpu_gemm_flops": {"one_core": float, "all_cores": float, "cores": int,
                          "dtype": "fp64"},           # NumPy float64 GEMM FLOP/s
       "cpu_mem_bw": {"one_core": float, "all_cores": float},  # NumPy copy, read+write bytes/s
+      "cpu_concurrency": {              # k single-threaded processes computing at once
+        "ranks": [1, 2, 4, ..., cores], "slowdown": [1.0, ...],  # median time at k / at 1
+        "slowdown_max": [...], "seconds": [...], "kernel": str, "method": str
+      },                                # (instrument/concurrency.py)
       "comm": {                         # only when measured under a launcher (--ranks N)
         backend ("mpi" | "gloo" | "nccl"): {
           "ranks": int, "device": "cpu" | "cuda",   # where the message buffers lived
@@ -74,6 +78,7 @@ from threadpoolctl import threadpool_limits
 
 from scalelab.environment import cpu_model
 from scalelab.errors import UsageError
+from scalelab.instrument import concurrency
 from scalelab.instrument.comm_bench import fit_alpha_beta  # noqa: F401  (part of this API)
 from scalelab.instrument.peaks import datasheet_peak
 from scalelab.instrument.progress import Progress
@@ -310,6 +315,7 @@ def measure_local(device: torch.device, quick: bool, quiet: bool = False) -> dic
         ("gemm", lambda: {"gemm_flops": gemm_flops(device, plan, names)}),
         ("copy", lambda: _mem_section(copy_bandwidth(device, plan))),
         ("host", lambda: host_ceilings(plan)),
+        ("cpu concurrency", lambda: {"cpu_concurrency": concurrency.measure(cpu_cores(), quick)}),
     ]
     if cuda:
         steps.insert(2, ("h2d/d2h", lambda: transfer_bandwidth(device, plan)))

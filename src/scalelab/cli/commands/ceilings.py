@@ -1,8 +1,9 @@
 """`scalelab ceilings`: measure this machine's ceilings and write ceilings.json.
 
 GEMM rate per dtype, device-memory and host<->device bandwidth, NumPy GEMM and copy on one
-core and all cores; with `--ranks N` also MPI (mpiexec) or gloo/NCCL (torchrun) all-reduce and
-point-to-point latency and bandwidth by message size. The file's format is documented in
+core and all cores, how much k single-threaded processes computing at once slow each other;
+with `--ranks N` also MPI (mpiexec) or gloo/NCCL (torchrun) all-reduce and point-to-point
+latency and bandwidth by message size. The file's format is documented in
 scalelab.instrument.ceilings. `--peaks` prints the cited datasheet table instead.
 """
 
@@ -211,6 +212,10 @@ def format_summary(data: dict[str, Any], path: str) -> str:
                      f"{g['cores']} cores {_si(g['all_cores'], 'FLOP/s')}")  # fmt: skip
         lines.append(f"  NumPy copy      one core {_si(b['one_core'], 'B/s')}, "
                      f"all cores {_si(b['all_cores'], 'B/s')}")  # fmt: skip
+    if "cpu_concurrency" in data:
+        c = data["cpu_concurrency"]
+        shown = ", ".join(f"{k}: x{x:.2f}" for k, x in zip(c["ranks"], c["slowdown"]))
+        lines.append(f"  CPU processes at once, slowdown per process {shown}")
     for backend, res in data.get("comm", {}).items():
         for op in ("allreduce", "p2p"):
             lines.append(f"  {backend} x{res['ranks']} {op:<9} alpha {res[op]['alpha_s'] * 1e6:.3g}"

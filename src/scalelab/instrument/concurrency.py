@@ -1,0 +1,172 @@
+"""How single-threaded processes slow each other down on this host: the `cpu_concurrency`
+section of ceilings.json.
+
+MPI ranks on CPUs (one thread each) share the host's cores, SMT siblings, caches and memory
+bandwidth, so k ranks computing at once each run slower than one alone. This measures that
+directly: `k` worker processes (one torch thread each) start the same convolution at the same
+instant and time it for a fixed window; the slowdown at k is the median of their per-call
+times over the time of one process alone:
+
+    "cpu_concurrency": {
+      "ranks":        [1, 2, 4, ...],     # processes computing at once (powers of 2, cores)
+      "slowdown":     [1.0, s2, s4, ...], # median per-process time at k / time at k = 1
+      "slowdown_max": [1.0, ...],         # the slowest process at k / time at k = 1
+      "seconds":      [t1, t2, ...],      # median seconds per kernel call at k
+      "kernel": str, "method": str        # what was timed and how
+    }
+
+The workers are started once (importing torch takes a second) and reused for every k; they
+are plain subprocesses talking JSON lines over stdin/stdout, so nothing depends on how the
+parent was started (`python -m scalelab`, pytest, under a launcher). Workers are not pinned to
+cores: the OS places them, as it places MPI ranks started without a binding.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """conv2d of a (batch, channels, size, size) float32 input with a 3x3 kernel, padding 1:
+    an AlexNet/VGG-like layer whose activations (MBs) go past the private caches."""
+
+    batch: int = 8
+    channels: int = 64
+    size: int = 56
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.batch * self.size**2 * self.channels**2 * 9
+
+    def describe(self) -> str:
+        b, c, s = self.batch, self.channels, self.size
+        return (
+            f"torch conv2d fp32, input ({b}, {c}, {s}, {s}) * weight ({c}, {c}, 3, 3), "
+            f"padding 1 ({self.flops / 1e9:.3g} GFLOP), 1 torch thread per process"
+        )
+
+
+DEFAULT, QUICK = Kernel(8), Kernel(2)
+METHOD = (
+    "k worker processes (one thread each) start the kernel at the same instant and call it "
+    "back to back for {window:g} s each; per process the median call time; slowdown(k) = "
+    "median over the k processes / the time of one process alone"
+)
+
+
+def levels(cores: int) -> list[int]:
+    """1, 2, 4, ... up to the cores, and the core count itself."""
+    out, k = [], 1
+    while k < cores:
+        out.append(k)
+        k *= 2
+    return [*out, cores]
+
+
+def measure(cores: int, quick: bool = False) -> dict[str, Any]:
+    """The cpu_concurrency section for k over levels(cores)."""
+    kernel, window = (QUICK, 0.1) if quick else (DEFAULT, 0.4)
+    ks = levels(max(cores, 1))
+    pool = Workers(ks[-1], kernel)
+    try:
+        per_k = [pool.run(k, window) for k in ks]  # per k: seconds of each process
+    finally:
+        pool.close()
+    return curve(ks, per_k, kernel.describe(), METHOD.format(window=window))
+
+
+def curve(ks: list[int], per_k: list[list[float]], kernel: str, method: str) -> dict[str, Any]:
+    """The section from per-process call times at each k (per_k[i]: k = ks[i] values)."""
+    medians = [statistics.median(times) for times in per_k]
+    base = medians[0]
+    return {
+        "ranks": list(ks),
+        "slowdown": [m / base for m in medians],
+        "slowdown_max": [max(times) / base for times in per_k],
+        "seconds": medians,
+        "kernel": kernel,
+        "method": method,
+    }
+
+
+class Workers:
+    """n worker subprocesses, each holding the kernel's tensors, warmed up and waiting."""
+
+    def __init__(self, n: int, kernel: Kernel) -> None:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        cmd = [sys.executable, "-c", "from scalelab.instrument.concurrency import worker; worker()"]
+        self.procs = [
+            subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+            for _ in range(n)
+        ]
+        for p in self.procs:
+            self._send(p, {"kernel": [kernel.batch, kernel.channels, kernel.size]})
+        for p in self.procs:
+            self._reply(p)  # "ready": imported, tensors built, one warm-up call done
+
+    def run(self, k: int, window: float) -> list[float]:
+        """Median call seconds of each of the first k workers, all started together."""
+        start = time.time() + 0.05 + 0.002 * k  # time enough to reach every worker first
+        for p in self.procs[:k]:
+            self._send(p, {"start": start, "window": window})
+        return [float(self._reply(p)["seconds"]) for p in self.procs[:k]]
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.stdin.close()
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+    @staticmethod
+    def _send(p: subprocess.Popen, msg: dict) -> None:
+        p.stdin.write(json.dumps(msg) + "\n")
+        p.stdin.flush()
+
+    @staticmethod
+    def _reply(p: subprocess.Popen) -> dict:
+        line = p.stdout.readline()
+        if not line:
+            raise RuntimeError(f"cpu_concurrency worker exited (code {p.wait()})")
+        return json.loads(line)
+
+
+def worker() -> None:
+    """A worker's loop: build the kernel, then per request wait for the start instant and
+    time calls for the window; reply with the median call seconds."""
+    import torch
+
+    torch.set_num_threads(1)
+    spec = json.loads(sys.stdin.readline())["kernel"]
+    b, c, s = spec
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(b, c, s, s, generator=gen)
+    w = torch.randn(c, c, 3, 3, generator=gen)
+
+    def call() -> None:
+        torch.nn.functional.conv2d(x, w, padding=1)
+
+    with torch.no_grad():
+        call()
+        print(json.dumps({"ready": True}), flush=True)
+        for line in sys.stdin:
+            req = json.loads(line)
+            while (left := req["start"] - time.time()) > 0:
+                time.sleep(min(left, 0.01))
+            times, began = [], time.perf_counter()
+            while len(times) < 3 or time.perf_counter() - began < req["window"]:
+                t0 = time.perf_counter()
+                call()
+                times.append(time.perf_counter() - t0)
+            print(json.dumps({"seconds": statistics.median(times)}), flush=True)

@@ -1,0 +1,56 @@
+"""The cpu_concurrency ceiling: k single-threaded processes computing the same kernel at once.
+The curve's arithmetic on exact data, the levels it measures, and real processes: alone vs
+sharing one core (time-sliced, so each runs about half as fast)."""
+
+import math
+import os
+
+import pytest
+
+from scalelab.instrument import concurrency as C
+
+
+def test_curve_from_exact_times():
+    ks, per_k = [1, 2, 4], [[0.010], [0.010, 0.012], [0.012, 0.014, 0.016, 0.030]]
+    c = C.curve(ks, per_k, "kernel", "method")
+    assert c["ranks"] == [1, 2, 4] and c["slowdown"][0] == 1.0
+    # median over processes / the time alone; the slowest process separately
+    assert c["slowdown"] == pytest.approx([1.0, 1.1, 1.5])
+    assert c["slowdown_max"] == pytest.approx([1.0, 1.2, 3.0])
+    assert c["seconds"] == pytest.approx([0.010, 0.011, 0.015])
+
+
+@pytest.mark.parametrize(
+    "cores, want", [(1, [1]), (2, [1, 2]), (6, [1, 2, 4, 6]), (64, [1, 2, 4, 8, 16, 32, 64])]
+)
+def test_levels_double_up_to_the_cores(cores, want):
+    assert C.levels(cores) == want
+
+
+def test_measured_curve_is_sane_at_small_k():
+    c = C.measure(2, quick=True)
+    assert c["ranks"] == [1, 2] and c["slowdown"][0] == 1.0
+    assert all(math.isfinite(x) and x > 0 for x in c["seconds"])
+    # Two processes on a 2-core runner: not faster than one alone (within noise), and not
+    # slower than time-slicing both on one core would make them.
+    assert 0.7 < c["slowdown"][1] < 2.6
+    assert c["slowdown_max"][1] >= c["slowdown"][1]
+    assert "conv2d" in c["kernel"] and "same instant" in c["method"]
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs Linux CPU affinity")
+def test_processes_sharing_one_core_measure_as_slowed():
+    """Workers inherit the parent's affinity: pinned to one core, two time-slice it and each
+    call takes about twice as long; the measurement must see that contention."""
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(before)})
+    try:
+        pool = C.Workers(2, C.QUICK)
+    finally:
+        os.sched_setaffinity(0, before)
+    try:
+        alone, both = pool.run(1, 0.1), pool.run(2, 0.2)
+    finally:
+        pool.close()
+    slowdown = C.curve([1, 2], [alone, both], "", "")["slowdown"]
+    assert slowdown[0] == 1.0 and slowdown[1] > 1.4
