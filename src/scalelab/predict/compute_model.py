@@ -9,6 +9,12 @@ F the GEMM ceiling for the precision (CPU ranks: the ceilings' NumPy float64 GEM
 per thread), B the memory copy ceiling, bytes_l(b) = itemsize * (b * (in + out) + params)
 from the cost table. It is a lower bound (no launch latency, no cache misses): predictions
 built on it say so.
+
+CPU ranks share the host: with p = (ranks on the node) x (threads per rank) processes busy,
+each computes slower than one alone by s(p), the ceilings' measured `cpu_concurrency` curve
+(instrument/concurrency.py), interpolated at p. The one-rank calibration ran with p0 = threads
+busy, so its time is scaled by s(p) / s(p0). Without the curve the ranks are assumed not to
+contend, and the prediction says so.
 """
 
 from __future__ import annotations
@@ -54,11 +60,13 @@ class ComputeModel:
     figures: Figures
     law: BatchLaw | None
     notes: list[str] = field(default_factory=list)
+    contention: float = 1.0  # CPU ranks: per-process slowdown of sharing the host (1: none)
 
     @classmethod
     def build(cls, scenario: Scenario, figures: Figures, pool: Pool, spatial: bool = False):
         law = batch_law(pool, scenario, spatial)
         model = cls(scenario, figures, law)
+        model._contend()
         if law is None:
             miss = near_miss(pool, scenario)
             why = f"the closest, {miss}" if miss else "pass --calibrate RESULTS"
@@ -69,6 +77,28 @@ class ComputeModel:
         else:
             model.notes.append(law.describe())
         return model
+
+    def _contend(self) -> None:
+        """Scale CPU compute by the host's measured slowdown at the processes busy per node."""
+        s, cfg = self.scenario, self.scenario.cfg
+        threads = cfg.threads or 1
+        busy = min(s.ranks, s.per_node) * threads
+        if cfg.device != "cpu" or busy <= threads:
+            return
+        at, alone = self.figures.cpu_slowdown(busy), self.figures.cpu_slowdown(threads)
+        if at is None or alone is None:
+            self.notes.append(
+                "compute: CPU ranks on one node assumed not to slow each other (no "
+                f"cpu_concurrency curve in {self.figures.path}; scalelab ceilings -o FILE "
+                "measures it)"
+            )
+            return
+        self.contention = at / alone
+        self.notes.append(
+            f"compute x{self.contention:.3g}: {busy} single-threaded processes busy per node "
+            f"run slower than {threads} (cpu_concurrency of {self.figures.path}: "
+            f"{at:.3g} / {alone:.3g})"
+        )
 
     @property
     def sources(self) -> dict[str, str]:
@@ -81,8 +111,10 @@ class ComputeModel:
 
     def seconds(self, batch: float) -> float:
         if self.law is not None:
-            return self.law.seconds(batch)
-        return sum(t for _, t in roofline_layers(self.scenario, self.figures, batch))
+            return self.contention * self.law.seconds(batch)
+        return self.contention * sum(
+            t for _, t in roofline_layers(self.scenario, self.figures, batch)
+        )
 
     @property
     def fixed_s(self) -> float:
@@ -91,7 +123,7 @@ class ComputeModel:
         if self.law is None:
             return 0.0
         a = self.law.point
-        return max(0.0, a.compute_s - self.law.per_item_s * a.batch)
+        return self.contention * max(0.0, a.compute_s - self.law.per_item_s * a.batch)
 
     def phases(self, batch: float) -> dict[str, float]:
         """{"launch": the fixed part, "compute": the rest} of the compute at batch."""

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from scalelab.errors import UsageError
 from scalelab.instrument.ceilings import DEFAULT_PATH, read_ceilings
 from scalelab.predict.comm_model import Fabric, Link, ring_link_from_fit
@@ -84,6 +86,16 @@ class Figures:
         """One core's copy bandwidth (read + write counted): a host memcpy of n bytes takes
         2 n / this."""
         return self._cpu("cpu_mem_bw", 1)
+
+    def cpu_slowdown(self, processes: float) -> float | None:
+        """How much slower each of `processes` single-threaded processes computing at once on
+        the host runs than one alone: the measured `cpu_concurrency` curve, linear between its
+        points and held at its ends (None when the ceilings lack the curve)."""
+        curve = self.data.get("cpu_concurrency") or {}
+        ks, slow = curve.get("ranks"), curve.get("slowdown")
+        if not ks or not slow:
+            return None
+        return float(np.interp(processes, ks, slow))
 
     def _cpu(self, key: str, threads: int | None) -> float:
         section = self.data.get(key) or {}
