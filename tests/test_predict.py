@@ -300,3 +300,59 @@ def test_four_gpu_data_parallel_points_are_predicted_within_the_bound():
     four = gpu[(gpu["ranks"] == 4) & (gpu["role"] == "predicted")]
     assert len(four) == 7  # every 4-GPU point is a prediction, none calibrated on
     assert len(t) == 36  # + 9 alexnet CPU-rank and 6 pipeline points
+
+
+# --- CPU ranks sharing a host: the measured cpu_concurrency curve ------------------------------
+def _alexnet_ctx(curve=None):
+    from scalelab.predict.calibration import Pool
+    from scalelab.predict.models import Context
+    from scalelab.predict.points import discover
+
+    data = json.loads(CEILINGS.read_text())
+    if curve is not None:
+        data["cpu_concurrency"] = curve
+    pool = Pool()
+    for p in discover(FIXTURES / "mpi_scaling_h200x2.jsonl").pools.values():
+        pool.extend(p)
+    return Context(Figures(data, "c.json"), None, pool)
+
+
+@pytest.mark.parametrize("split", ["batch", "spatial"])
+def test_cpu_ranks_compute_scales_by_the_measured_slowdown(split):
+    """6 single-threaded ranks on one node, curve 1 / 1.2 / 1.5 / 2.1 at 1 / 2 / 4 / 8
+    processes: linear between 4 and 8, s(6) = 1.5 + (2.1 - 1.5) * 2 / 4 = 1.8, so compute is
+    1.8x the no-contention model's; the note names the curve."""
+    from scalelab.predict.frame import predict_one
+
+    curve = {"ranks": [1, 2, 4, 8], "slowdown": [1.0, 1.2, 1.5, 2.1]}
+    cfg = RunConfig(workload="alexnet", strategy="mpi", split=split, batch=32, threads=1)
+    s = Scenario(cfg, 1, 64).at(6)
+    plain, contended = predict_one(_alexnet_ctx(), s), predict_one(_alexnet_ctx(curve), s)
+    assert contended.phases["compute"] == pytest.approx(1.8 * plain.phases["compute"])
+    assert contended.phases["scatter"] == pytest.approx(plain.phases["scatter"])
+    assert any("compute x1.8" in n and "cpu_concurrency" in n for n in contended.notes)
+    assert any("assumed not to slow each other" in n for n in plain.notes)
+    # one rank is the calibration itself: no slowdown, no note
+    one = predict_one(_alexnet_ctx(curve), s.at(1))
+    assert one.phases["compute"] == pytest.approx(
+        predict_one(_alexnet_ctx(), s.at(1)).phases["compute"]
+    )
+    assert not any("cpu_concurrency" in n for n in one.notes)
+
+
+def test_validate_pairs_each_file_with_its_own_hosts_ceilings(tmp_path):
+    """A ceilings file of another host whose name is closer loses to the same host's; a
+    results file whose host has only a --comm-only file borrows the rest, and says so."""
+    shutil.copy(FIXTURES / "mpi_scaling_h200x2.jsonl", tmp_path / "mpi_scaling.jsonl")
+    other = json.loads(CEILINGS.read_text())
+    other["machine"].update(cpu_cores=64, gpu_count=4)
+    other["cpu_gemm_flops"]["one_core"] *= 10  # would move every CPU point if it were used
+    (tmp_path / "ceilings_mpi_scaling.json").write_text(json.dumps(other))
+    shutil.copy(CEILINGS, tmp_path / "zz_ceilings.json")
+    v = validate(tmp_path, None, None)
+    assert v.ceilings["mpi_scaling.jsonl"] == "zz_ceilings.json" and not v.borrowed
+    four = validate(FOUR_GPUS, None, None)
+    assert four.ceilings["mpi_scaling_h200x4.jsonl"].startswith("ceilings_nccl_h200x4.json")
+    took = four.borrowed["mpi_scaling_h200x4.jsonl"]
+    assert "64 cpus, 4x NVIDIA H200" in took and "comm.mpi" in took
+    assert "from ceilings_h200x2.json (vm, 32 cpus, 2x NVIDIA H200)" in took

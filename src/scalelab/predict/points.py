@@ -18,6 +18,7 @@ from typing import Any
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
 from scalelab.predict.calibration import CalPoint, MultiPoint, Pool
+from scalelab.predict.hosts import Host
 from scalelab.predict.scenario import PER_RANK_BATCH, Scenario
 
 CEILINGS = "scalelab.ceilings/1"
@@ -41,9 +42,15 @@ class Found:
     ceilings: dict[Path, dict[str, Any]] = field(default_factory=dict)
     skipped: Counter = field(default_factory=Counter)
     ddp_files: list[Path] = field(default_factory=list)  # DDP summaries read so far
+    hosts: dict[Path, Host] = field(default_factory=dict)  # the machine each file ran on
 
     def pool(self, origin: Path) -> Pool:
         return self.pools.setdefault(origin, Pool())
+
+    def saw_host(self, origin: Path, host: Host) -> None:
+        """The file's machine: the first of its entries that names one."""
+        if host.known and origin not in self.hosts:
+            self.hosts[origin] = host
 
 
 def discover(root: Path) -> Found:
@@ -98,6 +105,7 @@ def _run_record(found: Found, path: Path, where: str, rec: dict[str, Any]) -> No
     if rec.get("status", "ok") != "ok" or "wall_s" not in rec:
         found.skipped["failed runs"] += 1
         return
+    found.saw_host(path, Host.of_record(rec))
     cfg = run_config(rec)
     ranks = int(rec.get("ranks") or cfg.ranks)
     cores = (rec.get("env") or {}).get("cpu_count")
@@ -163,6 +171,7 @@ def _ddp_summary(found: Found, path: Path, obj: dict) -> None:
         found.skipped[f"partial summary beside a complete one: {path.name}"] += 1
         return
     found.ddp_files.append(path)
+    found.saw_host(path, Host.of_summary(obj))
     for i, row in enumerate(obj["rows"]):
         gpus, name = int(row["gpus"]), str(row["config"])
         s = Scenario(_summary_config(obj, row), gpus, per_node=gpus, series=name)
@@ -195,6 +204,7 @@ def _summary_config(obj: dict, row: dict) -> RunConfig:
 
 def _pipeline_summary(found: Found, path: Path, where: str, rec: dict) -> None:
     """One-GPU training steps of the pipeline benchmark's model: calibration only."""
+    found.saw_host(path, Host.of_summary(rec))
     for batch, img_s in (rec.get("plain_img_s") or {}).items():
         cfg = RunConfig(
             workload="vgg16", strategy="local", device="cuda", train=True, dtype="bf16",

@@ -2,8 +2,12 @@
 per point and the mean absolute percentage error, with the calibration points named.
 
 Each results file is paired with the ceilings of its machine: --ceilings when given; else
-the ceilings file in the folder whose name shares the most with the results file's name
-(mpi_scaling_h200x2.jsonl -> ceilings_h200x2.json); else the only one. A point is predicted
+the ceilings files measured on the same host (hosts.py: hostname, CPU count, GPU name and
+count, as the records' `env` and the ceilings' `machine` give them), a full one first; sections
+they lack, or every section when the host has no ceilings file, are taken from the other
+ceilings in the nearest folder up (the name closest to the results file's first:
+mpi_scaling_h200x2.jsonl -> ceilings_h200x2.json), and the files that borrowed another host's
+figures are named with what they borrowed. A point is predicted
 from the measurements of its own machine only; the one-rank points it is calibrated on (and
 the multi-GPU run that sets DDP's host cost) match by construction and are marked, and the
 MAPE is also given over the points that calibrated nothing.
@@ -12,7 +16,7 @@ MAPE is also given over the points that calibrated nothing.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from difflib import SequenceMatcher
 from pathlib import Path
 
@@ -22,6 +26,7 @@ from scalelab.errors import UsageError
 from scalelab.predict.calibration import Pool
 from scalelab.predict.figures import Figures
 from scalelab.predict.frame import predict_one
+from scalelab.predict.hosts import Host
 from scalelab.predict.models import Context
 from scalelab.predict.network import NetworkProfile
 from scalelab.predict.points import Found, Measured, discover
@@ -34,6 +39,7 @@ class Validation:
     table: pd.DataFrame
     skipped: dict[str, int]
     ceilings: dict[str, str]  # results file -> ceilings file used
+    borrowed: dict[str, str] = field(default_factory=dict)  # results file -> another host's
 
     def mape(self, predicted_only: bool = False) -> float:
         t = self.table[self.table["role"] == "predicted"] if predicted_only else self.table
@@ -74,7 +80,8 @@ def validate(root: str | Path, ceilings: str | None, network: NetworkProfile | N
     if not rows:
         raise UsageError(f"{root}: no point could be predicted ({dict(found.skipped)})")
     used = {str(o.name): _named(c, d) for o, (c, d) in pairs.items()}
-    return Validation(pd.DataFrame(rows), dict(found.skipped), used)
+    borrowed = {o.name: d["_borrowed"] for o, (_, d) in pairs.items() if d.get("_borrowed")}
+    return Validation(pd.DataFrame(rows), dict(found.skipped), used, borrowed)
 
 
 def _explicit(path: str | None):
@@ -86,23 +93,42 @@ def _explicit(path: str | None):
 
 
 def _pair(origin: Path, found: Found) -> tuple[Path, dict]:
-    """The ceilings of origin's machine: those in the nearest folder up from it that holds
-    any, the one whose name is closest first; sections it lacks (a `--comm-only` file
-    beside a full one) are taken from the others in that folder."""
+    """The ceilings of origin's machine: its own host's files (a full one first), then the
+    other ceilings in the nearest folder up from it, the name closest to origin's first; each
+    later file fills the sections the earlier ones lack (a `--comm-only` file beside a full
+    one). What came from another host's file is noted under "_borrowed"."""
     if not found.ceilings:
         raise UsageError(
             f"no ceilings file for {origin.name}: give --ceilings or put the machine's "
             "ceilings.json (from `scalelab ceilings`) in the folder"
         )
+    host = found.hosts.get(origin, Host())
+    by_name = lambda c: (-SequenceMatcher(None, c.stem, origin.stem).ratio(), str(c))  # noqa: E731
+    own = [c for c in found.ceilings if host.same(Host.of_ceilings(found.ceilings[c]))]
+    own.sort(key=lambda c: ("gemm_flops" not in found.ceilings[c], by_name(c)))
     near = _nearest(origin, list(found.ceilings))
-    near.sort(key=lambda c: (-SequenceMatcher(None, c.stem, origin.stem).ratio(), str(c)))
-    merged = dict(found.ceilings[near[0]])
-    merged["comm"] = dict(merged.get("comm") or {})
-    for other in near[1:]:
+    files = own + sorted((c for c in near if c not in own), key=by_name)
+    first = found.ceilings[files[0]]
+    merged = {**first, "comm": dict(first.get("comm") or {})}
+    taken = {files[0]: ["all sections"]} if not own else {}
+    for other in files[1:]:
         added = _fill(merged, found.ceilings[other])
         if added:
             merged.setdefault("_filled_from", []).append(other.name)
-    return near[0], merged
+            if other not in own:
+                taken[other] = added
+    if taken and host.known:
+        merged["_borrowed"] = _borrowing(host, taken, found)
+    return files[0], merged
+
+
+def _borrowing(host: Host, taken: dict[Path, list[str]], found: Found) -> str:
+    """`ran on (vm, 64 cpus, 4x NVIDIA H200); took cpu_gemm_flops, comm.mpi from x.json (...)`."""
+    parts = [
+        f"{', '.join(keys)} from {c.name} ({Host.of_ceilings(found.ceilings[c]).describe()})"
+        for c, keys in taken.items()
+    ]
+    return f"ran on ({host.describe()}); took " + "; ".join(parts)
 
 
 def _nearest(origin: Path, files: list[Path]) -> list[Path]:
@@ -113,15 +139,22 @@ def _nearest(origin: Path, files: list[Path]) -> list[Path]:
     return files
 
 
-def _fill(into: dict, other: dict) -> bool:
-    added = False
+BOOKKEEPING = frozenset({"schema", "machine", "quick", "notes", "device", "mem_bw_detail", "peaks"})
+
+
+def _fill(into: dict, other: dict) -> list[str]:
+    """Copy the sections `into` lacks from `other`; the figures copied (bookkeeping keys that
+    come along are not listed)."""
+    added = []
     for key, value in other.items():
         if key == "comm":
             for backend, fit in (value or {}).items():
                 if backend not in into["comm"]:
-                    into["comm"][backend], added = fit, True
+                    into["comm"][backend] = fit
+                    added.append(f"comm.{backend}")
         elif key not in into:
-            into[key], added = value, True
+            into[key] = value
+            added += [] if key in BOOKKEEPING else [key]
     return added
 
 

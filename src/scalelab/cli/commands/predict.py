@@ -190,6 +190,8 @@ def validate(args: argparse.Namespace, network) -> int:
     v = run_validation(args.validate, args.ceilings, network)
     pairs = ", ".join(f"{r} -> {c}" for r, c in sorted(v.ceilings.items()))
     print(f"validate: {args.validate} (ceilings: {pairs})")
+    for results, what in sorted(v.borrowed.items()):
+        print(f"  {results} borrowed another host's ceilings: {what}")
     shown = v.table.assign(error=v.table["error_pct"].map(lambda e: f"{e:+.1f}%"))
     shown = shown.drop(columns=["error_pct"])
     print(shown.to_string(index=False, float_format="{:.4g}".format))
