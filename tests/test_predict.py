@@ -20,7 +20,7 @@ from scalelab.predict.comm_model import (
 )
 from scalelab.predict.figures import Figures
 from scalelab.predict.models.gradients import Bucket, buckets, exposed_allreduce
-from scalelab.predict.models.model_parallel import balanced_loads
+from scalelab.predict.models.pipeline import balanced_loads
 from scalelab.predict.models.spatial import halo_bytes, trunk_of
 from scalelab.predict.network import NETWORKS, load_network
 from scalelab.predict.scenario import Scenario
@@ -356,3 +356,56 @@ def test_validate_pairs_each_file_with_its_own_hosts_ceilings(tmp_path):
     took = four.borrowed["mpi_scaling_h200x4.jsonl"]
     assert "64 cpus, 4x NVIDIA H200" in took and "comm.mpi" in took
     assert "from ceilings_h200x2.json (vm, 32 cpus, 2x NVIDIA H200)" in took
+
+
+# --- pipeline: the run's partition, per-stage times, the simulated schedule --------------------
+def _vgg(**kw):
+    cfg = dict(workload="vgg16", strategy="pipeline", device="cuda", train=True, dtype="bf16",
+               channels_last=True, batch=256, microbatches=8)  # fmt: skip
+    return RunConfig(**{**cfg, **kw})
+
+
+def test_pipeline_partition_maps_layers_to_cost_rows():
+    from scalelab.predict.models.pipeline import row_stages
+
+    s = Scenario(_vgg(), 2, 2)
+    owner = row_stages(s, [16, 24])  # cast + features.0..14 | features.15.. + classifier
+    assert owner == [0] * 15 + [1] * 21  # conv1_1 .. conv3_3 on stage 0; relu3_3 .. fc8 on 1
+    alex = Scenario(RunConfig(workload="alexnet", strategy="pipeline", batch=8), 2, 2)
+    assert row_stages(alex, [5, 17])[-1] == 1  # the softmax row no layer claims goes last
+
+
+def test_pipeline_points_carry_the_runs_partition():
+    from scalelab.predict.points import discover
+
+    found = discover(FOUR_GPUS / "pipeline_vgg_h200x4.jsonl")
+    got = [p.scenario.balance for p in found.points]
+    assert got[:3] == [(16, 24), (18, 22), (15, 25)] and got[3] == (8, 8, 13, 11)
+
+
+def test_pipeline_two_gpipe_stages_against_the_hand_formula():
+    """Two stages, t0 >= t1 per micro-batch (forward t/3, backward 2t/3), GPipe, M = 8: stage 0
+    forwards back to back, stage 1's last forward ends at 8 f0 + f1, its backwards run
+    while stage 0 waits for the first, so the step is 8 t0 + t1 (+ 2 sends on the path).
+    t(m) from two one-GPU steps: 20 ms at 64, 68 ms at 256 -> 4 ms + 0.25 ms/item, t(32) = 12
+    ms, split over the stages by the roofline shares at 32."""
+    from scalelab.predict.calibration import CalPoint, Pool
+    from scalelab.predict.compute_model import roofline_layers
+    from scalelab.predict.frame import bound, predict_one
+    from scalelab.predict.models import Context
+
+    local = Scenario(_vgg(strategy="local"), 1, 1)
+    pool = Pool([CalPoint(local.family(), "local", None, b, t, 0.0, f"b{b}")
+                 for b, t in ((64, 0.020), (256, 0.068))])  # fmt: skip
+    ctx = Context(Figures(json.loads(CEILINGS.read_text()), "c.json"), None, pool)
+    s = Scenario(_vgg(), 2, 2, balance=(16, 24))
+    roof = [t for _, t in roofline_layers(s, ctx.figures, 32)]
+    t0 = 0.012 * sum(roof[:15]) / sum(roof)
+    t1 = 0.012 - t0
+    assert t0 > t1
+    pred = predict_one(ctx, s)
+    assert pred.phases["compute"] == pytest.approx(8 * t0)
+    assert pred.phases["bubble"] == pytest.approx(t1)
+    send = ctx.fabric(s, "nccl").p2p(32 * 802816 * 2, False)  # conv3_3's output, bf16
+    assert pred.phases["p2p"] == pytest.approx(2 * send)
+    assert "slowest stage: rank 0 of 2, cast..features.14" in bound(pred)[1]

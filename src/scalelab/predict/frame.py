@@ -45,7 +45,8 @@ def bound(pred: Prediction) -> tuple[str, str]:
         kind = "launch-bound"
     else:
         kind = "compute-bound"
-    return kind, f"{kind}: {LABELS.get(phase, phase)} {share:.0f}%"
+    where = f" ({pred.where[phase]})" if phase in pred.where else ""
+    return kind, f"{kind}: {LABELS.get(phase, phase)} {share:.0f}%{where}"
 
 
 def predict_one(ctx: Context, scenario: Scenario) -> Prediction:

@@ -112,7 +112,10 @@ def _run_record(found: Found, path: Path, where: str, rec: dict[str, Any]) -> No
     if cfg.device == "cpu" and cores and ranks * (cfg.threads or 1) > cores:
         found.skipped["CPU runs with more threads than cores (time-sliced: not modelled)"] += 1
         return
-    scenario = Scenario(cfg, ranks, per_node=ranks)  # a record's ranks shared one host
+    balance = (rec.get("pipeline") or {}).get("balance")  # the partition the run used
+    scenario = Scenario(
+        cfg, ranks, per_node=ranks, balance=tuple(balance) if balance else None
+    )  # a record's ranks shared one host
     seconds = _step_seconds(rec, cfg, per_iteration(rec)[1])
     if ranks == 1:
         found.pool(path).singles.append(_cal_point(rec, scenario, seconds, phase_scale(rec), where))

@@ -40,6 +40,7 @@ class Scenario:
     per_node: int
     nics: int | None = None  # network ports per node; None: one per rank on GPUs, 1 on CPUs
     series: str | None = None
+    balance: tuple[int, ...] | None = None  # pipeline: layers per stage the run used
 
     @property
     def precision(self) -> str:
@@ -107,6 +108,7 @@ class Prediction:
     notes: list[str] = field(default_factory=list)
     feasible: str | None = None  # why the scenario cannot run (None: it can)
     extra: dict[str, float] = field(default_factory=dict)  # more columns for the table
+    where: dict[str, str] = field(default_factory=dict)  # phase -> where on the ranks it is
 
     @property
     def seconds(self) -> float:
