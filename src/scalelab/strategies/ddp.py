@@ -38,7 +38,7 @@ from scalelab.comm.launch import inside_torchrun
 from scalelab.comm.torchdist import TIMEOUT_S, TorchDistComm
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
-from scalelab.instrument.timer import PhaseTimer
+from scalelab.instrument.timer import EventTimer
 from scalelab.precision import get_precision
 from scalelab.strategies.base import STRATEGIES, RunOutput
 from scalelab.strategies.torch_base import TorchStrategy, resolve_device
@@ -137,17 +137,6 @@ class ChannelsLast(nn.Module):
         return self.inner(x)
 
 
-class EventTimer(PhaseTimer):
-    """Phases timed with CUDA events and no host sync: a lap reports device seconds."""
-
-    def __init__(self) -> None:
-        super().__init__(lambda: None, nvtx=True, events=True)
-
-    def lap(self) -> dict[str, float]:
-        host = super().lap()
-        return self.last_device_lap or host
-
-
 @STRATEGIES.register(
     "ddp", "torch DistributedDataParallel training under torchrun (gloo on CPU, NCCL on GPU)"
 )
@@ -162,7 +151,7 @@ class DDPStrategy(TorchStrategy):
         if cfg.amp is not None:
             self.precision = get_precision(cfg.amp)
         if self.device.type == "cuda":
-            self.timer = EventTimer()
+            self.timer = EventTimer(self.device)
         self.per_rank = per_rank_batch(cfg, self.comm.size)
 
     @classmethod
