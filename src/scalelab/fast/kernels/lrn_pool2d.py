@@ -75,15 +75,16 @@ def _colmax(
 @triton.jit
 def _lrn_pool2d_kernel(
     y_ptr, bias_ptr, o_ptr, Ho, Wo, s_yn, s_yh, s_yw, s_on, s_oh, s_ow,
-    N_WB: tl.constexpr, N_HB: tl.constexpr, C: tl.constexpr, CP: tl.constexpr,
+    C: tl.constexpr, CP: tl.constexpr,
     SIZE: tl.constexpr, ALPHA: tl.constexpr, BETA: tl.constexpr, KCONST: tl.constexpr,
     KP: tl.constexpr, SP: tl.constexpr, OVERLAP: tl.constexpr,
     BW: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
-    n = pid // (N_WB * N_HB)
-    wb = (pid // N_HB) % N_WB
-    hb = pid % N_HB
+    n_wb, n_hb = tl.cdiv(Wo, BW), tl.cdiv(Ho, ROWS)
+    n = pid // (n_wb * n_hb)
+    wb = (pid // n_hb) % n_wb
+    hb = pid % n_hb
     base = y_ptr + n.to(tl.int64) * s_yn  # scalar: the image's first element
     obase = o_ptr + n.to(tl.int64) * s_on
     ow = wb * BW + tl.arange(0, BW)  # (BW,) output columns
@@ -111,6 +112,18 @@ def _lrn_pool2d_kernel(
         tl.store(dst, res.to(o_ptr.dtype.element_ty), mask=live[:, None] & (c < C)[None, :])
 
 
+# Tile shapes tried once per (C, Ho, Wo) on the GPU: fewer columns or rows per program means
+# more programs and fewer live registers per thread; the (BW, CP) fp32 tiles and their
+# pointer tiles are what limits occupancy at CP = 256.
+TUNING = [
+    triton.Config({"BW": bw, "ROWS": rows}, num_warps=warps)
+    for bw in (8, 16, 32)
+    for rows in (4, 8)
+    for warps in (4, 8)
+]
+_lrn_pool2d_tuned = triton.autotune(TUNING, key=["C", "Ho", "Wo", "KP"])(_lrn_pool2d_kernel)
+
+
 def lrn_pool2d(
     y: torch.Tensor,
     bias: torch.Tensor,
@@ -119,12 +132,12 @@ def lrn_pool2d(
     out: torch.Tensor | None = None,
     bw: int | None = None,
     rows: int | None = None,
-    num_warps: int = 8,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """y: conv output (N, C, H, W) channels_last, no bias; returns (N, C, Ho, Wo) channels_last.
 
-    bw: output columns per program (default: Wo rounded up to a power of two, at most 32);
-    rows: output rows per program (default 8; the carried row is recomputed once per program).
+    bw, rows: output columns and rows per program. Given (always under the interpreter), one
+    launch with them; left out on a GPU, the fastest of TUNING for this shape.
     """
     n, c, h, w = y.shape
     assert y.stride(1) == 1, "lrn_pool2d needs a channels_last input"
@@ -139,15 +152,17 @@ def lrn_pool2d(
     assert out.stride(1) == 1
     assert y.numel() < 2**31, "int32 offsets within the batch's images"
     size, alpha, beta, k = lrn
-    bw = bw or min(32, triton.next_power_of_2(wo))
-    rows = min(rows or 8, ho)
-    n_wb, n_hb = triton.cdiv(wo, bw), triton.cdiv(ho, rows)
-    opts = {} if INTERPRET else {"num_warps": num_warps}
     strides = (*[y.stride(i) for i in (0, 2, 3)], *[out.stride(i) for i in (0, 2, 3)])
-    _lrn_pool2d_kernel[(n * n_wb * n_hb,)](
-        y, bias, out, ho, wo, *strides,
-        N_WB=n_wb, N_HB=n_hb, C=c, CP=triton.next_power_of_2(c),
-        SIZE=size, ALPHA=alpha, BETA=beta, KCONST=k, KP=kp, SP=sp, OVERLAP=overlap,
-        BW=bw, ROWS=rows, **opts,
-    )  # fmt: skip
+    spec = dict(C=c, CP=triton.next_power_of_2(c), SIZE=size, ALPHA=alpha, BETA=beta, KCONST=k)
+    spec.update(KP=kp, SP=sp, OVERLAP=overlap)
+
+    def grid(meta: dict) -> tuple[int]:
+        return (n * triton.cdiv(wo, meta["BW"]) * triton.cdiv(ho, meta["ROWS"]),)
+
+    if bw is None and not INTERPRET:
+        _lrn_pool2d_tuned[grid](y, bias, out, ho, wo, *strides, **spec)
+        return out
+    tile = dict(BW=bw or min(32, triton.next_power_of_2(wo)), ROWS=min(rows or 8, ho))
+    opts = {} if INTERPRET else {"num_warps": num_warps}
+    _lrn_pool2d_kernel[grid(tile)](y, bias, out, ho, wo, *strides, **spec, **tile, **opts)
     return out
