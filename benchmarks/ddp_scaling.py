@@ -2,7 +2,7 @@
 the plain DDP loop a user would write, both measured here, in one script.
 
     python benchmarks/ddp_scaling.py [OUT_DIR] [--gpus 1,2,4] [--configs weak-512,...]
-                                     [--cifar] [--variants]
+                                     [--cifar] [--variants] [--variant-config weak-512]
 
 Configurations (synthetic CIFAR-shaped data, SGD momentum 0.9), at g GPUs:
     weak-512      512 images per GPU       global 512 g
@@ -21,9 +21,10 @@ plain  DistributedDataParallel with default options, a TensorDataset on the host
        DataLoader + DistributedSampler (4 workers, pinned memory), normalisation on the GPU,
        bf16 autocast, channels_last, and `loss.item()` each step for the running loss.
 --cifar also runs ours for `resnet18-cifar` (3x3 stem, no max-pool: 14x the FLOPs) at weak-512.
---variants also runs ours at weak-128 on 2 GPUs with --bucket-mb 5 and 100, with the
-gradients all-reduced in bf16 (--grad-compress bf16), and without --fast (eager DDP), to show
-what each choice is worth.
+--variants also runs ours on 2 GPUs at --variant-config (default weak-512) with --bucket-mb 5
+and 100, with the gradients all-reduced in bf16 (--grad-compress bf16), with NCCL limited to 4
+channels (fewer SMs taken from the overlapping backward), and without --fast (eager DDP), to
+show what each choice is worth.
 
 Prints a table and writes OUT_DIR/ddp_scaling.json (OUT_DIR: argument, else $OUT, else
 benchmarks/results).
@@ -69,7 +70,9 @@ def steady_throughput(walls: list[float], items_per_epoch: int) -> float:
 
 
 # --- ours ---------------------------------------------------------------------------------------
-def ours(gpus: int, global_batch: int, *extra: str, workload: str = "resnet18") -> dict:
+def ours(
+    gpus: int, global_batch: int, *extra: str, workload: str = "resnet18", nccl: dict | None = None
+) -> dict:
     n = global_batch * STEPS_PER_EPOCH
     cmd = [
         sys.executable, "-m", "scalelab", "run", workload, "--strategy", "ddp", "--train",
@@ -80,7 +83,9 @@ def ours(gpus: int, global_batch: int, *extra: str, workload: str = "resnet18") 
     ]  # fmt: skip
     if "--no-fast" in extra:
         cmd = [c for c in cmd if c not in ("--fast", "--no-fast")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=600)
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, env={**env(), **(nccl or {})}, timeout=600
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)}\n{proc.stderr[-3000:]}")
     rec = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -198,16 +203,30 @@ def efficiencies(rows: list[dict]) -> dict:
     return out
 
 
+VARIANT_CONFIG = ["weak-512"]  # --variant-config
+
+
 def run_variants() -> dict:
-    """ours at weak-128 on 2 GPUs: what graph capture and the bucket size are worth."""
+    """ours at VARIANT_CONFIG on 2 GPUs: what graph capture, the bucket size, gradient
+    compression and NCCL's channel count (SMs its kernels take from the backward) are worth."""
     runs = {
-        "--fast (25 MB buckets)": (),
-        "--fast --bucket-mb 5": ("--bucket-mb", "5"),
-        "--fast --bucket-mb 100": ("--bucket-mb", "100"),
-        "--fast --grad-compress bf16": ("--grad-compress", "bf16"),
-        "eager (no --fast)": ("--no-fast",),
+        "--fast (25 MB buckets)": ((), None),
+        "--fast --bucket-mb 5": (("--bucket-mb", "5"), None),
+        "--fast --bucket-mb 100": (("--bucket-mb", "100"), None),
+        "--fast --grad-compress bf16": (("--grad-compress", "bf16"), None),
+        "--fast NCCL_MAX_NCHANNELS=4": ((), {"NCCL_MAX_NCHANNELS": "4"}),
+        "--fast --grad-compress bf16 --bucket-mb 5": (
+            ("--grad-compress", "bf16", "--bucket-mb", "5"),
+            None,
+        ),
+        "eager (no --fast)": (("--no-fast",), None),
     }
-    return {label: ours(2, 256, *extra)["img_s"] for label, extra in runs.items()}
+    _, global_batch = batches(VARIANT_CONFIG[0], 2)
+    out = {}
+    for label, (extra, nccl) in runs.items():
+        out[label] = ours(2, global_batch, *extra, nccl=nccl)["img_s"]
+        print(f"  variant {label}: {out[label]:.0f} img/s", file=sys.stderr, flush=True)
+    return out
 
 
 def table(result: dict) -> str:
@@ -227,7 +246,7 @@ def table(result: dict) -> str:
             lines.append(f"{key:<28} {gpus:>4} {eff['ours']:>6.2f} {plain_e} "
                          f"{'>= ' + str(target):>7} {ok}")  # fmt: skip
     for label, img_s in result.get("variants", {}).items():
-        lines.append(f"variant weak-128 x2 {label:<24} {img_s:>9.0f} img/s")
+        lines.append(f"variant {VARIANT_CONFIG[0]} x2 {label:<42} {img_s:>9.0f} img/s")
     return "\n".join(lines)
 
 
@@ -246,6 +265,7 @@ def main(argv: list[str]) -> int:
         plain_worker(int(argv[1]))
         return 0
     gpus = [int(g) for g in take_option(argv, "--gpus", "1,2").split(",")]
+    VARIANT_CONFIG[0] = take_option(argv, "--variant-config", VARIANT_CONFIG[0])
     for name in set(CONFIGS) - set(take_option(argv, "--configs", ",".join(CONFIGS)).split(",")):
         del CONFIGS[name]
     args = [a for a in argv if not a.startswith("--")]

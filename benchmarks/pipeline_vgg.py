@@ -5,9 +5,11 @@ bubble against (K-1)/(M+K-1), and deepstack stacks that do not fit one GPU.
     (OUT_DIR defaults to $OUT or .)
 
 1. Plain PyTorch, one GPU: VGG-16 (scalelab's module, torchvision's layers) training steps,
-   bf16 autocast, channels_last, SGD, at batch 64 and 256; median step time -> img/s.
+   bf16 autocast, channels_last, SGD, at batch 32 (a micro-batch of 256 / 8), 64 and 256;
+   median step time -> img/s.
 2. `scalelab run vgg16 --strategy pipeline` on K GPUs (K from --stages), global batch 256:
-   K=1: M = 1 and 8 (no bubble: the strategy's and micro-batching's own costs); K=2: M = 8 and 16 (GPipe), M = 8 (1F1B); K=4: M = 8, 16 (GPipe), 16 (1F1B). Steady img/s
+   K=1: M = 1 and 8 (no bubble: the strategy's and micro-batching's own costs); K=2: M = 8
+   and 16 (GPipe), M = 8 (1F1B); K=4: M = 8, 16 (GPipe), 16 (1F1B). Steady img/s
    (median step after the first), speedup over (1) at batch 256, bubble measured /
    simulated / formula.
 3. `scalelab fit deepstack` under a 10.91 GiB allocator cap (the seed's GTX 1080 Ti): the
@@ -35,7 +37,7 @@ import torch
 from scalelab.record import append_record, new_record, read_records
 from scalelab.workloads.vgg import VGG
 
-BATCHES = (64, 256)
+BATCHES = (32, 64, 256)
 PIPE_STEPS = 14  # the first (allocation, cuDNN autotuning) is left out of the median
 PIPE_RUNS = {  # stages -> (schedule, micro-batches) runs
     # One stage: the strategy's own cost (M=1) and micro-batching's (M=8) without any bubble,
