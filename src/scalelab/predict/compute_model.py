@@ -85,7 +85,11 @@ class ComputeModel:
         busy = min(s.ranks, s.per_node) * threads
         if cfg.device != "cpu" or busy <= threads:
             return
-        at, alone = self.figures.cpu_slowdown(busy), self.figures.cpu_slowdown(threads)
+        # Every CPU-rank strategy here is bulk-synchronous (a halo exchange per layer, a gather
+        # or an all-reduce per step): each step waits for its slowest rank, so the slowest
+        # process's slowdown at `busy` sets the pace, not the median's.
+        at = self.figures.cpu_slowdown(busy, slowest=True)
+        alone = self.figures.cpu_slowdown(threads, slowest=True)
         if at is None or alone is None:
             self.notes.append(
                 "compute: CPU ranks on one node assumed not to slow each other (no "
@@ -95,8 +99,8 @@ class ComputeModel:
             return
         self.contention = at / alone
         self.notes.append(
-            f"compute x{self.contention:.3g}: {busy} single-threaded processes busy per node "
-            f"run slower than {threads} (cpu_concurrency of {self.figures.path}: "
+            f"compute x{self.contention:.3g}: the slowest of {busy} single-threaded processes "
+            f"busy per node runs slower than {threads} (cpu_concurrency of {self.figures.path}: "
             f"{at:.3g} / {alone:.3g})"
         )
 

@@ -140,6 +140,10 @@ def _nearest(origin: Path, files: list[Path]) -> list[Path]:
 
 
 BOOKKEEPING = frozenset({"schema", "machine", "quick", "notes", "device", "mem_bw_detail", "peaks"})
+# How a host's processes slow each other is that host's alone (cores, memory channels,
+# neighbours on a shared machine): never taken from another host's file, so a host without
+# the curve is predicted with its stated no-contention assumption instead.
+HOST_ONLY = frozenset({"cpu_concurrency"})
 
 
 def _fill(into: dict, other: dict) -> list[str]:
@@ -152,7 +156,7 @@ def _fill(into: dict, other: dict) -> list[str]:
                 if backend not in into["comm"]:
                     into["comm"][backend] = fit
                     added.append(f"comm.{backend}")
-        elif key not in into:
+        elif key not in into and key not in HOST_ONLY:
             into[key] = value
             added += [] if key in BOOKKEEPING else [key]
     return added
