@@ -214,7 +214,14 @@ def test_fast_ddp_step_captured_with_its_all_reduce_follows_plain_ddp(tmp_path):
     assert "step (with DDP all-reduce) captured as a CUDA graph" in proc.stderr
     plain, fast, compressed = recs
     assert fast["steps"] == plain["steps"] == 36  # 9 per epoch, the last one short
-    np.testing.assert_allclose(compressed["loss"], plain["loss"], rtol=5e-2)
     assert compressed["grad_compress"] == "bf16"
-    np.testing.assert_allclose(fast["loss"], plain["loss"], rtol=5e-2, atol=0.01 * plain["loss"][0])
-    assert fast["loss"][-1] < fast["loss"][0]
+    # The loss falls 2.5 -> 0.2 in 4 epochs (the 1,100 images are nearly memorised), so late
+    # epochs amplify any perturbation: two runs of the same eager command differ there too
+    # (cuDNN picks and atomics). On 2x H200: epochs 1-2 within 0.5% of plain ddp for both, the
+    # whole curve within 0.088 (3.5% of the initial loss); a wrong step (a doubled gradient
+    # from an unaveraged all-reduce, a missed hook) moves epoch 2 by far more than 2%.
+    bound = 0.05 * plain["loss"][0]
+    for other in (fast, compressed):
+        np.testing.assert_allclose(other["loss"][:2], plain["loss"][:2], rtol=2e-2)
+        np.testing.assert_allclose(other["loss"], plain["loss"], rtol=0, atol=bound)
+        assert all(a > b for a, b in zip(other["loss"], other["loss"][1:]))

@@ -166,6 +166,7 @@ def test_real_oom_is_caught_and_freed_on_cuda(cli):
     n = int(stdout.split("stack that trains: ")[1].split()[0])
     assert 2 <= n < 40 and " no " in stdout
     # Back where it started, up to the cuBLAS/cuDNN workspaces the first GEMMs leave in the
-    # caching allocator for good (tens of MiB), far below the 2 GiB the failed tries held.
-    assert torch.cuda.memory_allocated() - before < 64 * 2**20
+    # caching allocator for good (65 MiB on 2x H200 with torch 2.11), far below the 2 GiB the
+    # failed tries held.
+    assert torch.cuda.memory_allocated() - before < 128 * 2**20
     torch.cuda.set_per_process_memory_fraction(1.0)
