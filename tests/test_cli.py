@@ -141,3 +141,15 @@ def test_list_names_everything(cli):
         "local",
     ):
         assert f"  {name} " in out
+
+
+def test_named_commit_wins_over_a_stale_git(monkeypatch):
+    """A tree copied to a device machine can carry an old .git; the commit the copy was made
+    from (SCALELAB_GIT_COMMIT) is what records must say. Without it, this checkout's HEAD."""
+    from scalelab import environment
+
+    monkeypatch.delenv("SCALELAB_GIT_COMMIT", raising=False)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    assert environment.git_commit()["git_commit"] == head.strip()
+    monkeypatch.setenv("SCALELAB_GIT_COMMIT", "0" * 40)
+    assert environment.git_commit() == {"git_commit": "0" * 40, "git_dirty": None}

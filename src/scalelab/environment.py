@@ -74,9 +74,13 @@ def mpi_library() -> str | None:
 def git_commit() -> dict[str, Any]:
     """Commit of the scalelab checkout this code runs from.
 
-    Where the code travelled without its .git (a copied tree on a remote machine),
-    SCALELAB_GIT_COMMIT names the commit it was copied from; otherwise None.
+    SCALELAB_GIT_COMMIT, when set, names the commit a copied tree came from and wins: a copy
+    can travel with a stale .git (a remote machine's copy carried the session's first HEAD
+    under a newer working tree, and every record said that HEAD, "dirty"). Otherwise git's
+    HEAD; None without either.
     """
+    if os.environ.get("SCALELAB_GIT_COMMIT"):
+        return {"git_commit": os.environ["SCALELAB_GIT_COMMIT"], "git_dirty": None}
     here = Path(__file__).resolve().parent
     try:
         head = subprocess.run(
@@ -94,7 +98,7 @@ def git_commit() -> dict[str, Any]:
             check=True,
         ).stdout
     except (OSError, subprocess.SubprocessError):
-        return {"git_commit": os.environ.get("SCALELAB_GIT_COMMIT"), "git_dirty": None}
+        return {"git_commit": None, "git_dirty": None}
     return {"git_commit": head, "git_dirty": bool(dirty.strip())}
 
 
