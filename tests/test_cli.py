@@ -149,7 +149,10 @@ def test_named_commit_wins_over_a_stale_git(monkeypatch):
     from scalelab import environment
 
     monkeypatch.delenv("SCALELAB_GIT_COMMIT", raising=False)
+    environment.git_commit.cache_clear()  # one answer per process, cached
     head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout
     assert environment.git_commit()["git_commit"] == head.strip()
     monkeypatch.setenv("SCALELAB_GIT_COMMIT", "0" * 40)
+    environment.git_commit.cache_clear()
     assert environment.git_commit() == {"git_commit": "0" * 40, "git_dirty": None}
+    environment.git_commit.cache_clear()
