@@ -199,6 +199,37 @@ def test_auto_balance_matches_brute_force_within_memory():
     assert checked > 20
 
 
+def test_rebalance_scales_each_stage_by_its_measured_time():
+    """Six layers profiled at 1 s each, cut 3 | 3; the stages then time themselves at 6 s and
+    3 s: layers of stage 0 are worth 2 s, of stage 1 1 s. Over [2, 2, 2, 1, 1, 1] the cuts
+    1 | 5, 2 | 4, 3 | 3 give slowest stages of 7, 5 and 6 s: 2 | 4. Equal measured times keep
+    the cut."""
+    profiles = [part.LayerProfile(f"l{i}", 1.0, 0, 0) for i in range(6)]
+    mem = part.memory_model(None, 2, 4, True, "gpipe")
+    assert part.balance_auto(profiles, 2, mem) == [3, 3]
+    assert part.rebalance(profiles, [3, 3], [6.0, 3.0], mem) == [2, 4]
+    assert part.rebalance(profiles, [3, 3], [3.0, 3.0], mem) == [3, 3]
+    # A stage with nothing measured (0 s) keeps its profiled times.
+    assert part.rebalance(profiles, [3, 3], [0.0, 3.0], mem) == [3, 3]
+
+
+@pytest.mark.mpi
+def test_rebalance_round_recorded_and_training_unchanged(tmp_path):
+    """--balance auto with up to two re-cut rounds on 2 gloo ranks: the record lists each cut
+    measured with both stages' seconds, and the losses still equal one process's (a cut
+    changes where the arithmetic runs, never the arithmetic)."""
+    stack = ["deepstack", "--image-size", "8", "--convs", "3", "--fcs", "1", "--num-classes", "10"]
+    common = ["--train", "--batch", "6", "--steps", "2", "--train-size", "12",
+              "--heldout-size", "6", "--dtype", "fp64", "--quiet"]  # fmt: skip
+    local = _cli(tmp_path, *stack, "--strategy", "local", *common)
+    pipe = _cli(tmp_path, *stack, "--strategy", "pipeline", "--ranks", "2", "--stages", "2",
+                "--microbatches", "3", "--rebalance", "2", *common)  # fmt: skip
+    rounds = pipe["pipeline"]["balance_rounds"]
+    assert 1 <= len(rounds) <= 2 and sum(rounds[0]["balance"]) == sum(pipe["pipeline"]["balance"])
+    assert all(len(r["stage_s"]) == 2 and min(r["stage_s"]) > 0 for r in rounds)
+    np.testing.assert_allclose(pipe["loss"], local["loss"], rtol=1e-12)
+
+
 def test_saved_activations_counted_once_per_tensor():
     """conv saves its input, ReLU its output, the next conv that same output as its input:
     one conv + ReLU pair keeps one map per micro-batch, not two."""

@@ -113,6 +113,11 @@ class RunConfig:
     balance: str = opt(
         "auto", "pipeline: 'auto' (equalise measured layer time) or a list like 5,7."
     )
+    rebalance: int = opt(
+        1,
+        "pipeline --balance auto: rounds of re-cutting from each stage's own measured time "
+        "(0: keep the per-layer profile's cut).",
+    )
     placement: str = opt(
         "pipeline", "pipeline: 'pipeline' (ranks, micro-batches) or 'manual' (GPUs of one process)."
     )

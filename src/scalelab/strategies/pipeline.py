@@ -118,8 +118,24 @@ class PipelineStrategy(TorchStrategy):
         self.layers = part.model_layers(workload, model)
         counts = part.parse_balance(cfg.balance, len(self.layers), cfg.stages)
         self.profile: list[part.LayerProfile] | None = None
-        if counts is None:
+        self.balance_rounds: list[dict[str, Any]] = []
+        auto = counts is None
+        if auto:
             counts = comm.bcast_object(self._auto_counts(sample) if self.is_root else None)
+        self._place(counts, sample)
+        self.executor.connect(pipeline_peers(comm.rank, comm.size))
+        if auto and comm.size > 1:
+            for _ in range(cfg.rebalance):
+                if not self._recut(sample):
+                    break
+
+    def _place(self, counts: list[int], sample: torch.Tensor | None) -> None:
+        """Build this rank's stage of the cut `counts`: its layers on the device, the shapes
+        crossing every boundary, the executor. A previous stage's layers go back to the host
+        first (those that stay return with the rest)."""
+        cfg, comm = self.cfg, self.comm
+        if getattr(self, "stage", None) is not None:
+            self.stage.to("cpu")
         self.counts = counts
         start, stop = part.bounds(counts)[comm.rank]
         modules = [layer.module for layer in self.layers[start:stop]]
@@ -141,7 +157,38 @@ class PipelineStrategy(TorchStrategy):
             channels_last=cfg.channels_last,
         )
         self.executor = StageExecutor(self.ctx)
-        self.executor.connect(pipeline_peers(comm.rank, comm.size))
+
+    def _recut(self, sample: torch.Tensor | None) -> bool:
+        """One round of `--rebalance`: every stage times itself whole on one micro-batch, the
+        root re-cuts the profile scaled by those times (partition.rebalance) and, when the cut
+        moves, every rank rebuilds its stage. True when it moved."""
+        measured = self.comm.gather_object(self._time_stage(sample))
+        new = None
+        if self.is_root:
+            self.balance_rounds.append({"balance": list(self.counts), "stage_s": measured})
+            new = part.rebalance(self.profile, self.counts, measured, self._mem)
+        new = self.comm.bcast_object(new)
+        if new == self.counts:
+            return False
+        self._place(new, sample)
+        return True
+
+    def _time_stage(self, sample: torch.Tensor | None) -> float:
+        """Seconds of this stage's forward (+ backward) on one micro-batch, run on its own:
+        the root on real inputs, later stages on zeros of the shape they receive."""
+        cfg, ctx = self.cfg, self.ctx
+        n = even_counts(cfg.batch, min(cfg.microbatches, cfg.batch))[0]
+        if ctx.first:
+            x = self._prepare(sample[:n].to(self.device))
+        else:
+            tail, dtype = ctx.in_meta
+            x = torch.zeros((n, *tail), dtype=dtype, device=self.device)
+            if cfg.channels_last and x.dim() == 4:
+                x = x.contiguous(memory_format=torch.channels_last)
+        whole = part.Layer("stage", self.stage)
+        timed, _ = part.measure_layer(whole, x, cfg.train, self.autocast, self.device, reps=3)
+        self.stage.zero_grad(set_to_none=True)
+        return timed.seconds
 
     def _auto_counts(self, sample: torch.Tensor) -> list[int]:
         """Root: measure every layer on one micro-batch, then split by time within memory."""
@@ -165,6 +212,7 @@ class PipelineStrategy(TorchStrategy):
             cfg.schedule,
             cfg.momentum,
         )
+        self._mem = mem
         return part.balance_auto(self.profile, cfg.stages, mem)
 
     def _prepare(self, x: torch.Tensor) -> torch.Tensor:

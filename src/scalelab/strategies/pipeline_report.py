@@ -83,6 +83,8 @@ def pipeline_notes(strategy: Any, stages: list[dict] | None, train: bool) -> dic
     if train and stages[0]["step_s"]:
         step = statistics.median(stages[0]["step_s"])
         notes.update(steady_step_s=step, steady_throughput=cfg.batch / step)
+    if strategy.balance_rounds:  # --rebalance: the cuts tried, each with its stage times
+        notes["balance_rounds"] = strategy.balance_rounds
     if strategy.profile is not None:
         notes["layer_profile"] = [
             {
