@@ -61,7 +61,8 @@ class DeviceSync:
                 For loops of many short device phases, where a barrier per phase would leave
                 the GPU idle while the host launches the next one (a pipeline stage's
                 micro-batches: 0.66x plain PyTorch at M=8 on one H100 with a barrier each).
-      `barrier()` always waits for the current stream, whatever the scope (step ends)."""
+      `barrier()` is what an iteration's end waits for: the phase barrier itself, and with
+      scope "none" the current stream."""
 
     def __init__(self, device: torch.device, scope: str = "device") -> None:
         assert scope in ("device", "stream", "none"), scope
@@ -77,7 +78,9 @@ class DeviceSync:
             torch.cuda.synchronize(self.device)
 
     def barrier(self) -> None:
-        if self.device.type == "cuda":
+        if self.scope != "none":
+            self()
+        elif self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
 
