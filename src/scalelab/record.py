@@ -53,9 +53,10 @@ def append_record(path: str | os.PathLike, record: dict[str, Any]) -> None:
     line = (json.dumps(record, default=_jsonable, allow_nan=True) + "\n").encode()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
+        _drop_torn_tail(fd)
         written = os.write(fd, line)
         if written != len(line):  # disk full: cut back to the last whole line
             os.ftruncate(fd, os.fstat(fd).st_size - written)
@@ -63,6 +64,37 @@ def append_record(path: str | os.PathLike, record: dict[str, Any]) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _drop_torn_tail(fd: int) -> None:
+    """End the file with a whole line. One write() is not atomic against SIGKILL: Linux stops
+    a write between pages when the writer is killed, so a writer killed mid-record (a record of
+    more than a page) leaves an unterminated last line. The next writer, holding the lock,
+    cuts it off before appending (readers skip it until then); a last line that is whole JSON
+    and only lacks its newline (a file edited by hand) gets the newline instead."""
+    size = os.fstat(fd).st_size
+    if size == 0 or os.pread(fd, 1, size - 1) == b"\n":
+        return
+    start = size
+    while start > 0:
+        lo = max(0, start - 65536)
+        newline = os.pread(fd, start - lo, lo).rfind(b"\n")
+        if newline >= 0:
+            start = lo + newline + 1
+            break
+        start = lo
+    if _is_json(os.pread(fd, size - start, start)):
+        os.write(fd, b"\n")
+    else:
+        os.ftruncate(fd, start)
+
+
+def _is_json(data: bytes | str) -> bool:
+    try:
+        json.loads(data)
+    except ValueError:
+        return False
+    return True
 
 
 def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
@@ -82,7 +114,12 @@ def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
 
 def _read_file(path: Path) -> list[dict[str, Any]]:
     text = path.read_text()
-    lines = [text] if path.suffix == ".json" else text.splitlines()
+    if path.suffix == ".json":
+        lines = [text]
+    else:  # an unterminated last line that is not JSON is a killed writer's torn record
+        lines = text.splitlines(keepends=True)
+        if lines and not lines[-1].endswith("\n") and not _is_json(lines[-1]):
+            lines.pop()
     out = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
