@@ -32,7 +32,14 @@ from scalelab.precision import get_precision
 from scalelab.predict.compute_model import ComputeModel, build_workload, roofline_layers
 from scalelab.predict.models.base import MODELS, Context, StrategyModel
 from scalelab.predict.scenario import Prediction, Scenario
-from scalelab.strategies.partition import bounds, model_layers, parse_balance
+from scalelab.strategies.partition import (
+    LayerProfile,
+    balance_auto,
+    bounds,
+    memory_model,
+    model_layers,
+    parse_balance,
+)
 from scalelab.strategies.pipeline_schedule import simulate
 
 # torch module class -> the cost table's `kind` of the row it computes (other modules: casts,
@@ -71,28 +78,11 @@ def row_stages(scenario: Scenario, counts: list[int]) -> list[int]:
 
 def balanced_loads(weights: list[float], k: int) -> tuple[list[float], list[int]]:
     """Cut weights into k contiguous groups minimising the largest sum: (sums, last index of
-    every group but the last). Dynamic programme over prefix sums."""
-    n = len(weights)
-    pre = [0.0]
-    for w in weights:
-        pre.append(pre[-1] + w)
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(k + 1)]
-    cut = [[0] * (n + 1) for _ in range(k + 1)]
-    best[0][0] = 0.0
-    for j in range(1, k + 1):
-        for i in range(j, n + 1):
-            for m in range(j - 1, i):
-                cost = max(best[j - 1][m], pre[i] - pre[m])
-                if cost < best[j][i]:
-                    best[j][i], cut[j][i] = cost, m
-    bounds_, i = [], n
-    for j in range(k, 0, -1):
-        bounds_.append(cut[j][i])
-        i = cut[j][i]
-    bounds_ = sorted(bounds_)[1:] + [n]
-    starts = [0, *bounds_[:-1]]
-    return [pre[b] - pre[a] for a, b in zip(starts, bounds_)], [b - 1 for b in bounds_[:-1]]
+    every group but the last). The strategy's own cut (`--balance auto`, no memory bound)."""
+    profiles = [LayerProfile(str(i), w, 0, 0) for i, w in enumerate(weights)]
+    counts = balance_auto(profiles, k, memory_model(None, k, 1, False, "gpipe"))
+    spans = bounds(counts)
+    return [sum(weights[a:b]) for a, b in spans], [b - 1 for _, b in spans[:-1]]
 
 
 def partition(scenario: Scenario, row_times: list[float]) -> tuple[list[int], str]:
