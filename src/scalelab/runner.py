@@ -41,6 +41,11 @@ def execute(cfg: RunConfig, results: Path | None) -> RunReport:
     workload = WORKLOADS.get(cfg.workload)(cfg)
     strategy = STRATEGIES.get(cfg.strategy)(cfg)
     try:
+        _check(cfg, workload, strategy)
+    except UsageError:
+        strategy.close()  # every rank refused alike: nobody to abort
+        raise
+    try:
         return _execute(cfg, workload, strategy, results)
     except BaseException as exc:
         if strategy.comm.size > 1 and not isinstance(exc, SystemExit):
@@ -56,12 +61,31 @@ def execute(cfg: RunConfig, results: Path | None) -> RunReport:
         strategy.close()
 
 
+def _check(cfg: RunConfig, workload: Workload, strategy: Strategy) -> None:
+    """The strategy's refusals (config, world size, each rank's devices), agreed by all ranks:
+    when any rank refuses, every rank raises the first refusal, so the job ends with the
+    one-line error and exit 2 and nobody is aborted. (MPI_Abort races the launcher's stderr
+    forwarding and could swallow that line: seen under MPICH's mpiexec.)"""
+    refusal: UsageError | None = None
+    try:
+        if cfg.ranks > 1 and strategy.comm.size != cfg.ranks:
+            raise UsageError(f"--ranks {cfg.ranks} but the launcher started {strategy.comm.size}")
+        strategy.validate(workload)
+    except UsageError as exc:
+        refusal = exc
+    comm = strategy.comm
+    if comm.size > 1:
+        said = comm.gather_object(None if refusal is None else str(refusal))
+        first = comm.bcast_object(next((r for r in said if r), None) if said else None)
+        if first is not None and refusal is None:
+            refusal = UsageError(first)
+    if refusal is not None:
+        raise refusal
+
+
 def _execute(
     cfg: RunConfig, workload: Workload, strategy: Strategy, results: Path | None
 ) -> RunReport:
-    if cfg.ranks > 1 and strategy.comm.size != cfg.ranks:
-        raise UsageError(f"--ranks {cfg.ranks} but the launcher started {strategy.comm.size}")
-    strategy.validate(workload)
     model = workload.build_model()
     if cfg.weights is not None:
         load_weights(model, cfg.weights)
