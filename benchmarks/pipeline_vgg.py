@@ -9,9 +9,11 @@ bubble against (K-1)/(M+K-1), and deepstack stacks that do not fit one GPU.
    median step time -> img/s.
 2. `scalelab run vgg16 --strategy pipeline` on K GPUs (K from --stages), global batch 256:
    K=1: M = 1 and 8 (no bubble: the strategy's and micro-batching's own costs); K=2: M = 8
-   and 16 (GPipe), M = 8 (1F1B); K=4: M = 8, 16 (GPipe), 16 (1F1B). Steady img/s
-   (median step after the first), speedup over (1) at batch 256, bubble measured /
-   simulated / formula.
+   GPipe and 1F1B; K=4: M = 8 (GPipe), 16 (1F1B); each eager and, where PIPE_RUNS says,
+   with --compile (every stage torch.compiled; then plain torch.compile of the whole model
+   at batch 256 is timed too, as the compiled runs' second reference). Cuts: --balance auto
+   then --rebalance 2. Steady img/s (median step after the first), speedup over (1) at
+   batch 256, bubble measured / simulated / formula.
 3. `scalelab fit deepstack` under a 10.91 GiB allocator cap (the seed's GTX 1080 Ti): the
    seed's (convs, fcs) table; then a (90, 90) stack that does not fit, its proposed stage
    count, and its pipeline training on 2 capped GPUs (skipped with --no-deepstack).
@@ -39,22 +41,28 @@ from scalelab.workloads.vgg import VGG
 
 BATCHES = (32, 64, 256)
 PIPE_STEPS = 14  # the first (allocation, cuDNN autotuning) is left out of the median
-PIPE_RUNS = {  # stages -> (schedule, micro-batches) runs
+PIPE_RUNS = {  # stages -> (schedule, micro-batches, compiled) runs
     # One stage: the strategy's own cost (M=1) and micro-batching's (M=8) without any bubble,
     # so a K-stage speedup can be read as (K-stage / one-stage) x (one-stage / plain).
-    1: [("gpipe", 1), ("gpipe", 8)],
-    2: [("gpipe", 8), ("gpipe", 16), ("1f1b", 8)],
-    4: [("gpipe", 8), ("gpipe", 16), ("1f1b", 16)],
+    1: [("gpipe", 1, False), ("gpipe", 8, False), ("gpipe", 8, True)],
+    2: [("gpipe", 8, False), ("1f1b", 8, False), ("gpipe", 8, True), ("1f1b", 8, True)],
+    4: [("gpipe", 8, False), ("1f1b", 16, False), ("1f1b", 16, True)],
 }
+REBALANCE = "2"  # rounds of re-cutting from measured stage times (strategy default: 1)
 
 
-def plain_vgg_step_time(batch: int, steps: int = 20, warmup: int = 5) -> float:
-    """Median seconds of one training step of plain PyTorch on cuda:0 (data on the GPU)."""
+def plain_vgg_step_time(
+    batch: int, steps: int = 20, warmup: int = 5, compiled: bool = False
+) -> float:
+    """Median seconds of one training step of plain PyTorch on cuda:0 (data on the GPU);
+    compiled: the same loop around torch.compile(model) (the first warm-up step compiles)."""
     torch.manual_seed(0)
     torch.backends.cudnn.benchmark = True
     dev = torch.device("cuda", 0)
     model = VGG(512 * 7 * 7, 1000).to(dev, memory_format=torch.channels_last).train()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    if compiled:
+        model = torch.compile(model, dynamic=False)
     x = torch.randn(batch, 3, 224, 224, device=dev).contiguous(memory_format=torch.channels_last)
     y = torch.randint(0, 1000, (batch,), device=dev)
     times = []
@@ -83,10 +91,11 @@ def scalelab(args: list[str], out: Path, env: dict | None = None) -> int:
     return code
 
 
-def pipeline_run(stages: int, schedule: str, micro: int, out: Path) -> dict | None:
+def pipeline_run(stages: int, schedule: str, micro: int, compiled: bool, out: Path) -> dict | None:
     before = len(read_records(out)) if out.exists() else 0
     args = ["run", "vgg16", "--strategy", "pipeline", "--ranks", str(stages)]
-    args += ["--stages", str(stages)]
+    args += ["--stages", str(stages), "--rebalance", REBALANCE]
+    args += ["--compile"] if compiled else []
     args += ["--device", "cuda", "--dtype", "bf16", "--channels-last", "--train"]
     args += ["--batch", "256", "--microbatches", str(micro), "--schedule", schedule]
     args += ["--steps", str(PIPE_STEPS), "--train-size", str(256 * PIPE_STEPS)]
@@ -139,18 +148,25 @@ def main() -> int:
         (f"plain PyTorch 1 GPU, batch {b}", f"{v:.0f}", "-", "-", "-", "-", "-")
         for b, v in plain.items()
     ]
-    summary = {"plain_img_s": plain, "pipeline": []}
-    runs = [(k, sched, m) for k in stage_counts for sched, m in PIPE_RUNS[k]]
-    for stages, schedule, micro in runs:
-        rec = pipeline_run(stages, schedule, micro, out)
+    summary: dict = {"plain_img_s": plain, "pipeline": []}
+    runs = [(k, *run) for k in stage_counts for run in PIPE_RUNS[k]]
+    if any(compiled for *_, compiled in runs):
+        # The compiled runs' second reference: torch.compile of the whole model on one GPU.
+        summary["plain_compiled_img_s_256"] = 256 / plain_vgg_step_time(256, compiled=True)
+        v = summary["plain_compiled_img_s_256"]
+        rows.append(("torch.compile 1 GPU, batch 256", f"{v:.0f}", f"{v / plain[256]:.2f}",
+                     *["-"] * 4))  # fmt: skip
+    for stages, schedule, micro, compiled in runs:
+        name = f"pipeline {stages} GPUs {schedule} M={micro}" + (" compiled" if compiled else "")
+        rec = pipeline_run(stages, schedule, micro, compiled, out)
         if rec is None:
-            rows.append((f"pipeline {stages} GPUs {schedule} M={micro}", "FAILED", *["-"] * 5))
+            rows.append((name, "FAILED", *["-"] * 5))
             continue
         p = rec["pipeline"]
         speed = p["steady_throughput"]
         rows.append(
             (
-                f"pipeline {stages} GPUs {schedule} M={micro}, batch 256",
+                name,
                 f"{speed:.0f}",
                 f"{speed / plain[256]:.2f}",
                 f"{p['bubble_measured']:.3f}",
@@ -160,9 +176,11 @@ def main() -> int:
             )
         )
         summary["pipeline"].append(
-            {"stages": stages, "schedule": schedule, "microbatches": micro, "img_s": speed,
-             "speedup": speed / plain[256], "bubble": {k: p[k] for k in
+            {"stages": stages, "schedule": schedule, "microbatches": micro,
+             "compiled": compiled, "img_s": speed, "speedup": speed / plain[256],
+             "bubble": {k: p[k] for k in
              ("bubble_measured", "bubble_simulated", "bubble_formula")},
+             "balance": p["balance"], "balance_rounds": p.get("balance_rounds"),
              "stage": p["stage"], "record": rec["id"]}
         )  # fmt: skip
     print(table(rows))

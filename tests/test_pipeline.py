@@ -214,6 +214,29 @@ def test_rebalance_scales_each_stage_by_its_measured_time():
 
 
 @pytest.mark.mpi
+def test_compiled_stages_train_like_one_eager_process(tmp_path):
+    """--compile on 2 gloo ranks: Inductor really compiled each stage (graphs counted in the
+    record), the re-cut timed the compiled stages, and in fp64 the losses equal an eager
+    single process's to rounding (fusion reorders no reduction across the batch here)."""
+    stack = ["deepstack", "--image-size", "8", "--convs", "3", "--fcs", "1", "--num-classes", "10"]
+    common = ["--train", "--batch", "6", "--steps", "2", "--train-size", "12",
+              "--heldout-size", "6", "--dtype", "fp64", "--quiet"]  # fmt: skip
+    local = _cli(tmp_path, *stack, "--strategy", "local", *common)
+    pipe = _cli(tmp_path, *stack, "--strategy", "pipeline", "--ranks", "2", "--stages", "2",
+                "--microbatches", "3", "--compile", *common)  # fmt: skip
+    assert pipe["pipeline"]["compiled"] and pipe["pipeline"]["balance_rounds"]
+    assert all(s["compiled_graphs"] >= 1 for s in pipe["pipeline"]["stage"])
+    np.testing.assert_allclose(pipe["loss"], local["loss"], rtol=1e-12)
+
+
+def test_compile_is_refused_by_eager_strategies(cli, tmp_path):
+    results = tmp_path / "runs.jsonl"
+    code, _, err = cli("run", "mlp", "--strategy", "local", "--compile", "--out", results)
+    assert code == 2 and "ddp, pipeline" in err and len(err.strip().splitlines()) == 1, err
+    assert not results.exists()
+
+
+@pytest.mark.mpi
 def test_rebalance_round_recorded_and_training_unchanged(tmp_path):
     """--balance auto with up to two re-cut rounds on 2 gloo ranks: the record lists each cut
     measured with both stages' seconds, and the losses still equal one process's (a cut
@@ -421,6 +444,11 @@ def test_vgg16_bf16_channels_last_pipeline_and_manual_split_on_two_gpus(tmp_path
         "--check",
     )
     assert rec["check_passed"]
+    compiled = _cli(tmp_path, *common, "--strategy", "pipeline", "--ranks", "2", "--stages", "2",
+                    "--dtype", "bf16", "--channels-last", "--batch", "16", "--microbatches", "4",
+                    "--compile", "--check")  # fmt: skip
+    assert compiled["check_passed"]
+    assert all(s["compiled_graphs"] >= 1 for s in compiled["pipeline"]["stage"])
     manual = _cli(
         tmp_path,
         *common,

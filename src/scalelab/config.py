@@ -95,7 +95,7 @@ class RunConfig:
         None, "ddp: all-reduce gradients in bf16 or fp16 (half the bytes; a DDP comm hook)."
     )
     channels_last: bool = opt(False, "Use channels_last memory format for image models.")
-    compile: bool = opt(False, "torch.compile the model.")
+    compile: bool = opt(False, "torch.compile the model (ddp; pipeline: each stage).")
     workers: int = opt(0, "DataLoader worker processes.")
     ckpt_every: int | None = opt(
         None, "Write a checkpoint every N optimizer steps (and at the end)."

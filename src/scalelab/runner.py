@@ -71,6 +71,12 @@ def _check(cfg: RunConfig, workload: Workload, strategy: Strategy) -> None:
         if cfg.ranks > 1 and strategy.comm.size != cfg.ranks:
             raise UsageError(f"--ranks {cfg.ranks} but the launcher started {strategy.comm.size}")
         strategy.validate(workload)
+        if cfg.compile and not strategy.compiles:
+            able = [n for n in STRATEGIES.names() if STRATEGIES.get(n).compiles]
+            raise UsageError(
+                f"--compile: strategy {strategy.name} runs eager only (these compile: "
+                f"{', '.join(able)}); drop --compile"
+            )
     except UsageError as exc:
         refusal = exc
     comm = strategy.comm

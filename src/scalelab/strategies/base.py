@@ -65,6 +65,7 @@ class Strategy(ABC):
     name: ClassVar[str]
     needs_data_everywhere: ClassVar[bool] = False  # every rank reads the training data itself
     launcher: ClassVar[str | None] = None  # "mpi" or "torchrun": who starts its ranks
+    compiles: ClassVar[bool] = False  # honours --compile (torch.compile of what it runs)
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg

@@ -143,6 +143,7 @@ class ChannelsLast(nn.Module):
 class DDPStrategy(TorchStrategy):
     name = "ddp"
     launcher = "torchrun"
+    compiles = True
     needs_data_everywhere = True
 
     def __init__(self, cfg: RunConfig) -> None:

@@ -325,17 +325,26 @@ def _storage(t: torch.Tensor) -> int:
 
 
 def measure_layer(
-    layer: Layer, x: torch.Tensor, train: bool, autocast, device: torch.device, reps: int
+    layer: Layer,
+    x: torch.Tensor,
+    train: bool,
+    autocast,
+    device: torch.device,
+    reps: int,
+    record_saved: bool = True,
 ) -> tuple[LayerProfile, torch.Tensor]:
     """Median seconds of forward (+ backward of a ones gradient) over reps calls after one
-    warm-up (allocator, cuDNN autotune), which also records what the layer saves."""
+    warm-up (allocator, cuDNN autotune, compilation), which also records what the layer saves
+    unless record_saved is False (saved-tensor hooks would change what a compiled module
+    traces, so a compiled stage is timed without them and its saved fields stay empty)."""
     module, times, saved, out = layer.module, [], _SavedTensors(), x
     for rep in range(reps + 1):
         inp = x.detach().requires_grad_(train and x.is_floating_point())
         hooks = torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t)
         _sync(device)
         start = time.perf_counter()
-        with torch.set_grad_enabled(train), autocast(), hooks if rep == 0 else nullcontext():
+        watch = hooks if rep == 0 and record_saved else nullcontext()
+        with torch.set_grad_enabled(train), autocast(), watch:
             out = module(inp)
         if train and out.requires_grad:
             out.backward(torch.ones_like(out))

@@ -57,7 +57,15 @@ def stage_summary(strategy: Any, laps: list[dict[str, float]], walls: list[float
         if device.type == "cuda"
         else None,
         "step_s": list(walls) if strategy.cfg.train else None,
+        # --compile: graphs Dynamo handed to Inductor in this process (0 means it ran eager).
+        "compiled_graphs": compiled_graphs() if strategy.cfg.compile else None,
     }
+
+
+def compiled_graphs() -> int:
+    from torch._dynamo.utils import counters  # private but stable since 2.0; only read here
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def pipeline_notes(strategy: Any, stages: list[dict] | None, train: bool) -> dict[str, Any]:
@@ -74,6 +82,7 @@ def pipeline_notes(strategy: Any, stages: list[dict] | None, train: bool) -> dic
         "stages": k,
         "microbatches": m,
         "schedule": cfg.schedule,
+        "compiled": bool(cfg.compile),
         "balance": list(strategy.counts),
         "bubble_formula": bubble_formula(k, m),
         "bubble_simulated": sim.mean_bubble,
