@@ -3,6 +3,7 @@ the plain DDP loop a user would write, both measured here, in one script.
 
     python benchmarks/ddp_scaling.py [OUT_DIR] [--gpus 1,2,4] [--configs weak-512,...]
                                      [--cifar] [--variants] [--variant-config weak-512]
+                                     [--repeat N]
 
 Configurations (synthetic CIFAR-shaped data, SGD momentum 0.9), at g GPUs:
     weak-512      512 images per GPU       global 512 g
@@ -20,7 +21,9 @@ ours   `scalelab run resnet18 --strategy ddp --train --fast --device cuda --amp 
 plain  DistributedDataParallel with default options, a TensorDataset on the host through
        DataLoader + DistributedSampler (4 workers, pinned memory), normalisation on the GPU,
        bf16 autocast, channels_last, and `loss.item()` each step for the running loss.
---cifar also runs ours for `resnet18-cifar` (3x3 stem, no max-pool: 14x the FLOPs) at weak-512.
+--cifar also runs ours for `resnet18-cifar` (3x3 stem, no max-pool: 14x the FLOPs) at weak-512
+and strong-1024 (those of --configs). --repeat N runs every point of ours N times and keeps the
+median (row "ours_runs" lists them).
 --variants also runs ours on 2 GPUs at --variant-config (default weak-512) with --bucket-mb 5
 and 100, with the gradients all-reduced in bf16 (--grad-compress bf16), with NCCL limited to 4
 channels (fewer SMs taken from the overlapping backward), and without --fast (eager DDP), to
@@ -166,7 +169,8 @@ def measure(gpu_counts: list[int], cifar: bool, variants: bool) -> dict:
             plain_too = name in PLAIN and gpus in PLAIN_GPUS
             rows.append(point("resnet18", name, gpus, plain_too=plain_too))
     if cifar:
-        rows += [point("resnet18-cifar", "weak-512", gpus, False) for gpus in gpu_counts]
+        names = [name for name in CONFIGS if name in CIFAR_CONFIGS]
+        rows += [point("resnet18-cifar", n, gpus, False) for n in names for gpus in gpu_counts]
     result = {"rows": rows, "efficiency": efficiencies(rows), "targets": TARGETS}
     if variants:
         result["variants"] = run_variants()
@@ -180,7 +184,11 @@ def point(workload: str, name: str, gpus: int, plain_too: bool) -> dict:
     per_gpu, global_batch = batches(name, gpus)
     row = {"workload": workload, "config": name, "gpus": gpus, "per_gpu": per_gpu,
            "global": global_batch}  # fmt: skip
-    row["ours"] = ours(gpus, global_batch, workload=workload)["img_s"]
+    # --repeat N: N runs, the median kept (two identical runs have differed by 2.7%).
+    row["ours_runs"] = [
+        ours(gpus, global_batch, workload=workload)["img_s"] for _ in range(REPEAT[0])
+    ]
+    row["ours"] = statistics.median(row["ours_runs"])
     row["plain"] = plain(gpus, per_gpu)["img_s"] if plain_too else None
     print(f"  {workload} {name} x{gpus}: ours {row['ours']:.0f} img/s, plain {row['plain']}",
           file=sys.stderr, flush=True)  # fmt: skip
@@ -204,6 +212,8 @@ def efficiencies(rows: list[dict]) -> dict:
 
 
 VARIANT_CONFIG = ["weak-512"]  # --variant-config
+REPEAT = [1]  # --repeat
+CIFAR_CONFIGS = ("weak-512", "strong-1024")  # --cifar: resnet18-cifar at these (of --configs)
 
 
 def run_variants() -> dict:
@@ -266,6 +276,7 @@ def main(argv: list[str]) -> int:
         return 0
     gpus = [int(g) for g in take_option(argv, "--gpus", "1,2").split(",")]
     VARIANT_CONFIG[0] = take_option(argv, "--variant-config", VARIANT_CONFIG[0])
+    REPEAT[0] = int(take_option(argv, "--repeat", "1"))
     for name in set(CONFIGS) - set(take_option(argv, "--configs", ",".join(CONFIGS)).split(",")):
         del CONFIGS[name]
     args = [a for a in argv if not a.startswith("--")]
