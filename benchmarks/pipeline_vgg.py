@@ -120,6 +120,11 @@ def deepstack_demos(out: Path, full: bool) -> list[dict]:
     return [r for r in read_records(out) if r.get("workload") == "deepstack"]
 
 
+def _parse_run(spec: str) -> tuple[int, str, int, bool]:
+    k, schedule, micro, *flag = spec.split(":")
+    return int(k), schedule, int(micro), flag == ["compiled"]
+
+
 def table(rows: list[tuple]) -> str:
     head = ("run", "img/s", "x one GPU", "bubble meas.", "sim.", "formula", "balance")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -134,8 +139,11 @@ def main() -> int:
     parser.add_argument("--full", action="store_true", help="also a stack too big for an H200")
     parser.add_argument("--stages", default="1,2", help="comma list of stage counts (1,2,4)")
     parser.add_argument("--no-deepstack", action="store_true", help="skip the fit demos")
+    parser.add_argument("--runs", help="K:schedule:M[:compiled],... instead of the default runs")
     args = parser.parse_args()
     stage_counts = [int(k) for k in args.stages.split(",")]
+    if args.runs:
+        stage_counts = sorted({_parse_run(spec)[0] for spec in args.runs.split(",")})
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / "pipeline_vgg.jsonl"
@@ -150,6 +158,8 @@ def main() -> int:
     ]
     summary: dict = {"plain_img_s": plain, "pipeline": []}
     runs = [(k, *run) for k in stage_counts for run in PIPE_RUNS[k]]
+    if args.runs:  # K:schedule:M[:compiled], comma-separated, instead of PIPE_RUNS
+        runs = [_parse_run(spec) for spec in args.runs.split(",")]
     if any(compiled for *_, compiled in runs):
         # The compiled runs' second reference: torch.compile of the whole model on one GPU.
         summary["plain_compiled_img_s_256"] = 256 / plain_vgg_step_time(256, compiled=True)

@@ -269,6 +269,30 @@ def test_saved_activations_counted_once_per_tensor():
     assert acts == 4 * one_map  # the input, then each ReLU's output
 
 
+class _SeesGrad(torch.nn.Module):
+    """Identity that notes whether its input carries a gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(x.requires_grad)
+        return x * 1.0
+
+
+def test_profile_asks_for_input_gradients_only_after_the_first_parameter():
+    """Training never computes the gradient of the model's input, so the profile must not
+    time it either (for VGG-16 it was the first conv's dgrad, ~1 ms a micro-batch)."""
+    before, after = _SeesGrad(), _SeesGrad()
+    mods = [before, torch.nn.Linear(3, 3), after]
+    layers = [part.Layer(str(i), m) for i, m in enumerate(mods)]
+    x = torch.randn(4, 3)
+    part.profile_layers(layers, x, torch.device("cpu"), torch.float32, True, nullcontext)
+    assert before.seen and not any(before.seen)
+    assert after.seen and all(after.seen)
+
+
 def test_explicit_balance_is_checked():
     from scalelab.errors import UsageError
 

@@ -194,7 +194,14 @@ class PipelineStrategy(TorchStrategy):
                 x = x.contiguous(memory_format=torch.channels_last)
         whole = part.Layer("stage", ctx.module)  # compiled under --compile: time what runs
         timed, _ = part.measure_layer(
-            whole, x, cfg.train, self.autocast, self.device, reps=3, record_saved=False
+            whole,
+            x,
+            cfg.train,
+            self.autocast,
+            self.device,
+            reps=3,
+            record_saved=False,
+            input_grad=not ctx.first,  # the first stage's input never needs a gradient
         )
         self.stage.zero_grad(set_to_none=True)
         return timed.seconds
