@@ -11,7 +11,6 @@ flatten, and for alexnet the ReLUs and pools its forward calls functionally).
 from __future__ import annotations
 
 import os
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -334,33 +333,39 @@ def measure_layer(
     record_saved: bool = True,
     input_grad: bool = True,
 ) -> tuple[LayerProfile, torch.Tensor]:
-    """Median seconds of forward (+ backward of a ones gradient) over reps calls after one
-    warm-up (allocator, cuDNN autotune, compilation), which also records what the layer saves
-    unless record_saved is False (saved-tensor hooks would change what a compiled module
-    traces, so a compiled stage is timed without them and its saved fields stay empty).
+    """Seconds of forward (+ backward of a ones gradient), the mean of reps calls issued back
+    to back after one warm-up call (allocator, cuDNN autotune, compilation), which also
+    records what the layer saves unless record_saved is False (saved-tensor hooks would change
+    what a compiled module traces, so a compiled stage is timed without them and its saved
+    fields stay empty). Back to back, because that is how a pipeline stage runs: the host
+    queues micro-batch after micro-batch. A device sync around every call would add the launch
+    latency of each kernel to the time of stages made of many small kernels (VGG-16's FC stage
+    timed 1.5x its in-pipeline time per micro-batch on an H200 that way).
     input_grad: whether training computes the gradient of x (not before the model's first
-    parameter: the first convolution's input gradient alone is ~1 ms of VGG-16 per micro-batch
-    of 32 on an H200, which training never pays and which tilted the cut)."""
-    module, times, saved, out = layer.module, [], _SavedTensors(), x
+    parameter: the input gradient of the first convolution, which training never computes,
+    over-rated the first stage)."""
+    module, saved, out = layer.module, _SavedTensors(), x
+    start = 0.0
     for rep in range(reps + 1):
         inp = x.detach().requires_grad_(train and input_grad and x.is_floating_point())
         hooks = torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t)
-        _sync(device)
-        start = time.perf_counter()
+        if rep == 1:
+            _sync(device)
+            start = time.perf_counter()
         watch = hooks if rep == 0 and record_saved else nullcontext()
         with torch.set_grad_enabled(train), autocast(), watch:
             out = module(inp)
         if train and out.requires_grad:
             out.backward(torch.ones_like(out))
-        _sync(device)
-        times.append(time.perf_counter() - start)
         if rep == 0:
             params = {_storage(p) for p in module.parameters()}
             kept = {ptr: n for ptr, n in saved.storages.items() if ptr not in params}
             inp_ptr, out_ptr = _storage(inp), _storage(out)
+    _sync(device)
+    seconds = (time.perf_counter() - start) / max(reps, 1)
     profile = LayerProfile(
         layer.name,
-        statistics.median(times[1:]),
+        seconds,
         sum(p.numel() * p.element_size() for p in module.parameters()),
         out.numel() * out.element_size(),
         x.numel() * x.element_size(),
@@ -391,9 +396,7 @@ def profile_layers(
         layer.module.to(device=device, dtype=dtype).train(train)
         if channels_last:
             layer.module.to(memory_format=torch.channels_last)
-        profile, x = measure_layer(
-            layer, x, train, autocast, device, reps, input_grad=grad_flows
-        )
+        profile, x = measure_layer(layer, x, train, autocast, device, reps, input_grad=grad_flows)
         grad_flows = grad_flows or any(p.requires_grad for p in layer.module.parameters())
         out.append(profile)
         layer.module.zero_grad(set_to_none=True)
