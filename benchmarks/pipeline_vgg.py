@@ -139,6 +139,9 @@ def main() -> int:
     parser.add_argument("--full", action="store_true", help="also a stack too big for an H200")
     parser.add_argument("--stages", default="1,2", help="comma list of stage counts (1,2,4)")
     parser.add_argument("--no-deepstack", action="store_true", help="skip the fit demos")
+    parser.add_argument(
+        "--no-compile-reference", action="store_true", help="skip torch.compile on one GPU"
+    )
     parser.add_argument("--runs", help="K:schedule:M[:compiled],... instead of the default runs")
     args = parser.parse_args()
     stage_counts = [int(k) for k in args.stages.split(",")]
@@ -160,7 +163,7 @@ def main() -> int:
     runs = [(k, *run) for k in stage_counts for run in PIPE_RUNS[k]]
     if args.runs:  # K:schedule:M[:compiled], comma-separated, instead of PIPE_RUNS
         runs = [_parse_run(spec) for spec in args.runs.split(",")]
-    if any(compiled for *_, compiled in runs):
+    if any(compiled for *_, compiled in runs) and not args.no_compile_reference:
         # The compiled runs' second reference: torch.compile of the whole model on one GPU.
         summary["plain_compiled_img_s_256"] = 256 / plain_vgg_step_time(256, compiled=True)
         v = summary["plain_compiled_img_s_256"]

@@ -20,6 +20,7 @@ from scalelab.errors import UsageError
 from scalelab.predict.calibration import CalPoint, MultiPoint, Pool
 from scalelab.predict.hosts import Host
 from scalelab.predict.scenario import PER_RANK_BATCH, Scenario
+from scalelab.strategies.pipeline_report import steady_step
 
 CEILINGS = "scalelab.ceilings/1"
 RUN = "scalelab.run/1"
@@ -128,8 +129,10 @@ def _run_record(found: Found, path: Path, where: str, rec: dict[str, Any]) -> No
 
 
 def _step_seconds(rec: dict[str, Any], cfg: RunConfig, default: float) -> float:
-    steady = (rec.get("pipeline") or {}).get("steady_throughput")
-    return cfg.batch / steady if steady else default
+    """A pipeline run's step: its period from every stage's step walls (records written
+    before the period took the slowest stage carry the root's shorter median)."""
+    step = steady_step((rec.get("pipeline") or {}).get("stage") or [])
+    return step if step else default
 
 
 def _cal_point(rec: dict, s: Scenario, seconds: float, scale: float, where: str) -> CalPoint:
