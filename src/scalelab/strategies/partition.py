@@ -338,9 +338,10 @@ def measure_layer(
     records what the layer saves unless record_saved is False (saved-tensor hooks would change
     what a compiled module traces, so a compiled stage is timed without them and its saved
     fields stay empty). Back to back, because that is how a pipeline stage runs: the host
-    queues micro-batch after micro-batch. A device sync around every call would add the launch
-    latency of each kernel to the time of stages made of many small kernels (VGG-16's FC stage
-    timed 1.5x its in-pipeline time per micro-batch on an H200 that way).
+    queues micro-batch after micro-batch, and a device sync around every call would add each
+    kernel's launch latency to stages made of many small kernels. (Synced or not, VGG-16's FC
+    stage still times ~1.5x its in-pipeline time per micro-batch on an H200; cause not found:
+    docs/PERFORMANCE.md.)
     input_grad: whether training computes the gradient of x (not before the model's first
     parameter: the input gradient of the first convolution, which training never computes,
     over-rated the first stage)."""
