@@ -127,7 +127,7 @@ def _run_record(found: Found, path: Path, where: str, rec: dict[str, Any]) -> No
         per_node=ranks,
         balance=tuple(balance) if balance else None,
     )
-    seconds = _step_seconds(rec, cfg, per_iteration(rec)[1])
+    seconds = _step_seconds(rec, per_iteration(rec)[1])
     if ranks == 1:
         found.pool(path).singles.append(_cal_point(rec, scenario, seconds, phase_scale(rec), where))
     elif cfg.strategy in PER_RANK_BATCH:
@@ -138,7 +138,7 @@ def _run_record(found: Found, path: Path, where: str, rec: dict[str, Any]) -> No
     found.points.append(Measured(scenario, seconds, where, path))
 
 
-def _step_seconds(rec: dict[str, Any], cfg: RunConfig, default: float) -> float:
+def _step_seconds(rec: dict[str, Any], default: float) -> float:
     """A pipeline run's step: its period from every stage's step walls (records written
     before the period took the slowest stage carry the root's shorter median)."""
     step = steady_step((rec.get("pipeline") or {}).get("stage") or [])

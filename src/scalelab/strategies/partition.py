@@ -349,11 +349,14 @@ def measure_layer(
     start = 0.0
     for rep in range(reps + 1):
         inp = x.detach().requires_grad_(train and input_grad and x.is_floating_point())
-        hooks = torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t)
         if rep == 1:
             _sync(device)
             start = time.perf_counter()
-        watch = hooks if rep == 0 and record_saved else nullcontext()
+        watch = (
+            torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t)
+            if rep == 0 and record_saved
+            else nullcontext()
+        )
         with torch.set_grad_enabled(train), autocast(), watch:
             out = module(inp)
         if train and out.requires_grad:

@@ -45,7 +45,14 @@ from scalelab.strategies.base import STRATEGIES, RunOutput, Strategy, TrainHisto
 from scalelab.strategies.manual_placement import ManualPlacement
 from scalelab.strategies.pipeline_report import pipeline_notes, stage_summary, summary_line
 from scalelab.strategies.pipeline_schedule import SCHEDULES
-from scalelab.strategies.pipeline_stage import Meta, StageBatch, StageContext, StageExecutor
+from scalelab.strategies.pipeline_stage import (
+    Meta,
+    StageBatch,
+    StageContext,
+    StageExecutor,
+    from_wire,
+    wire_buffer,
+)
 from scalelab.strategies.torch_base import TorchStrategy
 from scalelab.train.loop import batch_order, batch_slices, total_steps
 from scalelab.workloads.base import Inputs, Workload
@@ -189,11 +196,9 @@ class PipelineStrategy(TorchStrategy):
         n = even_counts(cfg.batch, min(cfg.microbatches, cfg.batch))[0]
         if ctx.first:
             x = self._prepare(sample[:n].to(self.device))
-        else:
-            tail, dtype = ctx.in_meta
-            x = torch.zeros((n, *tail), dtype=dtype, device=self.device)
-            if cfg.channels_last and x.dim() == 4:
-                x = x.contiguous(memory_format=torch.channels_last)
+        else:  # what the stage receives: a zeroed receive buffer in the wire's layout
+            x = from_wire(wire_buffer(n, ctx.in_meta, cfg.channels_last, self.device).zero_(),
+                          cfg.channels_last)  # fmt: skip
         whole = part.Layer("stage", ctx.module)  # compiled under --compile: time what runs
         timed, _ = part.measure_layer(
             whole,
@@ -379,27 +384,27 @@ class PipelineStrategy(TorchStrategy):
             order = batch_order(n_train, epoch, cfg.seed) if self.is_root else None
             loss_sum, items, epoch_laps = 0.0, 0, []
             pieces = list(batch_slices(n_train, cfg.batch))
-            fetch = HostPrefetch(
-                lambda i, order=order, pieces=pieces: self._host_batch(train, order[pieces[i]], i)
+            gather = lambda i, order=order, pieces=pieces: self._host_batch(  # noqa: E731
+                train, order[pieces[i]], i
             )
-            for i, piece in enumerate(pieces):
-                n = piece.stop - piece.start
-                self.timer.settle()
-                # The wall includes waiting for this batch's gather (the root's host work is
-                # part of the pipeline's period), which ran while the previous step computed.
-                start = time.perf_counter()
-                batch = fetch.get(i, ahead=i + 1 < len(pieces)) if self.is_root else None
-                loss = self.train_batch(batch, n)
-                self.timer.settle()
-                self.step_walls.append(time.perf_counter() - start)
-                epoch_laps.append(self.timer.lap())
-                notify_step()
-                loss_sum += 0.0 if loss is None else float(loss)
-                items, history.steps = items + n, history.steps + 1
-                progress.update(history.steps)
-                if history.steps >= n_steps:
-                    break
-            fetch.close()
+            with HostPrefetch(gather) as fetch:
+                for i, piece in enumerate(pieces):
+                    n = piece.stop - piece.start
+                    self.timer.settle()
+                    # The wall includes waiting for this batch's gather (the root's host work is
+                    # part of the pipeline's period), which ran while the previous step computed.
+                    start = time.perf_counter()
+                    batch = fetch.get(i, ahead=i + 1 < len(pieces)) if self.is_root else None
+                    loss = self.train_batch(batch, n)
+                    self.timer.settle()
+                    self.step_walls.append(time.perf_counter() - start)
+                    epoch_laps.append(self.timer.lap())
+                    notify_step()
+                    loss_sum += 0.0 if loss is None else float(loss)
+                    items, history.steps = items + n, history.steps + 1
+                    progress.update(history.steps)
+                    if history.steps >= n_steps:
+                        break
             self.step_laps += epoch_laps
             timings.add(sum(self.step_walls[-len(epoch_laps) :]), _sum_laps(epoch_laps))
             history.end_epoch(
@@ -490,9 +495,11 @@ class HostPrefetch:
             self.pending[i + 1] = self.pool.submit(self.gather, i + 1)
         return batch
 
-    def close(self) -> None:
+    def __enter__(self) -> HostPrefetch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
-        self.pending.clear()
 
 
 def pipeline_peers(rank: int, stages: int) -> list[int]:
