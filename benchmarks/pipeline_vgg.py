@@ -91,10 +91,12 @@ def scalelab(args: list[str], out: Path, env: dict | None = None) -> int:
     return code
 
 
-def pipeline_run(stages: int, schedule: str, micro: int, compiled: bool, out: Path) -> dict | None:
+def pipeline_run(
+    stages: int, schedule: str, micro: int, compiled: bool, out: Path, cut: str = "auto"
+) -> dict | None:
     before = len(read_records(out)) if out.exists() else 0
     args = ["run", "vgg16", "--strategy", "pipeline", "--ranks", str(stages)]
-    args += ["--stages", str(stages), "--rebalance", REBALANCE]
+    args += ["--stages", str(stages), "--balance", cut, "--rebalance", REBALANCE]
     args += ["--compile"] if compiled else []
     args += ["--device", "cuda", "--dtype", "bf16", "--channels-last", "--train"]
     args += ["--batch", "256", "--microbatches", str(micro), "--schedule", schedule]
@@ -120,9 +122,11 @@ def deepstack_demos(out: Path, full: bool) -> list[dict]:
     return [r for r in read_records(out) if r.get("workload") == "deepstack"]
 
 
-def _parse_run(spec: str) -> tuple[int, str, int, bool]:
-    k, schedule, micro, *flag = spec.split(":")
-    return int(k), schedule, int(micro), flag == ["compiled"]
+def _parse_run(spec: str) -> tuple[int, str, int, bool, str]:
+    """K:schedule:M[:compiled][:a/b/...]: the last field, when given, pins the cut."""
+    k, schedule, micro, *rest = spec.split(":")
+    cut = next((f.replace("/", ",") for f in rest if "/" in f), "auto")
+    return int(k), schedule, int(micro), "compiled" in rest, cut
 
 
 def table(rows: list[tuple]) -> str:
@@ -142,7 +146,9 @@ def main() -> int:
     parser.add_argument(
         "--no-compile-reference", action="store_true", help="skip torch.compile on one GPU"
     )
-    parser.add_argument("--runs", help="K:schedule:M[:compiled],... instead of the default runs")
+    parser.add_argument(
+        "--runs", help="K:schedule:M[:compiled][:a/b],... instead of the default runs (a/b: cut)"
+    )
     args = parser.parse_args()
     stage_counts = [int(k) for k in args.stages.split(",")]
     if args.runs:
@@ -160,23 +166,30 @@ def main() -> int:
         for b, v in plain.items()
     ]
     summary: dict = {"plain_img_s": plain, "pipeline": []}
-    runs = [(k, *run) for k in stage_counts for run in PIPE_RUNS[k]]
+    runs = [(k, *run, "auto") for k in stage_counts for run in PIPE_RUNS[k]]
     if args.runs:  # K:schedule:M[:compiled], comma-separated, instead of PIPE_RUNS
         runs = [_parse_run(spec) for spec in args.runs.split(",")]
-    if any(compiled for *_, compiled in runs) and not args.no_compile_reference:
+    if any(compiled for *_, compiled, _ in runs) and not args.no_compile_reference:
         # The compiled runs' second reference: torch.compile of the whole model on one GPU.
         summary["plain_compiled_img_s_256"] = 256 / plain_vgg_step_time(256, compiled=True)
         v = summary["plain_compiled_img_s_256"]
         rows.append(("torch.compile 1 GPU, batch 256", f"{v:.0f}", f"{v / plain[256]:.2f}",
                      *["-"] * 4))  # fmt: skip
-    for stages, schedule, micro, compiled in runs:
+    for stages, schedule, micro, compiled, cut in runs:
         name = f"pipeline {stages} GPUs {schedule} M={micro}" + (" compiled" if compiled else "")
-        rec = pipeline_run(stages, schedule, micro, compiled, out)
+        name += "" if cut == "auto" else f" cut {cut}"
+        rec = pipeline_run(stages, schedule, micro, compiled, out, cut)
         if rec is None:
             rows.append((name, "FAILED", *["-"] * 5))
             continue
         p = rec["pipeline"]
         speed = p["steady_throughput"]
+        for st in p["stage"]:  # where each stage's step went, ms
+            ms = {k: f"{st[k + '_s'] * 1e3:.2f}" for k in ("forward", "backward", "recv", "span")}
+            print(f"  stage {st['rank']}: {ms}", flush=True)
+        for r in p.get("balance_rounds") or []:
+            print(f"  cut {r['balance']}: stage ms/micro-batch "
+                  f"{[round(t * 1e3, 3) for t in r['stage_s']]}", flush=True)  # fmt: skip
         rows.append(
             (
                 name,
@@ -190,7 +203,7 @@ def main() -> int:
         )
         summary["pipeline"].append(
             {"stages": stages, "schedule": schedule, "microbatches": micro,
-             "compiled": compiled, "img_s": speed, "speedup": speed / plain[256],
+             "compiled": compiled, "cut": cut, "img_s": speed, "speedup": speed / plain[256],
              "bubble": {k: p[k] for k in
              ("bubble_measured", "bubble_simulated", "bubble_formula")},
              "balance": p["balance"], "balance_rounds": p.get("balance_rounds"),

@@ -113,6 +113,9 @@ class PhaseTimer:
         self._bytes: dict[str, int] = defaultdict(int)
         self._pending: list[tuple[str, Any, Any]] = []  # (path, start event, end event)
         self.last_device_lap: dict[str, float] = {}
+        # The last lap's phases as (path, start ms, end ms) from its first phase's start, in
+        # the order they ran: one rank's timeline of an iteration (gaps are idle or unphased).
+        self.last_device_spans: list[tuple[str, float, float]] = []
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -167,12 +170,21 @@ class PhaseTimer:
         out = dict(self._current)
         self._current.clear()
         device: dict[str, float] = defaultdict(float)
+        spans = []
         for path, start, end in self._pending:
             end.synchronize()
             device[path] += start.elapsed_time(end) / 1e3  # elapsed_time is in ms
+            origin = self._pending[0][1]
+            spans.append((path, origin.elapsed_time(start), origin.elapsed_time(end)))
         self._pending.clear()
         self.last_device_lap = dict(device)
+        self.last_device_spans = spans
         return out
+
+    def discard(self) -> None:
+        """Forget everything measured so far: phases, events, bytes (untimed set-up work)."""
+        self.lap()
+        self._bytes.clear()
 
     def bytes_moved(self) -> dict[str, int]:
         return dict(self._bytes)

@@ -50,8 +50,6 @@ from scalelab.strategies.pipeline_stage import (
     StageBatch,
     StageContext,
     StageExecutor,
-    from_wire,
-    wire_buffer,
 )
 from scalelab.strategies.torch_base import TorchStrategy
 from scalelab.train.loop import batch_order, batch_slices, total_steps
@@ -134,10 +132,8 @@ class PipelineStrategy(TorchStrategy):
             counts = comm.bcast_object(self._auto_counts(sample) if self.is_root else None)
         self._place(counts, sample)
         self.executor.connect(pipeline_peers(comm.rank, comm.size))
-        if auto and comm.size > 1:
-            for _ in range(cfg.rebalance):
-                if not self._recut(sample):
-                    break
+        if auto and comm.size > 1 and cfg.rebalance > 0:
+            self._rebalance(sample)
 
     def _place(self, counts: list[int], sample: torch.Tensor | None) -> None:
         """Build this rank's stage of the cut `counts`: its layers on the device, the shapes
@@ -174,44 +170,48 @@ class PipelineStrategy(TorchStrategy):
         )
         self.executor = StageExecutor(self.ctx)
 
-    def _recut(self, sample: torch.Tensor | None) -> bool:
-        """One round of `--rebalance`: every stage times itself whole on one micro-batch, the
-        root re-cuts the profile scaled by those times (partition.rebalance) and, when the cut
-        moves, every rank rebuilds its stage. True when it moved."""
-        measured = self.comm.gather_object(self._time_stage(sample))
-        new = None
-        if self.is_root:
-            self.balance_rounds.append({"balance": list(self.counts), "stage_s": measured})
-            new = part.rebalance(self.profile, self.counts, measured, self._mem)
-        new = self.comm.bcast_object(new)
-        if new == self.counts:
-            return False
-        self._place(new, sample)
-        return True
+    def _rebalance(self, sample: torch.Tensor | None) -> None:
+        """--rebalance R: time the cut in a real pipelined pass, re-cut the profile scaled by
+        those times (partition.rebalance) and time the new cut, at most R times; then keep the
+        fastest cut timed (the smallest slowest stage). A re-cut that lands on a cut already
+        timed ends the search early. Every cut tried is recorded with its stage times."""
+        timed: dict[tuple[int, ...], float] = {}
+        for round_ in range(self.cfg.rebalance + 1):
+            measured = self.comm.gather_object(self._time_stage(sample))
+            decision = None
+            if self.is_root:
+                self.balance_rounds.append({"balance": list(self.counts), "stage_s": measured})
+                timed[tuple(self.counts)] = max(measured)
+                proposal = part.rebalance(self.profile, self.counts, measured, self._mem)
+                done = round_ == self.cfg.rebalance or tuple(proposal) in timed
+                decision = (list(min(timed, key=timed.get)) if done else proposal, done)
+            counts, done = self.comm.bcast_object(decision)
+            if counts != self.counts:
+                self._place(counts, sample)
+            if done:
+                return
 
     def _time_stage(self, sample: torch.Tensor | None) -> float:
-        """Seconds of this stage's forward (+ backward) on one micro-batch, run on its own:
-        the root on real inputs, later stages on zeros of the shape they receive."""
-        cfg, ctx = self.cfg, self.ctx
-        n = even_counts(cfg.batch, min(cfg.microbatches, cfg.batch))[0]
-        if ctx.first:
-            x = self._prepare(sample[:n].to(self.device))
-        else:  # what the stage receives: a zeroed receive buffer in the wire's layout
-            x = from_wire(wire_buffer(n, ctx.in_meta, cfg.channels_last, self.device).zero_(),
-                          cfg.channels_last)  # fmt: skip
-        whole = part.Layer("stage", ctx.module)  # compiled under --compile: time what runs
-        timed, _ = part.measure_layer(
-            whole,
-            x,
-            cfg.train,
-            self.autocast,
-            self.device,
-            reps=3,
-            record_saved=False,
-            input_grad=not ctx.first,  # the first stage's input never needs a gradient
-        )
+        """This stage's forward (+ backward) seconds per micro-batch inside a real pipelined
+        pass of the sample batch, schedule and point-to-point and all (training: zero labels,
+        no optimizer step, the gradients dropped). The second of two passes counts: the first
+        allocates, autotunes and, under --compile, compiles the cut. Timed alone, a stage
+        does not run as it runs in place: VGG-16's FC stage took ~1.5x its in-pipeline time
+        per micro-batch on an H200 (cause not found), and a re-cut from those times kept a
+        60/40 split of the work (docs/PERFORMANCE.md)."""
+        n = self.comm.bcast_object(len(sample) if self.is_root else None)
+        for _ in range(2):
+            self.timer.lap()
+            if self.cfg.train:
+                labels = torch.zeros(n, dtype=torch.int64)
+                self.pipelined_pass(Inputs(sample, labels) if self.is_root else None, n)
+            else:
+                self.forward_batch(sample, n)
+            self.timer.settle()
+        lap = self.timer.lap()
+        self.timer.discard()
         self.stage.zero_grad(set_to_none=True)
-        return timed.seconds
+        return (lap.get("forward", 0.0) + lap.get("backward", 0.0)) / min(self.cfg.microbatches, n)
 
     def _auto_counts(self, sample: torch.Tensor) -> list[int]:
         """Root: measure every layer on one micro-batch, then split by time within memory."""
@@ -295,6 +295,15 @@ class PipelineStrategy(TorchStrategy):
 
     def train_batch(self, batch: Inputs | None, n: int) -> torch.Tensor | None:
         """One optimizer step on n items (on the root); the loss sum on the last stage."""
+        loss_sum = self.pipelined_pass(batch, n)
+        with self.timer.phase("step"):
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return loss_sum
+
+    def pipelined_pass(self, batch: Inputs | None, n: int) -> torch.Tensor | None:
+        """Forward and backward of n items (on the root) through the schedule: every stage's
+        gradients accumulated, the loss sum on the last stage."""
         sizes = even_counts(n, min(self.cfg.microbatches, n))
         work = StageBatch(sizes, loss_fn=self.workload.loss)
         last = self.comm.size - 1
@@ -311,9 +320,6 @@ class PipelineStrategy(TorchStrategy):
             work.labels = list(torch.split(y, sizes))
         ops = SCHEDULES[self.cfg.schedule](self.comm.rank, self.comm.size, len(sizes), True)
         self.executor.run(ops, work, train=True)
-        with self.timer.phase("step"):
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
         return work.loss_sum
 
     # --- the two modes ---------------------------------------------------------------------
@@ -354,6 +360,7 @@ class PipelineStrategy(TorchStrategy):
         history = TrainHistory()
         self.step_laps: list[dict[str, float]] = []
         self.step_walls: list[float] = []
+        self.step_spans: list[list[tuple[str, float, float]]] = []  # CUDA: each step's phases
         timings = self._train_epochs(train, heldout, n_train, n_held, history)
         stages = self.comm.gather_object(stage_summary(self, self.step_laps, self.step_walls))
         items_per_epoch = history.items / max(len(timings.walls), 1)
@@ -385,7 +392,7 @@ class PipelineStrategy(TorchStrategy):
             loss_sum, items, epoch_laps = 0.0, 0, []
             pieces = list(batch_slices(n_train, cfg.batch))
             gather = lambda i, order=order, pieces=pieces: self._host_batch(  # noqa: E731
-                train, order[pieces[i]], i
+                train, order[pieces[i]]
             )
             with HostPrefetch(gather) as fetch:
                 for i, piece in enumerate(pieces):
@@ -395,10 +402,16 @@ class PipelineStrategy(TorchStrategy):
                     # part of the pipeline's period), which ran while the previous step computed.
                     start = time.perf_counter()
                     batch = fetch.get(i, ahead=i + 1 < len(pieces)) if self.is_root else None
+                    if batch is not None and batch.x.is_cuda:
+                        # Allocated on the copy stream, read on this one: the allocator must
+                        # not hand the memory to the next copy before this step is done.
+                        for t in (batch.x, batch.y):
+                            t.record_stream(torch.cuda.current_stream(self.device))
                     loss = self.train_batch(batch, n)
                     self.timer.settle()
                     self.step_walls.append(time.perf_counter() - start)
                     epoch_laps.append(self.timer.lap())
+                    self.step_spans.append(getattr(self.timer, "last_device_spans", []))
                     notify_step()
                     loss_sum += 0.0 if loss is None else float(loss)
                     items, history.steps = items + n, history.steps + 1
@@ -414,22 +427,25 @@ class PipelineStrategy(TorchStrategy):
                 break
         return timings
 
-    def _host_batch(self, train: Inputs, idx: torch.Tensor, step: int) -> Inputs:
-        """The batch's items, gathered on GPU runs into one of two reused pinned buffers
-        (by step parity), so the copy to the device is a plain asynchronous DMA (no per-step
-        pinning) and the next batch can be gathered while this one's copy is in flight: a
-        buffer is written again two steps later, after the step that read it has settled.
-        VGG-16 at batch 256 gathers 154 MB here, ~8 ms a step on one host thread."""
+    def _host_batch(self, train: Inputs, idx: torch.Tensor) -> Inputs:
+        """The batch's items; on GPU runs already on the device. Runs one step ahead on the
+        prefetch thread: the gather into a reused pinned buffer (no per-step pinning; VGG-16
+        at batch 256 gathers 38.5 MB of uint8 pixels) and its copy to the device on a side
+        stream, both overlapping the step in flight. The copy is waited for here, on this
+        thread, so the buffer is free again when the next gather starts, and the batch the
+        step receives is ready: the root's h2d phase no longer holds the next stage's first
+        micro-batch back by the copy's ~1 ms (a bubble the schedule does not have)."""
         if self.device.type != "cuda":
             return Inputs(train.x[idx], train.y[idx])
-        buffers = getattr(self, "_staging", None)
-        if buffers is None:
+        if getattr(self, "_staging", None) is None:
             shape = (self.cfg.batch, *train.x.shape[1:])
-            buffers = self._staging = [
-                torch.empty(shape, dtype=train.x.dtype).pin_memory() for _ in range(2)
-            ]
-        x = torch.index_select(train.x, 0, idx, out=buffers[step % 2][: len(idx)])
-        return Inputs(x, train.y[idx])
+            self._staging = torch.empty(shape, dtype=train.x.dtype).pin_memory()
+            self._copy_stream = torch.cuda.Stream(self.device)
+        x = torch.index_select(train.x, 0, idx, out=self._staging[: len(idx)])
+        with torch.cuda.stream(self._copy_stream):
+            batch = Inputs(x.to(self.device, non_blocking=True), train.y[idx].to(self.device))
+        self._copy_stream.synchronize()
+        return batch
 
     def all_sum(self, value: float) -> float:
         t = torch.tensor([value], dtype=torch.float64, device=self.comm.device)

@@ -30,8 +30,9 @@ def _medians(laps: list[dict[str, float]]) -> dict[str, float]:
 def stage_summary(strategy: Any, laps: list[dict[str, float]], walls: list[float]) -> dict:
     """This rank's stage: medians over iterations (training: over steps after the first,
     which pays for allocation and autotuning, when there are at least three)."""
+    spans = getattr(strategy, "step_spans", None) or [[]] * len(laps)
     if strategy.cfg.train and len(laps) > 2:
-        laps, walls = laps[1:], walls[1:]
+        laps, walls, spans = laps[1:], walls[1:], spans[1:]
     med = _medians(laps)
     wall = statistics.median(walls) if walls else 0.0
     busy = med.get("forward", 0.0) + med.get("backward", 0.0)
@@ -57,9 +58,19 @@ def stage_summary(strategy: Any, laps: list[dict[str, float]], walls: list[float
         if device.type == "cuda"
         else None,
         "step_s": list(walls) if strategy.cfg.train else None,
+        # CUDA training: the median step's phases [name, start ms, end ms] on this stage's
+        # clock from its first phase, in the order they ran (the gaps are waits nothing timed).
+        "timeline_ms": _median_step_spans(walls, spans) if strategy.cfg.train else None,
         # --compile: graphs Dynamo handed to Inductor in this process (0 means it ran eager).
         "compiled_graphs": compiled_graphs() if strategy.cfg.compile else None,
     }
+
+
+def _median_step_spans(walls: list[float], spans: list[list]) -> list | None:
+    if not walls or not any(spans):
+        return None
+    order = sorted(range(len(walls)), key=walls.__getitem__)
+    return [[name, round(a, 4), round(b, 4)] for name, a, b in spans[order[len(order) // 2]]]
 
 
 def steady_step(stages: list[dict]) -> float | None:
