@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from scalelab.comm import Comm, SelfComm
@@ -126,6 +127,8 @@ class PipelineStrategy(TorchStrategy):
         self.layers = part.model_layers(workload, model)
         counts = part.parse_balance(cfg.balance, len(self.layers), cfg.stages)
         self.profile: list[part.LayerProfile] | None = None
+        if getattr(self, "lanes", None) is None:  # once: every rank creates them, in order
+            self.lanes = (dist.new_group(), dist.new_group()) if comm.size > 1 else (None, None)
         self.balance_rounds: list[dict[str, Any]] = []
         auto = counts is None
         if auto:
@@ -167,6 +170,7 @@ class PipelineStrategy(TorchStrategy):
             timer=self.timer,
             autocast=self.autocast,
             channels_last=cfg.channels_last,
+            lanes=self.lanes,
         )
         self.executor = StageExecutor(self.ctx)
 
@@ -204,7 +208,8 @@ class PipelineStrategy(TorchStrategy):
             self.timer.lap()
             if self.cfg.train:
                 labels = torch.zeros(n, dtype=torch.int64)
-                self.pipelined_pass(Inputs(sample, labels) if self.is_root else None, n)
+                batch = Inputs(self._device_batch(sample), labels) if self.is_root else None
+                self.pipelined_pass(batch, n)
             else:
                 self.forward_batch(sample, n)
             self.timer.settle()
@@ -264,15 +269,17 @@ class PipelineStrategy(TorchStrategy):
         return metas
 
     # --- one batch through the pipeline -----------------------------------------------------
-    def _micro_inputs(self, x: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    def _device_batch(self, x: torch.Tensor) -> torch.Tensor:
+        """A batch's host items on the device, prepared (the model's input dtype, layout)."""
         with self.timer.phase("h2d"):
             x = self.to_device(x)
-        return [self._prepare(part_x) for part_x in torch.split(x, sizes)]
+        return self._prepare(x)
 
     def forward_batch(self, x: torch.Tensor | None, n: int) -> torch.Tensor | None:
         """Inference of n items (x on the root): the logits on the root, float64 on CPU."""
         sizes = even_counts(n, min(self.cfg.microbatches, n))
-        batch = StageBatch(sizes, self._micro_inputs(x, sizes) if self.is_root else None)
+        inputs = list(torch.split(self._device_batch(x), sizes)) if self.is_root else None
+        batch = StageBatch(sizes, inputs)
         ops = SCHEDULES[self.cfg.schedule](self.comm.rank, self.comm.size, len(sizes), False)
         with torch.no_grad():
             self.executor.run(ops, batch, train=False)
@@ -302,13 +309,14 @@ class PipelineStrategy(TorchStrategy):
         return loss_sum
 
     def pipelined_pass(self, batch: Inputs | None, n: int) -> torch.Tensor | None:
-        """Forward and backward of n items (on the root) through the schedule: every stage's
-        gradients accumulated, the loss sum on the last stage."""
+        """Forward and backward of n items through the schedule (batch on the root: inputs
+        prepared on the device, labels anywhere): every stage's gradients accumulated, the
+        loss sum on the last stage."""
         sizes = even_counts(n, min(self.cfg.microbatches, n))
         work = StageBatch(sizes, loss_fn=self.workload.loss)
         last = self.comm.size - 1
         if self.is_root:
-            work.inputs = self._micro_inputs(batch.x, sizes)
+            work.inputs = list(torch.split(batch.x, sizes))  # row slices stay channels-last
             y = self.to_device(batch.y)
             if last == 0:
                 work.labels = list(torch.split(y, sizes))
@@ -428,22 +436,23 @@ class PipelineStrategy(TorchStrategy):
         return timings
 
     def _host_batch(self, train: Inputs, idx: torch.Tensor) -> Inputs:
-        """The batch's items; on GPU runs already on the device. Runs one step ahead on the
-        prefetch thread: the gather into a reused pinned buffer (no per-step pinning; VGG-16
-        at batch 256 gathers 38.5 MB of uint8 pixels) and its copy to the device on a side
-        stream, both overlapping the step in flight. The copy is waited for here, on this
-        thread, so the buffer is free again when the next gather starts, and the batch the
-        step receives is ready: the root's h2d phase no longer holds the next stage's first
-        micro-batch back by the copy's ~1 ms (a bubble the schedule does not have)."""
+        """The batch's items on the device, prepared. Runs one step ahead on the prefetch
+        thread (so no timer phases here), overlapping the step in flight: the gather into a
+        reused pinned buffer (VGG-16 at batch 256: 38.5 MB of uint8 pixels), then on a side stream the copy
+        to the device and `prepare` (pixels to normalised floats, channels-last). In the step
+        that work held the first micro-batch back by ~1.7 ms of a 41 ms step on 2 H200s, which
+        every later stage waited out as bubble. The side stream is waited for here, on this
+        thread: the buffer is free for the next gather and the step gets a ready batch."""
         if self.device.type != "cuda":
-            return Inputs(train.x[idx], train.y[idx])
+            return Inputs(self._prepare(train.x[idx]), train.y[idx])
         if getattr(self, "_staging", None) is None:
             shape = (self.cfg.batch, *train.x.shape[1:])
             self._staging = torch.empty(shape, dtype=train.x.dtype).pin_memory()
             self._copy_stream = torch.cuda.Stream(self.device)
         x = torch.index_select(train.x, 0, idx, out=self._staging[: len(idx)])
         with torch.cuda.stream(self._copy_stream):
-            batch = Inputs(x.to(self.device, non_blocking=True), train.y[idx].to(self.device))
+            x = self._prepare(x.to(self.device, non_blocking=True))
+            batch = Inputs(x, train.y[idx].to(self.device))
         self._copy_stream.synchronize()
         return batch
 
