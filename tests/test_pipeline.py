@@ -207,10 +207,34 @@ def test_rebalance_scales_each_stage_by_its_measured_time():
     profiles = [part.LayerProfile(f"l{i}", 1.0, 0, 0) for i in range(6)]
     mem = part.memory_model(None, 2, 4, True, "gpipe")
     assert part.balance_auto(profiles, 2, mem) == [3, 3]
-    assert part.rebalance(profiles, [3, 3], [6.0, 3.0], mem) == [2, 4]
-    assert part.rebalance(profiles, [3, 3], [3.0, 3.0], mem) == [3, 3]
+    assert part.rebalance(profiles, [([3, 3], [6.0, 3.0])], mem) == [2, 4]
+    assert part.rebalance(profiles, [([3, 3], [3.0, 3.0])], mem) == [3, 3]
     # A stage with nothing measured (0 s) keeps its profiled times.
-    assert part.rebalance(profiles, [3, 3], [0.0, 3.0], mem) == [3, 3]
+    assert part.rebalance(profiles, [([3, 3], [0.0, 3.0])], mem) == [3, 3]
+
+
+def test_rebalance_fits_every_cut_timed():
+    """True layer seconds [1, 1, 3, 3, 1, 1], profiled at 1 s each. Cut 3 | 3 times 5 | 5:
+    one ratio per stage (5/3 each) keeps 3 | 3. Add cut 2 | 4 (2 | 8): the segments
+    [0,2) [2,3) [3,6) are then fitted exactly, to 1, 3 and 5/3 s per layer (the last is the
+    segment's mean), which reproduce every stage timed and which 3 | 3 (5 | 5) balances."""
+    profiles = [part.LayerProfile(f"l{i}", 1.0, 0, 0) for i in range(6)]
+    mem = part.memory_model(None, 2, 4, True, "gpipe")
+    timed = [([3, 3], [5.0, 5.0]), ([2, 4], [2.0, 8.0])]
+    fitted = [p.seconds for p in part.fit_layer_seconds(profiles, timed)]
+    np.testing.assert_allclose(fitted, [1, 1, 3, 5 / 3, 5 / 3, 5 / 3])
+    for counts, measured in timed:
+        got = [sum(fitted[a:b]) for a, b in part.bounds(counts)]
+        np.testing.assert_allclose(got, measured)
+    assert part.rebalance(profiles, timed, mem) == [3, 3]
+    # Inconsistent times (one stage 12% slow): least squares relative to each measurement
+    # spreads the misfit, every stage within it, instead of trusting one of them.
+    noisy = [([3, 3], [5.0, 5.0]), ([2, 4], [2.0, 9.0])]
+    fitted = [p.seconds for p in part.fit_layer_seconds(profiles, noisy)]
+    for counts, measured in noisy:
+        got = [sum(fitted[a:b]) for a, b in part.bounds(counts)]
+        np.testing.assert_allclose(got, measured, rtol=0.07)
+    assert part.rebalance(profiles, noisy, mem) == [3, 3]
 
 
 @pytest.mark.mpi

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -268,22 +269,50 @@ def balance_auto(profiles: Sequence[LayerProfile], stages: int, mem: MemoryModel
     return _split_to(best, stages)
 
 
+def fit_layer_seconds(
+    profiles: Sequence[LayerProfile], timed: Sequence[tuple[Sequence[int], Sequence[float]]]
+) -> list[LayerProfile]:
+    """The profile corrected by every cut timed so far, timed = [(counts, stage seconds)].
+
+    The cut points seen split the layers into segments; each segment's profiled seconds get
+    one scale factor, and each timed stage says that its segments' scaled seconds add up to
+    its measured time: a least-squares fit, each equation relative to its measurement. One
+    cut gives every stage its measured/profiled ratio. Two cuts pin down what the layers
+    between them cost on either side, which one ratio per stage cannot: VGG-16's re-cuts on
+    2 H200s went 18 -> 13 -> 17 (never 14, the best) when each round used only its own."""
+    n = len(profiles)
+    points = sorted({0, n} | {b for counts, _ in timed for _, b in bounds(counts)})
+    segments = list(zip(points[:-1], points[1:]))
+    prof = np.array([sum(p.seconds for p in profiles[a:b]) for a, b in segments])
+    rows, rhs = [], []
+    for counts, measured in timed:
+        for (a, b), seconds in zip(bounds(counts), measured):
+            if seconds <= 0:
+                continue  # nothing measured: no equation
+            rows.append([pf / seconds if a <= sa and sb <= b else 0.0
+                         for (sa, sb), pf in zip(segments, prof)])  # fmt: skip
+            rhs.append(1.0)
+    scale = np.ones(len(segments))
+    if rows:
+        fitted = np.linalg.lstsq(np.array(rows), np.array(rhs), rcond=None)[0]
+        seen = np.array(rows).any(axis=0) & (prof > 0)
+        # A segment no equation covers, or one the fit drives to <= 0, keeps its profile.
+        scale = np.where(seen & (fitted > 0), fitted, 1.0)
+    out: list[LayerProfile] = []
+    for (a, b), k in zip(segments, scale):
+        out += [replace(p, seconds=p.seconds * float(k)) for p in profiles[a:b]]
+    return out
+
+
 def rebalance(
     profiles: Sequence[LayerProfile],
-    counts: Sequence[int],
-    measured_s: Sequence[float],
+    timed: Sequence[tuple[Sequence[int], Sequence[float]]],
     mem: MemoryModel,
 ) -> list[int]:
-    """balance_auto again after each stage of the cut `counts` timed itself whole: every
-    layer's profiled seconds scaled by its stage's measured / profiled ratio. Layers timed one
-    by one miss what they cost in place (a VGG-16 2-stage cut from the profile computed 55 ms
-    against 37 ms a step on 2 H200s); a whole stage's time does not."""
-    scaled: list[LayerProfile] = []
-    for (a, b), seconds in zip(bounds(counts), measured_s):
-        profiled = sum(p.seconds for p in profiles[a:b])
-        ratio = seconds / profiled if profiled > 0 and seconds > 0 else 1.0
-        scaled += [replace(p, seconds=p.seconds * ratio) for p in profiles[a:b]]
-    return balance_auto(scaled, len(counts), mem)
+    """balance_auto again on the profile fitted to the cuts timed so far (fit_layer_seconds).
+    Layers timed one by one miss what they cost in place (a VGG-16 2-stage cut from the
+    profile computed 55 ms against 37 ms a step on 2 H200s); whole stages do not."""
+    return balance_auto(fit_layer_seconds(profiles, timed), len(timed[-1][0]), mem)
 
 
 def min_stages(

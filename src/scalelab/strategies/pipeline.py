@@ -26,7 +26,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from scalelab.comm import Comm, SelfComm
@@ -51,6 +50,7 @@ from scalelab.strategies.pipeline_stage import (
     StageBatch,
     StageContext,
     StageExecutor,
+    make_lanes,
 )
 from scalelab.strategies.torch_base import TorchStrategy
 from scalelab.train.loop import batch_order, batch_slices, total_steps
@@ -128,13 +128,13 @@ class PipelineStrategy(TorchStrategy):
         counts = part.parse_balance(cfg.balance, len(self.layers), cfg.stages)
         self.profile: list[part.LayerProfile] | None = None
         if getattr(self, "lanes", None) is None:  # once: every rank creates them, in order
-            self.lanes = (dist.new_group(), dist.new_group()) if comm.size > 1 else (None, None)
+            self.lanes = make_lanes(comm.size) if comm.size > 1 else {}
         self.balance_rounds: list[dict[str, Any]] = []
         auto = counts is None
         if auto:
             counts = comm.bcast_object(self._auto_counts(sample) if self.is_root else None)
         self._place(counts, sample)
-        self.executor.connect(pipeline_peers(comm.rank, comm.size))
+        self.executor.connect()
         if auto and comm.size > 1 and cfg.rebalance > 0:
             self._rebalance(sample)
 
@@ -175,18 +175,19 @@ class PipelineStrategy(TorchStrategy):
         self.executor = StageExecutor(self.ctx)
 
     def _rebalance(self, sample: torch.Tensor | None) -> None:
-        """--rebalance R: time the cut in a real pipelined pass, re-cut the profile scaled by
-        those times (partition.rebalance) and time the new cut, at most R times; then keep the
-        fastest cut timed (the smallest slowest stage). A re-cut that lands on a cut already
-        timed ends the search early. Every cut tried is recorded with its stage times."""
-        timed: dict[tuple[int, ...], float] = {}
+        """--rebalance R: time the cut in a real pipelined pass, re-cut the profile fitted to
+        every cut timed so far (partition.rebalance), time the new cut; at most R times. Keep
+        the fastest cut timed (the smallest slowest stage). A re-cut that lands on a cut
+        already timed ends the search early. Every cut tried is recorded with its times."""
+        timed: dict[tuple[int, ...], float] = {}  # cut -> its slowest stage's seconds
         for round_ in range(self.cfg.rebalance + 1):
             measured = self.comm.gather_object(self._time_stage(sample))
             decision = None
             if self.is_root:
                 self.balance_rounds.append({"balance": list(self.counts), "stage_s": measured})
                 timed[tuple(self.counts)] = max(measured)
-                proposal = part.rebalance(self.profile, self.counts, measured, self._mem)
+                tried = [(r["balance"], r["stage_s"]) for r in self.balance_rounds]
+                proposal = part.rebalance(self.profile, tried, self._mem)
                 done = round_ == self.cfg.rebalance or tuple(proposal) in timed
                 decision = (list(min(timed, key=timed.get)) if done else proposal, done)
             counts, done = self.comm.bcast_object(decision)
@@ -438,11 +439,12 @@ class PipelineStrategy(TorchStrategy):
     def _host_batch(self, train: Inputs, idx: torch.Tensor) -> Inputs:
         """The batch's items on the device, prepared. Runs one step ahead on the prefetch
         thread (so no timer phases here), overlapping the step in flight: the gather into a
-        reused pinned buffer (VGG-16 at batch 256: 38.5 MB of uint8 pixels), then on a side stream the copy
-        to the device and `prepare` (pixels to normalised floats, channels-last). In the step
-        that work held the first micro-batch back by ~1.7 ms of a 41 ms step on 2 H200s, which
-        every later stage waited out as bubble. The side stream is waited for here, on this
-        thread: the buffer is free for the next gather and the step gets a ready batch."""
+        reused pinned buffer (VGG-16 at batch 256: 38.5 MB of uint8 pixels), then on a side
+        stream the copy to the device and `prepare` (pixels to normalised floats,
+        channels-last). In the step, that work held the first micro-batch back by ~1.7 ms of
+        a 41 ms step on 2 H200s, which every later stage waited out as bubble. The side
+        stream is waited for here, on this thread: the buffer is free for the next gather
+        and the step gets a ready batch."""
         if self.device.type != "cuda":
             return Inputs(self._prepare(train.x[idx]), train.y[idx])
         if getattr(self, "_staging", None) is None:
@@ -525,15 +527,6 @@ class HostPrefetch:
 
     def __exit__(self, *exc: object) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
-
-
-def pipeline_peers(rank: int, stages: int) -> list[int]:
-    """The ranks this stage exchanges with: its neighbours, and the first and last stages
-    with each other (labels go 0 -> K-1, outputs K-1 -> 0)."""
-    peers = {rank - 1, rank + 1}
-    if rank in (0, stages - 1):
-        peers.add(stages - 1 - rank)
-    return sorted(p for p in peers if 0 <= p < stages and p != rank)
 
 
 def _sum_laps(laps: list[dict[str, float]]) -> dict[str, float]:

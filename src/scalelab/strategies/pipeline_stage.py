@@ -9,16 +9,16 @@ ops, as in Megatron-LM's schedules: the send that ends op i and the receive that
 are posted together. Receives are waited for at once (phase "recv": the stage is idle, the
 bubble); sends complete in the background and are drained at the end of the batch ("send").
 
-Two lanes, one process group (so one NCCL communicator and stream) per direction: `down`
-carries every message from a lower rank to a higher one (activations, labels), `up` the rest
-(gradients, the inference output). On one shared stream a pair's exchanges become
-rendezvous: 1F1B's steady state posts {send activation, receive gradient} against the peer's
-{send gradient, receive activation}, and a stage could not start its backward until its own
-activation had also crossed, so both stages paid every transfer each cycle (VGG-16 on 2
-H200s: 0.18 ms of a 4.4 ms cycle, 51 MB each way). Apart, a send never waits behind a
-receive, and a message only meets others of its own direction, posted in the same order on
-both ends, so nothing can wait in a cycle (downward traffic ends at the last stage, which only
-receives it; upward at the first).
+Every directed link (src -> dst) is its own process group, so its own NCCL communicator and
+stream, and on each rank a link only ever sends or only ever receives. On one shared
+communicator a pair's exchanges were rendezvous: 1F1B's steady state posts {send activation,
+receive gradient} against the peer's {send gradient, receive activation}, so a stage could not
+start its backward before its own activation had also crossed, and both stages paid every
+transfer each cycle (VGG-16 on 2 H200s: 0.18 ms of a 4.4 ms cycle, 51 MB each way). Apart, a
+send never queues behind a receive, messages on a link are posted in the same order at both
+ends, and nothing can wait in a cycle. Each op's receive is then posted one op ahead (as
+Megatron-LM's overlapped p2p does): its transfer runs during the op before, and the op only
+waits on the device for what has not arrived ("recv").
 
 Channels-last activations travel as their NHWC memory (a permuted, contiguous view), so the
 receiving stage gets channels-last tensors without a layout copy.
@@ -52,6 +52,21 @@ def wire_buffer(n: int, meta: Meta, channels_last: bool, device: torch.device) -
     return torch.empty((n, *tail), dtype=dtype, device=device)
 
 
+def pipeline_links(stages: int) -> list[tuple[int, int]]:
+    """Every directed link (src, dst) a pipeline's messages use: neighbours both ways
+    (activations down, gradients up), first and last both ways (labels, inference output)."""
+    links = {(s, s + 1) for s in range(stages - 1)} | {(s + 1, s) for s in range(stages - 1)}
+    if stages > 1:
+        links |= {(0, stages - 1), (stages - 1, 0)}
+    return sorted(links)
+
+
+def make_lanes(stages: int) -> dict[tuple[int, int], Any]:
+    """One process group per link. new_group is collective: every rank creates every group,
+    in this one order, members or not."""
+    return {link: dist.new_group(sorted(link)) for link in pipeline_links(stages)}
+
+
 def from_wire(buf: torch.Tensor, channels_last: bool) -> torch.Tensor:
     return buf.permute(0, 3, 1, 2) if channels_last and buf.dim() == 4 else buf
 
@@ -69,7 +84,7 @@ class StageContext:
     timer: Any  # PhaseTimer
     autocast: Any  # () -> context manager
     channels_last: bool
-    lanes: tuple[Any, Any] = (None, None)  # process groups (down, up); None: the default group
+    lanes: dict[tuple[int, int], Any] = field(default_factory=dict)  # (src, dst) -> group
 
     @property
     def first(self) -> bool:
@@ -100,55 +115,61 @@ class StageExecutor:
         self.saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # m -> (input, output)
 
     # --- point-to-point --------------------------------------------------------------------
+    def post(
+        self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]
+    ) -> list[Any]:
+        """Post sends and receives, one batch per link; the sends stay in flight (drained at
+        the end), the receives' works are returned to be waited for."""
+        rank, lanes = self.ctx.rank, self.ctx.lanes
+        batches: dict[tuple[int, int], list[dist.P2POp]] = {}
+        for t, peer in sends:
+            link = (rank, peer)
+            op = dist.P2POp(dist.isend, t, peer, lanes.get(link))
+            batches.setdefault(link, []).append(op)
+            self.ctx.timer.add_bytes("send", t.numel() * t.element_size())
+        for b, peer in recvs:
+            link = (peer, rank)
+            batches.setdefault(link, []).append(dist.P2POp(dist.irecv, b, peer, lanes.get(link)))
+        if not lanes and len(batches) > 1:  # no links (one default group): one batch
+            batches = {(rank, rank): [op for ops in batches.values() for op in ops]}
+        receives: list[Any] = []
+        for link, ops in batches.items():
+            works = dist.batch_isend_irecv(ops)
+            (self.pending if link[0] == rank and link[1] != rank else receives).extend(works)
+        return receives
+
+    def wait(self, works: list[Any], phase: str = "recv") -> None:
+        if works:
+            with self.ctx.timer.phase(phase):
+                for w in works:
+                    w.wait()
+
     def exchange(
         self,
         sends: list[tuple[torch.Tensor, int]],
         recvs: list[tuple[torch.Tensor, int]],
         phase: str = "recv",
     ) -> None:
-        """Post sends and receives, one batch per lane; wait for the lanes that receive
-        (under `phase`), leave the others' sends in flight."""
-        rank = self.ctx.rank
-        batches: dict[int, list[dist.P2POp]] = {}  # lane (0 down, 1 up) -> its ops
-        for t, peer in sends:
-            lane = int(peer < rank)
-            batches.setdefault(lane, []).append(
-                dist.P2POp(dist.isend, t, peer, self.ctx.lanes[lane])
-            )
-            self.ctx.timer.add_bytes("send", t.numel() * t.element_size())
-        receiving = set()
-        for b, peer in recvs:
-            lane = int(peer > rank)
-            batches.setdefault(lane, []).append(
-                dist.P2POp(dist.irecv, b, peer, self.ctx.lanes[lane])
-            )
-            receiving.add(lane)
-        waits = []
-        for lane, ops in sorted(batches.items()):
-            works = dist.batch_isend_irecv(ops)
-            (waits if lane in receiving else self.pending).extend(works)
-        if waits:
-            with self.ctx.timer.phase(phase):
-                for w in waits:
-                    w.wait()
+        """Post sends and receives; wait for the receives (under `phase`)."""
+        self.wait(self.post(sends, recvs), phase)
 
-    def connect(self, peers: list[int]) -> None:
-        """Open the point-to-point links to every peer, both ways, before any timed work.
+    def connect(self) -> None:
+        """Open every link of this rank before any timed work.
 
-        NCCL connects a pair's point-to-point channels lazily, inside the first grouped call
-        that needs them, and that connect is a handshake both ranks must be inside NCCL for.
-        GPipe's first backward send (stage s+1 -> s) is met by a receive stage s posted long
-        before, in a group with its last forward send; stage s then waits for the device, out
-        of NCCL, while stage s+1 waits in the connect: both hang (seen on 2 H200s). One
-        symmetric exchange per pair here, where every rank posts all of its pairs in one
-        group, leaves every later call to find its links ready. Each lane has its own."""
+        NCCL connects a communicator's point-to-point channels lazily, inside the first
+        grouped call, and that connect is a handshake both ranks must be inside NCCL for (the
+        first call in a group must involve all its ranks). Left to the schedule, GPipe's first
+        backward send met a receive posted long before while the receiver waited for its
+        device, out of NCCL: both hung (seen on 2 H200s). Here each link carries one message
+        both ways, link by link in one global order (so every pair meets)."""
         ctx = self.ctx
-        if not peers:
-            return
         one = lambda: torch.zeros(1, device=ctx.device)  # noqa: E731
-        for lane in ctx.lanes:
-            ops = [dist.P2POp(dist.isend, one(), peer, lane) for peer in peers]
-            ops += [dist.P2POp(dist.irecv, one(), peer, lane) for peer in peers]
+        for src, dst in sorted(ctx.lanes):
+            if ctx.rank not in (src, dst):
+                continue
+            peer, group = (dst if src == ctx.rank else src), ctx.lanes[(src, dst)]
+            ops = [dist.P2POp(dist.isend, one(), peer, group),
+                   dist.P2POp(dist.irecv, one(), peer, group)]  # fmt: skip
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
 
@@ -159,11 +180,9 @@ class StageExecutor:
                     w.wait()
             self.pending.clear()
 
-    def _recv_for(self, op: Op | None, batch: StageBatch) -> list[tuple[torch.Tensor, int]]:
+    def _recv_for(self, op: Op, batch: StageBatch) -> list[tuple[torch.Tensor, int]]:
         """The receive op needs before it can start (none on the pipeline's ends)."""
         ctx = self.ctx
-        if op is None:
-            return []
         kind, m = op
         if kind == "F" and not ctx.first:
             buf = wire_buffer(batch.sizes[m], ctx.in_meta, ctx.channels_last, ctx.device)
@@ -208,15 +227,19 @@ class StageExecutor:
 
     # --- one batch -----------------------------------------------------------------------
     def run(self, ops: list[Op], batch: StageBatch, train: bool) -> StageBatch:
-        recv = self._recv_for(ops[0] if ops else None, batch)
-        self.exchange([], recv)
+        """The op list, each op's receive posted one op ahead (before the op in front of it
+        is queued, so the transfer overlaps that op) and waited for just before it."""
+        ahead = [self._post_recv(op, batch) for op in ops[:1]]  # (buffer or None, works)
         for i, (kind, m) in enumerate(ops):
-            buf = recv[0][0] if recv else None
-            if kind == "F":
-                sends = self.forward(m, buf, batch, train)
-            else:
-                sends = self.backward(m, buf)
-            recv = self._recv_for(ops[i + 1] if i + 1 < len(ops) else None, batch)
-            self.exchange(sends, recv)
+            if i + 1 < len(ops):
+                ahead.append(self._post_recv(ops[i + 1], batch))
+            buf, works = ahead[i]
+            self.wait(works)
+            sends = self.forward(m, buf, batch, train) if kind == "F" else self.backward(m, buf)
+            self.post(sends, [])
         self.drain()
         return batch
+
+    def _post_recv(self, op: Op, batch: StageBatch) -> tuple[torch.Tensor | None, list[Any]]:
+        recv = self._recv_for(op, batch)
+        return (recv[0][0] if recv else None), self.post([], recv)
