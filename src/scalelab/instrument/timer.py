@@ -171,10 +171,10 @@ class PhaseTimer:
         self._current.clear()
         device: dict[str, float] = defaultdict(float)
         spans = []
+        origin = self._pending[0][1] if self._pending else None
         for path, start, end in self._pending:
             end.synchronize()
             device[path] += start.elapsed_time(end) / 1e3  # elapsed_time is in ms
-            origin = self._pending[0][1]
             spans.append((path, origin.elapsed_time(start), origin.elapsed_time(end)))
         self._pending.clear()
         self.last_device_lap = dict(device)

@@ -359,18 +359,15 @@ def measure_layer(
     autocast,
     device: torch.device,
     reps: int,
-    record_saved: bool = True,
     input_grad: bool = True,
 ) -> tuple[LayerProfile, torch.Tensor]:
     """Seconds of forward (+ backward of a ones gradient), the mean of reps calls issued back
-    to back after one warm-up call (allocator, cuDNN autotune, compilation), which also
-    records what the layer saves unless record_saved is False (saved-tensor hooks would change
-    what a compiled module traces, so a compiled stage is timed without them and its saved
-    fields stay empty). Back to back, because that is how a pipeline stage runs: the host
-    queues micro-batch after micro-batch, and a device sync around every call would add each
-    kernel's launch latency to stages made of many small kernels. (Synced or not, VGG-16's FC
-    stage still times ~1.5x its in-pipeline time per micro-batch on an H200; cause not found:
-    docs/PERFORMANCE.md.)
+    to back after one warm-up call (allocator, cuDNN autotune), which also records what the
+    layer saves. Back to back, because that is how a pipeline stage runs: the host queues
+    micro-batch after micro-batch, and a device sync around every call would add each
+    kernel's launch latency to stages made of many small kernels. These times only seed the
+    first cut: whole stages are re-timed in place (pipeline `_time_stage`; VGG-16's FC stage
+    timed alone read ~1.5x its in-pipeline time on an H200, cause not found).
     input_grad: whether training computes the gradient of x (not before the model's first
     parameter: the input gradient of the first convolution, which training never computes,
     over-rated the first stage)."""
@@ -383,7 +380,7 @@ def measure_layer(
             start = time.perf_counter()
         watch = (
             torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t)
-            if rep == 0 and record_saved
+            if rep == 0
             else nullcontext()
         )
         with torch.set_grad_enabled(train), autocast(), watch:
