@@ -51,34 +51,25 @@ class DeviceSync:
 
     scope: what a phase boundary waits for.
       "device"  every stream of the device (the default: host seconds are device seconds).
-      "stream"  the current stream alone. Work of other streams that a phase consumes is
-                joined to it by then (a NCCL work's wait() makes it wait on the collective);
-                what stays outside is work nobody has waited for yet, such as a pipeline
-                stage's sends in flight, which a device-wide barrier would turn into blocking
-                sends.
       "none"    nothing: the host runs ahead and keeps the device's queue full; phases are
                 timed by their CUDA events alone (the host seconds are only enqueue time).
                 For loops of many short device phases, where a barrier per phase would leave
                 the GPU idle while the host launches the next one (a pipeline stage's
                 micro-batches: 0.66x plain PyTorch at M=8 on one H100 with a barrier each).
       `barrier()` is what an iteration's end waits for: the phase barrier itself, and with
-      scope "none" the current stream."""
+      scope "none" the current stream (a pipeline stage's sends in flight stay in flight)."""
 
     def __init__(self, device: torch.device, scope: str = "device") -> None:
-        assert scope in ("device", "stream", "none"), scope
+        assert scope in ("device", "none"), scope
         self.device = device
         self.scope = scope
 
     def __call__(self) -> None:
-        if self.device.type != "cuda" or self.scope == "none":
-            return
-        if self.scope == "stream":
-            torch.cuda.current_stream(self.device).synchronize()
-        else:
+        if self.device.type == "cuda" and self.scope == "device":
             torch.cuda.synchronize(self.device)
 
     def barrier(self) -> None:
-        if self.scope != "none":
+        if self.scope == "device":
             self()
         elif self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()

@@ -199,8 +199,12 @@ def _row(ctx: Context, point: Measured) -> tuple[dict | None, str]:
         return None, f"points the model calls not runnable: {pred.feasible}"
     s, cfg = point.scenario, point.scenario.cfg
     role = pred.calibration.get(point.source)
-    if not role and "compute" not in pred.calibration.values():
-        role = UNCALIBRATED
+    if role:
+        label = f"calibration ({role})"
+    elif "compute" in pred.calibration.values():
+        label = "predicted"
+    else:
+        label = UNCALIBRATED
     row = {
         "source": point.source,
         "workload": cfg.workload,
@@ -210,7 +214,7 @@ def _row(ctx: Context, point: Measured) -> tuple[dict | None, str]:
         "measured_ms": point.seconds * 1e3,
         "predicted_ms": pred.seconds * 1e3,
         "error_pct": 100 * (pred.seconds / point.seconds - 1),
-        "role": role if role == UNCALIBRATED else f"calibration ({role})" if role else "predicted",
+        "role": label,
     }
     return row, ""
 

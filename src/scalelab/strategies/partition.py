@@ -352,7 +352,7 @@ def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
-def measure_layer(
+def _measure_layer(
     layer: Layer,
     x: torch.Tensor,
     train: bool,
@@ -426,7 +426,7 @@ def profile_layers(
         layer.module.to(device=device, dtype=dtype).train(train)
         if channels_last:
             layer.module.to(memory_format=torch.channels_last)
-        profile, x = measure_layer(layer, x, train, autocast, device, reps, input_grad=grad_flows)
+        profile, x = _measure_layer(layer, x, train, autocast, device, reps, input_grad=grad_flows)
         grad_flows = grad_flows or any(p.requires_grad for p in layer.module.parameters())
         out.append(profile)
         layer.module.zero_grad(set_to_none=True)

@@ -127,8 +127,7 @@ class PipelineStrategy(TorchStrategy):
         self.layers = part.model_layers(workload, model)
         counts = part.parse_balance(cfg.balance, len(self.layers), cfg.stages)
         self.profile: list[part.LayerProfile] | None = None
-        if getattr(self, "lanes", None) is None:  # once: every rank creates them, in order
-            self.lanes = make_lanes(comm.size) if comm.size > 1 else {}
+        self.lanes = make_lanes(comm.size) if comm.size > 1 else {}  # collective, in order
         self.balance_rounds: list[dict[str, Any]] = []
         auto = counts is None
         if auto:
