@@ -151,32 +151,74 @@ REQUIRED = {
     "mode",
     "batch",
     "gpu",
+    "peers",
+    "best_peer",
     "eager_throughput",
     "fast_throughput",
     "ratio",
+    "ratio_eager",
     "tflops",
     "relerr",
+    "tolerance",
+    "relerr_basis",
     "git_commit",
 }
+MLP_BENCH = ["bench", "mlp", "--batch", "16", "--train-size", "48", "--hidden", "16"]
 
 
 def test_bench_writes_records_and_table(cli, tmp_path):
-    args = ["--iters", "2", "--warmup", "1", "--out", tmp_path, "--quiet"]
-    code, out, err = cli(
-        "bench", "mlp", "--batch", "16", "--train-size", "48", "--hidden", "16", *args
-    )
+    args = ["--iters", "3", "--warmup", "1", "--out", tmp_path, "--quiet"]
+    code, out, err = cli(*MLP_BENCH, *args)
     assert code == 0, err
     rec = json.loads((tmp_path / "mlp-train.json").read_text())
     assert set(rec) >= REQUIRED and rec["status"] == "ok" and rec["mode"] == "train"
-    assert rec["ratio"] == pytest.approx(rec["fast_throughput"] / rec["eager_throughput"])
-    median = rec["timing"]["fast"]["median_s"]
-    assert rec["fast_throughput"] == pytest.approx(48 / median)
+    assert rec["peers"] == ["eager_fp32", "eager"]  # CPU default: no Inductor compile
+    best = max(rec[f"{k}_throughput"] for k in rec["peers"])
+    assert rec[f"{rec['best_peer']}_throughput"] == best
+    assert rec["ratio"] == pytest.approx(rec["fast_throughput"] / best)
+    assert rec["ratio_eager"] == pytest.approx(rec["fast_throughput"] / rec["eager_throughput"])
+    timing = rec["timing"]["fast"]
+    assert rec["fast_throughput"] == pytest.approx(48 / timing["median_s"])
+    assert timing["n"] == 3 and timing["iqr_s"] >= 0 and timing["cv"] >= 0
     assert rec["tflops"] == pytest.approx(rec["fast_throughput"] * rec["flops_per_item"] / 1e12)
-    assert rec["eager_fp32_relerr"] < 1e-5  # the update check itself is sound at fp32
-    assert 0 < rec["relerr"] < BF16_TOL
+    # the loss-trajectory basis: fp32 follows float64 to rounding, bf16 to ~1e-3
+    assert len(rec["losses_float64"]) == len(rec["losses_fast"]) == 3  # 48 items / 16
+    assert rec["eager_fp32_relerr"] < 1e-5
+    assert 0 < rec["eager_relerr"] < BF16_TOL
+    assert rec["tolerance"] == pytest.approx(max(2e-3, 4 * rec["eager_relerr"]))
+    assert rec["relerr"] <= rec["tolerance"]
     assert "mlp" in out and "ratio" in out
     code, out, _ = cli("bench", "--table", tmp_path)
     assert code == 0 and "mlp" in out
+
+
+def test_bench_check_can_fail(cli, tmp_path, monkeypatch):
+    """A fast path further from float64 than its tolerance is `failed`, exit 1. The tolerance
+    is squeezed to zero so the (correct) CPU step's bf16 rounding is over it."""
+    from scalelab.fast import bench_check
+
+    monkeypatch.setattr(bench_check, "FLOOR", 0.0)
+    monkeypatch.setattr(bench_check, "SPREAD", 0.0)
+    code, out, err = cli(*MLP_BENCH, "--iters", "2", "--peers", "eager", "--out", tmp_path)
+    rec = json.loads((tmp_path / "mlp-train.json").read_text())
+    assert code == 1 and rec["status"] == "failed" and rec["tolerance"] == 0.0
+    assert "check failed" in rec["error"] and "check failed" in err and "FAIL" in out
+
+
+def test_bench_check_rules():
+    from scalelab.fast import bench_check
+
+    assert bench_check.deviation([2.0, 1.5], [2.0, 1.0]) == pytest.approx(0.25)
+    assert bench_check.deviation([2.0, float("nan")], [2.0, 1.0]) == float("inf")
+    assert bench_check.train_tolerance(1e-4) == bench_check.FLOOR
+    assert bench_check.train_tolerance(0.01) == pytest.approx(0.04)
+
+
+def test_bench_peers_are_validated(cli):
+    code, _, err = cli(*MLP_BENCH, "--peers", "eager,turbo")
+    assert code == 2 and "--peers" in err and len(err.strip().splitlines()) == 1
+    code, _, err = cli(*MLP_BENCH, "--iters", "1")
+    assert code == 2 and "--iters" in err
 
 
 def test_bench_one_failing_workload_keeps_the_others(cli, tmp_path):
@@ -190,12 +232,13 @@ def test_bench_one_failing_workload_keeps_the_others(cli, tmp_path):
         "--batch",
         "1",
         "--iters",
-        "1",
+        "2",
         "--warmup",
         "0",
         "--oracle-items",
         "1",
-        "--no-fp32",
+        "--peers",
+        "eager",
         "--out",
         tmp_path,
         "--quiet",
@@ -204,7 +247,7 @@ def test_bench_one_failing_workload_keeps_the_others(cli, tmp_path):
     failed = json.loads((tmp_path / "charcnn-default.json").read_text())
     assert failed["status"] == "failed" and "image-size" in failed["error"]
     ok = json.loads((tmp_path / "alexnet-infer.json").read_text())
-    assert ok["status"] == "ok" and ok["relerr"] < BF16_TOL
+    assert ok["status"] == "ok" and ok["relerr"] < BF16_TOL and ok["peers"] == ["eager"]
     assert "FAILED" in out and "alexnet" in out
 
 

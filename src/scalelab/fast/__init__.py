@@ -117,7 +117,7 @@ def build_fast(
     builder = FAST_PATHS.get(name) if name in FAST_PATHS else generic.build
     with torch.no_grad():
         plan = builder(workload, model, device)
-    return FastForward(plan, device, kernels, graphs, log, unavailable or [])
+    return FastForward(plan, device, kernels, graphs, log, unavailable or [], tag=name)
 
 
 def plain_forward(

@@ -24,8 +24,10 @@ class FastForward:
         graphs: bool,
         log: Callable[[str], None],
         unavailable: list[str],
+        tag: str = "",
     ) -> None:
         self.plan = plan
+        self.tag = tag
         self.device = device
         self.kernels = kernels
         self.graphs = graphs
@@ -57,7 +59,9 @@ class FastForward:
 
     def _setup(self, x: torch.Tensor) -> None:
         timing = self.device.type == "cuda"
-        pipeline, self.choices = choose(self.plan, x, self.device, self.kernels, timing, self.log)
+        pipeline, self.choices = choose(
+            self.plan, x, self.device, self.kernels, timing, self.log, self.tag
+        )
         self._run = pipeline
         if self.graphs:
             self._graph = GraphedForward(pipeline, self.log)
@@ -68,6 +72,10 @@ class FastForward:
         extra = f" (unavailable: {'; '.join(self.unavailable)})" if self.unavailable else ""
         notes = f" [{', '.join(self.plan.notes)}]" if self.plan.notes else ""
         return f"{parts}{notes}{extra}"
+
+    def tuned_from_cache(self) -> list[str]:
+        """Stages whose implementation came from the tuning cache (not timed this time)."""
+        return [c.stage for c in self.choices if c.cached]
 
     def stage_seconds(self) -> dict[str, float]:
         """The chosen implementation's time per stage (GPU only; empty elsewhere)."""

@@ -6,6 +6,10 @@ candidate, reject one that raises or disagrees with the reference by more than T
 here (a compile error on a new GPU, a wrong result) is logged once and routed around, so the
 fast path never returns a number the torch path would not. Without timing (CPU, Triton's
 interpreter) the first agreeing non-torch candidate wins, so tests exercise the kernels.
+
+The winner of each timed choice is kept in the on-disk tuning cache (tuning.py) under the
+stage's name, input shape and dtype and its candidates; a later process validates the cached
+winner (and the torch reference) and skips the timing.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from scalelab.fast import tuning
 from scalelab.fast.kernels import kernel_enabled
 from scalelab.fast.registry import Candidate, Plan, Stage, StageFn
 from scalelab.fast.timing import median_time, sync
@@ -30,6 +35,7 @@ class Choice:
     name: str
     seconds: dict[str, float] = field(default_factory=dict)  # per timed candidate
     rejected: dict[str, str] = field(default_factory=dict)  # candidate -> why
+    cached: bool = False  # the winner came from the tuning cache (no timing this time)
 
 
 class Pipeline:
@@ -58,12 +64,15 @@ def choose(
     kernels: bool,
     timing: bool,
     log: Callable[[str], None],
+    tag: str = "",
 ) -> tuple[Pipeline, list[Choice]]:
-    """Pick every stage's implementation on input x (transport form, on device)."""
+    """Pick every stage's implementation on input x (transport form, on device).
+
+    tag names the fast path (the workload) in tuning-cache keys."""
     fns, choices = [], []
     with torch.inference_mode():
         for stage in plan.stages:
-            choice, fn, x = _choose_stage(stage, x, device, kernels, timing, log)
+            choice, fn, x = _choose_stage(stage, x, device, kernels, timing, log, tag)
             fns.append(fn)
             choices.append(choice)
     return Pipeline(fns), choices
@@ -80,24 +89,34 @@ def _choose_stage(
     kernels: bool,
     timing: bool,
     log: Callable[[str], None],
+    tag: str = "",
 ) -> tuple[Choice, StageFn, torch.Tensor]:
     ref, *others = [c for c in stage.candidates if _usable(c, kernels)]
     choice = Choice(stage.name, ref.name)
     outputs = {ref.name: ref.fn(x)}
+    key = tuning.entry_key(tag, stage.name, tuple(x.shape), x.dtype, [c.name for c in others])
+    cached = tuning.lookup(device.type, key) if timing and others else None
+    names = {c.name for c in others} | {ref.name}
+    if cached in names:  # validate only the cached winner; no timing
+        others = [c for c in others if c.name == cached]
+        choice.cached = True
     agreeing = []
     for cand in others:
         reason, out = _validate(cand, x, outputs[ref.name], device)
         if reason is not None:
             choice.rejected[cand.name] = reason
+            choice.cached = False  # the cached winner no longer agrees: time what is left
             log(f"fast path: {stage.name}: {cand.name} not used ({reason}); falling back")
             continue
         agreeing.append(cand)
         outputs[cand.name] = out
     best = agreeing[0] if agreeing else ref
-    if timing:
+    if timing and not choice.cached:
         for cand in [ref, *agreeing]:
             choice.seconds[cand.name] = median_time(cand.fn, [x], device, warmup=1, iters=3)
         best = min([ref, *agreeing], key=lambda c: choice.seconds[c.name])
+        if len(choice.seconds) > 1:
+            tuning.store(device.type, key, best.name)
     choice.name = best.name
     return choice, best.fn, outputs[best.name]
 

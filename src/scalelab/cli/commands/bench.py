@@ -1,8 +1,9 @@
-"""`scalelab bench WORKLOAD...`: plain PyTorch eager (fp32, bf16) against the fast path.
+"""`scalelab bench WORKLOAD...`: the fast path against eager, torch.compile and max-autotune.
 
-One process, the same inputs and weights for every mode; prints throughput, the ratio to eager
-bf16, achieved TFLOP/s, the fraction of the measured GEMM ceiling and relerr against float64,
-and writes one JSON record per workload (schema scalelab.bench/1) to --out.
+One process, the same inputs and weights for every mode; prints throughput, the ratio to the
+best peer, achieved TFLOP/s, the fraction of the measured GEMM ceiling and the check against
+float64, and writes one JSON record per workload (schema scalelab.bench/1) to --out. A fast
+path over its tolerance makes its record `failed` and the command exit 1.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ SCHEMA = "scalelab.bench/1"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("workloads", nargs="*", help="workload names, or 'all' for the issue's four")
     p.add_argument("--mode", choices=("infer", "train"), help="default: per workload")
-    p.add_argument("--batch", type=int, help="items per call (default: per workload)")
+    p.add_argument(
+        "--batch", type=int, help="items per call (default: per workload and device; CPU: small)"
+    )
     p.add_argument("--image-size", type=int, help="image workloads: height = width")
     p.add_argument("--hidden", type=int, help="mlp hidden width")
     p.add_argument("--train-size", type=int, help="training: items per epoch")
@@ -35,11 +38,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, default=20, help="timed calls, median reported")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls first")
     p.add_argument("--oracle-items", type=int, default=8, help="items checked against fp64")
-    p.add_argument("--no-fp32", action="store_true", help="skip the eager fp32 baseline")
     p.add_argument(
-        "--with-compile",
-        action="store_true",
-        help="inference: also time torch.compile(model) under bf16 autocast (slow to compile)",
+        "--peers",
+        help="comma list of eager_fp32, eager, compile, max-autotune (default on a GPU: all; "
+        "on a CPU: eager_fp32,eager, since Inductor compiles for minutes on few cores)",
     )
     p.add_argument("--out", default="scalelab-results/bench", help="folder for the JSON records")
     p.add_argument("--table", metavar="DIR", help="only print the table of the records in DIR")
@@ -51,8 +53,8 @@ def run(args: argparse.Namespace) -> int:
         print(format_table(read_bench_records(Path(args.table))))
         return 0
     names = _names(args.workloads)
-    if args.iters < 1 or args.warmup < 0 or args.oracle_items < 1:
-        raise UsageError("--iters and --oracle-items must be >= 1, --warmup >= 0")
+    if args.iters < 2 or args.warmup < 0 or args.oracle_items < 1:
+        raise UsageError("--iters must be >= 2 (a spread), --oracle-items >= 1, --warmup >= 0")
     opts = _options(args)
     from scalelab.fast.bench import gemm_ceiling  # torch-heavy: load when running
 
@@ -97,6 +99,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA GPU is visible to torch on this machine")
+    peers = _peers(args.peers, device)  # validated before anything is said or measured
     if device == "cpu":
         _say("bench: no CUDA GPU; measuring on cpu (the fast path falls back to plain torch)")
     config = {
@@ -111,11 +114,23 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         "iters": args.iters,
         "warmup": args.warmup,
         "oracle_items": args.oracle_items,
-        "fp32": not args.no_fp32,
-        "compile": args.with_compile,
+        "peers": peers,
         "quiet": args.quiet,
         "config": config,
     }
+
+
+def _peers(given: str | None, device: str) -> list[str]:
+    from scalelab.fast.bench import CPU_PEERS, GPU_PEERS, PEER_NAMES
+
+    if given is None:
+        return list(GPU_PEERS if device == "cuda" else CPU_PEERS)
+    by_name = {PEER_NAMES.get(k, k): k for k in GPU_PEERS}
+    names = [n.strip() for n in given.split(",") if n.strip()]
+    unknown = [n for n in names if n not in by_name]
+    if unknown or not names:
+        raise UsageError(f"--peers {given!r}: choose from {', '.join(by_name)}")
+    return [by_name[n] for n in dict.fromkeys(names)]
 
 
 def _one(
@@ -123,9 +138,9 @@ def _one(
 ) -> dict[str, Any]:
     from scalelab.fast.bench import run_bench
 
-    _say(f"bench {name}: measuring eager and fast ...")
+    _say(f"bench {name}: measuring {', '.join(opts['peers'])} and fast ...")
     try:
-        fields = {"status": "ok", **run_bench(name, opts, ceiling)}
+        fields = _checked(run_bench(name, opts, ceiling))
     except UsageError as exc:
         if strict:
             raise
@@ -137,6 +152,15 @@ def _one(
     path = out / f"{name}-{rec.get('mode') or 'default'}.json"
     path.write_text(json.dumps(rec, indent=1, default=str) + "\n")
     return rec
+
+
+def _checked(fields: dict[str, Any]) -> dict[str, Any]:
+    """status ok, or failed when the fast path is over its tolerance (or not finite)."""
+    err, tol = fields["relerr"], fields["tolerance"]
+    if err <= tol:
+        return {"status": "ok", **fields}
+    _say(f"bench {fields['workload']}: check failed: fast relerr {err:.2e} over {tol:.2e}")
+    return {"status": "failed", "error": f"check failed: relerr {err:.2e} over {tol:.2e}", **fields}
 
 
 def _failed(name: str, opts: dict[str, Any], exc: Exception) -> dict[str, Any]:
@@ -153,33 +177,42 @@ def _say(line: str) -> None:
 
 def format_table(records: list[dict[str, Any]]) -> str:
     head = (
-        f"{'workload':<10}{'mode':<6}{'batch':>6}{'eager fp32/s':>14}{'eager bf16/s':>14}"
-        f"{'fast/s':>12}{'ratio':>7}{'TFLOP/s':>9}{'of GEMM':>9}{'relerr':>9}"
+        f"{'workload':<10}{'mode':<6}{'batch':>6}{'eager bf16/s':>14}{'best peer/s':>13}"
+        f"{'(which)':>13}{'fast/s':>12}{'ratio':>7}{'TFLOP/s':>9}{'of GEMM':>9}{'check':>17}"
     )
     lines = [head, "-" * len(head)]
     lines += [_row(r) for r in records]
-    ok = [r for r in records if r.get("status") == "ok"]
+    ok = [r for r in records if r.get("relerr") is not None]
     units = sorted({f"{r['workload']}: {r['item_unit']}/s" for r in ok})
     gpus = sorted({str(r.get("gpu") or r.get("device")) for r in ok})
     lines.append(
         f"(throughput in items/s: {', '.join(units)}; device: {', '.join(gpus)}; "
-        "ratio = fast / eager bf16; relerr of fast against float64)"
+        "ratio = fast / best peer; check = fast's deviation from float64 / its tolerance)"
     )
     lines += [_parts(r) for r in ok]
     return "\n".join(lines)
 
 
 def _row(r: dict[str, Any]) -> str:
-    if r.get("status") != "ok":
+    if r.get("relerr") is None:
         mode = str(r.get("mode") or "")
         return f"{r.get('workload', '?'):<10}{mode:<6}  FAILED: {str(r.get('error', ''))[:90]}"
-    fp32 = r.get("eager_fp32_throughput")
+    best = r.get("best_peer") or "eager"
+    eager = r.get("eager_throughput")
+    flag = "" if r.get("status") == "ok" else " FAIL"
+    check = f"{r['relerr']:.1e}/{r['tolerance']:.0e}{flag}"
     return (
         f"{r['workload']:<10}{r['mode']:<6}{r['batch']:>6}"
-        f"{(f'{fp32:,.0f}' if fp32 else '-'):>14}{r['eager_throughput']:>14,.0f}"
-        f"{r['fast_throughput']:>12,.0f}{r['ratio']:>6.2f}x{r['tflops']:>9.1f}"
-        f"{r['ceiling_fraction']:>9.1%}{r['relerr']:>9.1e}"
+        f"{(f'{eager:,.0f}' if eager else '-'):>14}{r[f'{best}_throughput']:>13,.0f}"
+        f"{_peer_name(best):>13}{r['fast_throughput']:>12,.0f}{r['ratio']:>6.2f}x"
+        f"{r['tflops']:>9.1f}{r['ceiling_fraction']:>9.1%}{check:>17}"
     )
+
+
+def _peer_name(key: str) -> str:
+    from scalelab.fast.bench import PEER_NAMES
+
+    return PEER_NAMES.get(key, key)
 
 
 def _parts(r: dict[str, Any]) -> str:
@@ -189,13 +222,13 @@ def _parts(r: dict[str, Any]) -> str:
         f"{k}={v}" + (f" {ms[k]:.2f}ms" if k in ms else "")
         for k, v in (r.get("fast_parts") or {}).items()
     ]
-    extra = (
-        f", torch.compile {r['compile_throughput']:,.0f}/s" if r.get("compile_throughput") else ""
-    )
     setup = f", setup {r['fast_setup_s']:.1f}s" if "fast_setup_s" in r else ""
-    return f"  {r['workload']}: {', '.join(parts)}{setup}{extra}"
+    cached = r.get("fast_tuned_from_cache")
+    tuned = f" ({len(cached)} stages from the tuning cache)" if cached else ""
+    peers = ", ".join(f"{_peer_name(k)} {r[f'{k}_throughput']:,.0f}/s" for k in r.get("peers", []))
+    return f"  {r['workload']}: {', '.join(parts)}{setup}{tuned}; peers: {peers}"
 
 
-COMMANDS.register("bench", "plain PyTorch eager (fp32, bf16) against the fast path, one process")(
+COMMANDS.register("bench", "the fast path against eager, torch.compile and max-autotune peers")(
     Command(add_arguments, run)
 )

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from scalelab.fast import tuning
 from scalelab.fast.kernels import INTERPRET
 
 
@@ -159,10 +160,31 @@ def lrn_pool2d(
     def grid(meta: dict) -> tuple[int]:
         return (n * triton.cdiv(wo, meta["BW"]) * triton.cdiv(ho, meta["ROWS"]),)
 
-    if bw is None and not INTERPRET:
+    tuned = _cached_tile(c, ho, wo, kp) if bw is None and not INTERPRET else None
+    if bw is None and not INTERPRET and tuned is None:
         _lrn_pool2d_tuned[grid](y, bias, out, ho, wo, *strides, **spec)
+        _store_tile(c, ho, wo, kp, _lrn_pool2d_tuned.best_config)
         return out
-    tile = dict(BW=bw or min(32, triton.next_power_of_2(wo)), ROWS=min(rows or 8, ho))
+    if tuned is not None:  # the tile an earlier process's autotuning chose for this shape
+        tile, num_warps = {"BW": tuned["BW"], "ROWS": tuned["ROWS"]}, tuned["num_warps"]
+    else:
+        tile = dict(BW=bw or min(32, triton.next_power_of_2(wo)), ROWS=min(rows or 8, ho))
     opts = {} if INTERPRET else {"num_warps": num_warps}
     _lrn_pool2d_kernel[grid(tile)](y, bias, out, ho, wo, *strides, **spec, **tile, **opts)
     return out
+
+
+def _tile_key(c: int, ho: int, wo: int, kp: int) -> str:
+    return tuning.entry_key("lrn_pool2d", c, ho, wo, kp, [cfg.all_kwargs() for cfg in TUNING])
+
+
+def _cached_tile(c: int, ho: int, wo: int, kp: int) -> dict | None:
+    hit = tuning.lookup("cuda", _tile_key(c, ho, wo, kp))
+    ok = isinstance(hit, dict) and {"BW", "ROWS", "num_warps"} <= set(hit)
+    return hit if ok else None
+
+
+def _store_tile(c: int, ho: int, wo: int, kp: int, best: triton.Config | None) -> None:
+    if best is not None:
+        tile = {"BW": best.kwargs["BW"], "ROWS": best.kwargs["ROWS"], "num_warps": best.num_warps}
+        tuning.store("cuda", _tile_key(c, ho, wo, kp), tile)
