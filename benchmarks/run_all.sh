@@ -1,25 +1,25 @@
 #!/usr/bin/env bash
-# Issue 7's benchmark on one GPU: plain PyTorch eager (fp32, bf16 autocast) against `--fast`
-# for charcnn and alexnet inference, resnet18 and mlp training, then one table.
+# The one-GPU benchmark: `--fast` against its peers (eager fp32 and bf16, torch.compile default
+# and max-autotune) for charcnn and alexnet inference, resnet18 and mlp training, one table.
 #
 #   benchmarks/run_all.sh [OUT_DIR]        (default: $OUT if set, else benchmarks/results/bench)
 #
 # Each workload runs in its own process under a time limit, so a kernel that takes down its
 # CUDA context, or a hang, costs only that workload's row; its JSON record (or a failed one)
-# lands in OUT_DIR as WORKLOAD-MODE.json. Expected: about 4 minutes on one H100, at most
-# 4 x LIMIT seconds. Extra arguments for every bench go in BENCH_ARGS (e.g. "--with-compile",
-# which adds a torch.compile column and a minute of compiling per workload), and
+# lands in OUT_DIR as WORKLOAD-MODE.json. At most (number of workloads) x LIMIT seconds; the
+# max-autotune peer compiles for minutes. WORKLOADS picks a subset ("charcnn alexnet"), extra
+# arguments for every bench go in BENCH_ARGS (e.g. "--peers eager,compile"), and
 # SCALELAB_FAST_DISABLE=block1,conv1d,layernorm,epilogue2d switches Triton kernels off.
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"  # works without `pip install -e .`
 OUT_DIR=${1:-${OUT:-benchmarks/results/bench}}
 PYTHON=${PYTHON:-python}
-LIMIT=${LIMIT:-140}
+LIMIT=${LIMIT:-420}
 mkdir -p "$OUT_DIR"
 "$PYTHON" -c "import torch, triton; print('torch', torch.__version__, '| triton', triton.__version__, '|', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')" \
   || echo "run_all: torch/triton import failed (see above)"
-for workload in charcnn alexnet resnet18 mlp; do
+for workload in ${WORKLOADS:-charcnn alexnet resnet18 mlp}; do
   start=$(date +%s)
   rm -f "$OUT_DIR/$workload"-*.json
   # shellcheck disable=SC2086

@@ -172,7 +172,8 @@ def _progress(opts: dict[str, Any], workload: Workload, key: str, items: int, st
     """One line per measured mode, so a long benchmark shows where it is."""
     rate = items / st["median_s"]
     stderr_log(opts["quiet"])(
-        f"bench {workload.cfg.workload}: {key:<10} {rate:>12,.0f} {workload.item}/s "
+        f"bench {workload.cfg.workload}: {PEER_NAMES.get(key, key):<12} {rate:>12,.0f} "
+        f"{workload.item}/s "
         f"(median of {st['n']}, {st['median_s'] * 1e3:.2f} ms per call)"
     )
 
