@@ -102,7 +102,8 @@ def wait_table(rec: dict[str, Any]) -> pd.DataFrame:
     )
     owed = df[df["wait_s"] > 0].groupby(["rank", "op", "last_rank"])["wait_s"].sum()
     most = {key[:2]: key[2] for key in owed.sort_values().index}  # the largest one wins
-    out["waited_for"] = [most.get((r, o)) for r, o in zip(out["rank"], out["op"])]
+    waited = [most.get((r, o)) for r, o in zip(out["rank"], out["op"])]
+    out["waited_for"] = pd.array(waited, dtype="Int64")
     return out
 
 
@@ -137,25 +138,29 @@ def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) ->
     return total
 
 
+def _computing(s: float, e: float, beside: list[float]) -> tuple[float, float]:
+    """A compute phase's computing part. Work handed to the comm lane inside it (DDP's
+    buckets) is handed over as the computation produces it, so the phase computes until its
+    last hand-over and then waits for the lane (DDP's backward waits for its all-reduces)."""
+    handed = [t for t in beside if s <= t < e]
+    return (s, max(handed)) if handed else (s, e)
+
+
 def overlap(spans: list[list[Any]], first: int = 0) -> tuple[float, float]:
     """(communication seconds, of which overlapped by compute) for one rank's spans.
-    Compute: non-communication phases that do not themselves contain communication."""
-    comm = [
-        (s, s + d)
-        for p, s, d, lane, it, _ in spans
-        if it >= first and (is_comm(p) or lane == "comm")
+    Compute: non-communication phases that do not themselves contain communication on the
+    phase lane, each cut at its last hand-over to the comm lane (_computing)."""
+    timed = [sp for sp in spans if sp[4] >= first]
+    comm = _union([(s, s + d) for p, s, d, lane, *_ in timed if is_comm(p) or lane == "comm"])
+    main_comm = _union([(s, s + d) for p, s, d, lane, *_ in timed if lane == "main" and is_comm(p)])
+    beside = [s for _, s, _, lane, *_ in timed if lane == "comm"]
+    compute = [
+        _computing(s, s + d, beside)
+        for p, s, d, lane, *_ in timed
+        if lane == "main" and not is_comm(p) and _intersection([(s, s + d)], main_comm) == 0.0
     ]
-    main_comm = _union([(s, s + d) for p, s, d, lane, it, _ in spans
-                        if it >= first and lane == "main" and is_comm(p)])  # fmt: skip
-    compute = []
-    for p, s, d, lane, it, _ in spans:
-        if it < first or lane != "main" or is_comm(p):
-            continue
-        if _intersection([(s, s + d)], main_comm) == 0.0:  # a phase wrapping comm is no compute
-            compute.append((s, s + d))
-    comm_u = _union(comm)
-    busy = sum(e - s for s, e in comm_u)
-    return busy, _intersection(comm_u, _union(compute))
+    busy = sum(e - s for s, e in comm)
+    return busy, _intersection(comm, _union(compute))
 
 
 def run_summary(rec: dict[str, Any]) -> dict[str, Any]:

@@ -53,9 +53,11 @@ class SpanLog:
             self._open.pop()
         self._keep(span)
 
-    def add(self, name: str, start: float, end: float, lane: str, **args: Any) -> None:
+    def add(
+        self, name: str, start: float, end: float, lane: str, iteration: int, **args: Any
+    ) -> None:
         """A span that ran beside the phases (another thread, a device stream)."""
-        self._keep([name, start, end, lane, self.iteration, args])
+        self._keep([name, start, end, lane, iteration, args])
 
     def annotate(self, **args: Any) -> None:
         if self._open:
