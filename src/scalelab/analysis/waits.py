@@ -174,3 +174,29 @@ def run_summary(rec: dict[str, Any]) -> dict[str, Any]:
         fractions.append(hidden / busy if busy > 0 else None)
     straggler = max(owed, key=owed.get) if any(v > 0 for v in owed.values()) else None
     return {"straggler": straggler, "blame_s": owed, "overlap_fraction": fractions}
+
+
+PARTS = ("compute", "transfer", "wait", "unmatched")
+
+
+def rank_breakdown(rec: dict[str, Any]) -> pd.DataFrame:
+    """Seconds per timed iteration of each rank's top-level phases, split into compute (local
+    phases), transfer, wait and unmatched (communication phases): rows (rank, part, seconds).
+    The comm lane (DDP's buckets, beside backward) is not stacked: it overlaps compute."""
+    first = _first_iteration(rec)
+    df = attribute(rec)
+    top = df[(df["lane"] == "main") & ~df["op"].str.contains("/")] if not df.empty else df
+    rows = []
+    for rank, spans in enumerate(rec["timeline"]["ranks"]):
+        timed = [sp for sp in spans if sp[4] >= first and sp[3] == "main" and "/" not in sp[0]]
+        iters = max(len({sp[4] for sp in timed}), 1)
+        mine = top[top["rank"] == rank] if not top.empty else top
+        unmatched = float(mine["dur_s"].where(~mine["matched"], 0.0).sum()) if len(mine) else 0.0
+        parts = {
+            "compute": sum(sp[2] for sp in timed if not is_comm(sp[0])),
+            "transfer": float(mine["transfer_s"].sum()) if len(mine) else 0.0,
+            "wait": float(mine["wait_s"].sum()) if len(mine) else 0.0,
+            "unmatched": unmatched,
+        }
+        rows += [{"rank": rank, "part": p, "seconds": parts[p] / iters} for p in PARTS]
+    return pd.DataFrame(rows, columns=["rank", "part", "seconds"])
