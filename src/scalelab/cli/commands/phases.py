@@ -23,7 +23,8 @@ def format_run(rec: dict, table, summary: dict) -> str:
         MB=table["bytes"] / 1e6,
     ).drop(columns=[c for c in table.columns if c.endswith("_s")] + ["bytes"])
     head = f"run {rec.get('id')}: {rec.get('workload')} {rec.get('strategy')} x{rec.get('ranks')}"
-    lines = [head, shown.to_string(index=False, float_format="{:.3f}".format, na_rep="-")]
+    body = shown.to_string(index=False, float_format="{:.3f}".format, na_rep="-")
+    lines = [head, body if len(shown) else "  no communication phases in the timed iterations"]
     who = summary["straggler"]
     owed = ", ".join(f"rank {r} {s * 1e3:.2f} ms" for r, s in summary["blame_s"].items())
     lines.append(f"straggler: {'none' if who is None else f'rank {who}'} (waited for: {owed})")
