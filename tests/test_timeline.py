@@ -500,3 +500,46 @@ def test_comm_only_ceilings_print_the_five_collectives_on_gloo(tmp_path):
             assert r["algbw_Bps"] == pytest.approx(algbw) and r["busbw_Bps"] == pytest.approx(busbw)
         assert f"  {name}\n" in proc.stdout
     assert "algbw" in proc.stdout and "busbw" in proc.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"
+)
+def test_nccl_buckets_timed_by_cuda_events(tmp_path):
+    """2 GPUs of DDP under NCCL with --timeline: the bucket timer switches to CUDA events and
+    the last step's slices still add up to the parameters' bytes."""
+    runs = tmp_path / "runs.jsonl"
+    _scalelab(
+        tmp_path,
+        "run",
+        "resnet18",
+        "--train",
+        "--strategy",
+        "ddp",
+        "--device",
+        "cuda",
+        "--ranks",
+        "2",
+        "--batch",
+        "16",
+        "--steps",
+        "4",
+        "--train-size",
+        "64",
+        "--heldout-size",
+        "16",
+        "--bucket-mb",
+        "1",
+        "--quiet",
+        "--timeline",
+        "--out",
+        runs,
+    )
+    rec = read_records(runs)[-1]
+    assert all(r["clock"] == "cuda events" and r["allreduce_s"] > 0 for r in rec["ddp_comm"])
+    cfg = RunConfig(workload="resnet18")
+    params = sum(p.numel() for p in WORKLOADS.get("resnet18")(cfg).build_model().parameters())
+    for spans in rec["timeline"]["ranks"]:
+        last = [s for s in spans if s[3] == "comm" and s[4] == 3]
+        assert len(last) > 1 and sum(s[5]["bytes"] for s in last) == 4 * params
