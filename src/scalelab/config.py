@@ -125,6 +125,12 @@ class RunConfig:
 
     # Instrumentation.
     trace: str | None = opt(None, "Folder for torch.profiler traces, one rank{r}.json.gz per rank.")
+    timeline: bool = opt(
+        False,
+        "Record every rank's phases on one clock (the record's `timeline`; `scalelab timeline` "
+        "draws it, `scalelab phases` splits communication into waiting and transfer). --trace "
+        "records it too and writes DIR/timeline.json.",
+    )
     nvml: bool = opt(False, "Sample GPU memory, power and utilisation with NVML during the run.")
     per_layer: bool = opt(False, "Time each layer and record its output bytes and peak memory.")
     fast: bool = opt(

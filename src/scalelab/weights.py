@@ -1,11 +1,13 @@
 """Load and save model weights: torch state_dict files and safetensors, checked key by key.
 
-The safetensors reader/writer is the format itself (8-byte little-endian header length, a JSON
-header of name -> dtype, shape, byte offsets, then the raw buffer), so no extra dependency.
+Safetensors files are read by the `safetensors` library when it is installed; otherwise (and
+for writing) by the format itself (8-byte little-endian header length, a JSON header of name ->
+dtype, shape, byte offsets, then the raw buffer), so the dependency stays optional.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import struct
@@ -32,6 +34,8 @@ DTYPE_NAMES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    if importlib.util.find_spec("safetensors") is not None:  # the library when installed
+        return _read_with_library(path)
     data = path.read_bytes()
     try:
         (size,) = struct.unpack("<Q", data[:8])
@@ -49,6 +53,17 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     except (struct.error, ValueError, KeyError, RuntimeError) as exc:
         raise UsageError(f"--weights {path}: not a readable safetensors file ({exc})") from None
     return tensors
+
+
+def _read_with_library(path: Path) -> dict[str, torch.Tensor]:
+    """The `safetensors` package's reader (the hand reader above is its fallback)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise UsageError(f"--weights {path}: not a readable safetensors file ({exc})") from None
 
 
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:

@@ -221,3 +221,25 @@ def layer_memory(
         ax.tick_params(axis="x", rotation=60, labelsize=7)
     axes[0][0].legend(fontsize=7)
     return _save(fig, out_dir, stem, formats)
+
+
+def wait_bars(
+    parts: pd.DataFrame, title: str, out_dir: Path, formats: Sequence[str] = FORMATS
+) -> list[Path]:
+    """One stacked bar per rank: compute, transfer, wait, unmatched ms per iteration
+    (analysis/waits.rank_breakdown)."""
+    plt = _plt()
+    wide = parts.pivot_table(index="rank", columns="part", values="seconds", aggfunc="sum") * 1e3
+    fig, ax = plt.subplots(figsize=(1.2 * len(wide) + 3.5, 3.8), layout="constrained")
+    colors = {"compute": "#4c72b0", "transfer": "#55a868", "wait": "#c44e52", "unmatched": "#999"}
+    bottom = np.zeros(len(wide))
+    for part in [p for p in colors if p in wide.columns]:
+        ax.bar([str(r) for r in wide.index], wide[part], bottom=bottom, label=part,
+               color=colors[part])  # fmt: skip
+        bottom += wide[part].to_numpy()
+    ax.set_title("\n".join(textwrap.wrap(title, 60)), fontsize=8)
+    ax.set_xlabel("rank")
+    ax.set_ylabel("ms per iteration")
+    ax.legend(fontsize=7)
+    stem = "waits_" + "".join(c if c.isalnum() else "_" for c in title)[:40]
+    return _save(fig, out_dir, stem, formats)

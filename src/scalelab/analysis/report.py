@@ -22,6 +22,7 @@ from scalelab.analysis.report_context import (
     environment_section,
     versions_section,
 )
+from scalelab.analysis.report_waits import waits_section, with_phases
 from scalelab.errors import UsageError
 
 Section = tuple[str, str, str]
@@ -78,7 +79,8 @@ def runs_section(records: list[dict[str, Any]], page: Page) -> Section:
     }
     bad = {"status": lambda v: "good" if v == "ok" else "bad"}
     body = html.note("Per iteration: one timed inference pass, or one optimizer step.")
-    return "runs", "All runs", body + html.table(view, fmts, classes=bad) + page.csv(df, "runs.csv")
+    table = html.table(view, fmts, classes=bad)
+    return "runs", "All runs", body + table + page.csv(with_phases(df, records), "runs.csv")
 
 
 def phase_section(records: list[dict[str, Any]]) -> Section:
@@ -261,6 +263,7 @@ def write_report(
         versions_section(records),
         runs_section(records, page),
         phase_section(records),
+        waits_section(records, page),
         scaling_section(records, page, mode),
         roofline_section(records, ceilings, page),
         convergence_section(records, page),

@@ -11,12 +11,15 @@ Record fields:
   nvml: the root rank's nvml.summarize() dict; rank_nvml: every rank's (ranks > 1)
   layers: the root rank's PerLayer.rows() (with --nvml also each layer's power_w and
       energy_j); rank_layers: every rank's (ranks > 1)
+  timeline (--timeline, --trace): every rank's spans on the root's clock (instrument/spans.py,
+      analysis/timeline.py); --trace also writes DIR/timeline.json (Chrome trace events)
 """
 
 from __future__ import annotations
 
 import sys
 from contextlib import ExitStack
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,6 +29,8 @@ from scalelab.config import RunConfig
 from scalelab.instrument.nvml import NvmlSampler
 from scalelab.instrument.per_layer import PerLayer
 from scalelab.instrument.profiler import TraceSchedule, TraceSession
+from scalelab.instrument.spans import SPANS, SpanLog, clock_offset, slow_rank_delay
+from scalelab.instrument.timer import HUB
 from scalelab.workloads.base import Workload
 
 
@@ -52,11 +57,13 @@ class Instrumentation:
         self.trace: TraceSession | None = None
         self.nvml: NvmlSampler | None = None
         self.per_layer: PerLayer | None = None
+        self.spans: SpanLog | None = None
+        self.clock = (0.0, 0.0)  # (offset to the root's clock, round trip) in seconds
         self._stack = ExitStack()
 
     @property
     def active(self) -> bool:
-        return bool(self.cfg.trace or self.cfg.nvml or self.cfg.per_layer)
+        return bool(self.cfg.trace or self.cfg.nvml or self.cfg.per_layer or self.spans)
 
     def __enter__(self) -> Instrumentation:
         try:
@@ -70,6 +77,7 @@ class Instrumentation:
         cfg, stack = self.cfg, self._stack
         if cfg.nvml:  # first: it refuses machines without NVML before anything starts
             self.nvml = NvmlSampler(self.device)
+        self._start_spans()
         if cfg.per_layer:
             names = {r.module: (r.name, r.kind) for r in self.workload.cost_table() if r.module}
             self.per_layer = stack.enter_context(
@@ -88,6 +96,20 @@ class Instrumentation:
             )
         if self.nvml is not None:
             stack.enter_context(self.nvml)
+
+    def _start_spans(self) -> None:
+        """The straggler test hook, and with --timeline/--trace the span log (clocks first)."""
+        slow = slow_rank_delay(self.comm.rank)
+        if slow:
+            SPANS.slow_compute_s = slow
+            self._stack.callback(setattr, SPANS, "slow_compute_s", 0.0)
+        if not (self.cfg.timeline or self.cfg.trace):
+            return
+        self.clock = clock_offset(self.comm)
+        self.spans = SPANS.log = SpanLog()
+        HUB.step_hooks.append(self.spans.step)
+        self._stack.callback(HUB.step_hooks.remove, self.spans.step)
+        self._stack.callback(setattr, SPANS, "log", None)
 
     def __exit__(self, *exc: Any) -> None:
         self._stack.close()
@@ -113,7 +135,15 @@ class Instrumentation:
             "trace": self.trace.notes()["file"] if self.trace else None,
             "nvml": self.nvml.notes() if self.nvml else None,
             "layers": self._layers(),
+            "spans": self._spans(),
         }
+
+    def _spans(self) -> dict[str, Any] | None:
+        if self.spans is None:
+            return None
+        offset, rtt = self.clock
+        rows = self.spans.rows(offset, 0.0)  # absolute, on the root's clock
+        return {"offset_s": offset, "rtt_s": rtt, "dropped": self.spans.dropped, "spans": rows}
 
     def notes(self, output: Any) -> dict[str, Any]:
         """Record fields; a collective (gather) when any flag is on, so every rank calls it."""
@@ -130,12 +160,24 @@ class Instrumentation:
             schedule = self.trace.notes()["schedule"]
             files = [r["trace"] for r in ranks]
             out["trace"] = {"dir": self.cfg.trace, "schedule": schedule, "files": files}
+        if self.spans is not None:
+            out["timeline"] = self._timeline([r["spans"] for r in ranks])
         for key in ("nvml", "layers"):
             if ranks[0][key] is not None:
                 out[key] = ranks[0][key]
                 if len(ranks) > 1:
                     out[f"rank_{key}"] = [r[key] for r in ranks]
         return out
+
+    def _timeline(self, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+        """The record's timeline: spans from the earliest start; --trace: DIR/timeline.json."""
+        from scalelab.analysis.timeline import make_timeline, write_trace
+
+        timeline = make_timeline(ranks)
+        if self.cfg.trace:
+            rec = {"strategy": self.cfg.strategy, "workload": self.cfg.workload}
+            write_trace([{**rec, "timeline": timeline}], Path(self.cfg.trace) / "timeline.json")
+        return timeline
 
 
 def instrumented(

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from scalelab.instrument.spans import SPANS
+
 
 @dataclass
 class InstrumentHub:
@@ -122,8 +124,12 @@ class PhaseTimer:
             label.__enter__()
         events = self._record_start() if self.events else None
         start = time.perf_counter()
+        log = SPANS.log
+        span = log.open(path, start) if log is not None else None
         self._stack.append(name)
         try:
+            if SPANS.slow_compute_s and name == "compute":  # the test hook's straggler
+                time.sleep(SPANS.slow_compute_s)
             yield
         finally:
             if events is not None:
@@ -133,6 +139,8 @@ class PhaseTimer:
             end = time.perf_counter()
             self._current[path] += end - start
             self._stack.pop()
+            if span is not None:
+                log.close(span, end)
             if HUB.intervals is not None:
                 HUB.intervals.append((path, start, end))
             if label is not None:

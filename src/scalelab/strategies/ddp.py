@@ -38,9 +38,11 @@ from scalelab.comm.launch import inside_torchrun
 from scalelab.comm.torchdist import TIMEOUT_S, TorchDistComm
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
+from scalelab.instrument.spans import SPANS
 from scalelab.instrument.timer import EventTimer
 from scalelab.precision import get_precision
 from scalelab.strategies.base import STRATEGIES, RunOutput
+from scalelab.strategies.ddp_comm import BucketTimer
 from scalelab.strategies.torch_base import TorchStrategy, resolve_device
 from scalelab.train.data import LoaderShards, ResidentShards
 from scalelab.train.loop import Trainer, TrainPlan, evaluate, require_labels, run_training
@@ -154,6 +156,7 @@ class DDPStrategy(TorchStrategy):
         if self.device.type == "cuda":
             self.timer = EventTimer(self.device)
         self.per_rank = per_rank_batch(cfg, self.comm.size)
+        self.buckets: BucketTimer | None = None  # the comm hook timing DDP's all-reduces
 
     @classmethod
     def preflight(cls, cfg: RunConfig) -> int:
@@ -203,7 +206,9 @@ class DDPStrategy(TorchStrategy):
         )
         net = self.wrap(module)
         fast = self.fast_trainer(workload, net, plan)
-        return run_training(self, workload, net, plan, make_trainer=fast)
+        out = run_training(self, workload, net, plan, make_trainer=fast)
+        out.notes.update(self.bucket_notes())
+        return out
 
     def fast_trainer(
         self, workload: Workload, net: nn.Module, plan: TrainPlan
@@ -259,9 +264,25 @@ class DDPStrategy(TorchStrategy):
                 )
             if side is not None:
                 torch.cuda.current_stream().wait_stream(side)
-            if cfg.grad_compress is not None:
-                net.register_comm_hook(None, COMPRESS_HOOKS[cfg.grad_compress])
+            self.register_hooks(net)
         return torch.compile(net) if cfg.compile else net
+
+    def register_hooks(self, net: DistributedDataParallel) -> None:
+        """--grad-compress's hook, wrapped in the bucket timer (ddp_comm.py) on gloo and, with
+        --timeline/--trace, on NCCL; not inside a captured (--fast) or compiled step."""
+        hook = COMPRESS_HOOKS.get(self.cfg.grad_compress)
+        timed = self.device.type == "cpu" or SPANS.log is not None
+        if timed and not (self.cfg.fast or self.cfg.compile):
+            self.buckets = BucketTimer(hook, self.device)
+            hook = self.buckets.hook
+        if hook is not None:
+            net.register_comm_hook(None, hook)
+
+    def bucket_notes(self) -> dict:
+        """Every rank's `ddp_comm` totals (a gather: every rank calls it)."""
+        mine = self.buckets.notes() if self.buckets is not None else None
+        ranks = self.comm.gather_object(mine)
+        return {"ddp_comm": ranks} if ranks and ranks[0] is not None else {}
 
     def notes(self, source: ResidentShards | LoaderShards) -> dict:
         return {

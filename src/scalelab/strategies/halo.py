@@ -32,6 +32,7 @@ import torch
 
 from scalelab.comm.base import Comm, Request, even_counts
 from scalelab.errors import UsageError
+from scalelab.instrument.spans import annotate
 
 
 @dataclass(frozen=True)
@@ -238,9 +239,11 @@ def exchange(
         ops = [("send", peer, t.contiguous()) for peer, t in sends]
         bufs = {peer: wire.empty(_shape(x, axis, n), x.dtype) for peer, n in msgs.recvs}
         ops += [("recv", peer, buf) for peer, buf in bufs.items()]
+        received = sum(b.nbytes for b in bufs.values())
+        annotate(op="halo", bytes=received, peers=sorted(bufs), layer=tag)
         for req in post(comm, ops, tag):
             req.wait()
-    timer.add_bytes("halo", sum(b.nbytes for b in bufs.values()))
+    timer.add_bytes("halo", received)
     got = {peer: wire.from_wire(buf) for peer, buf in bufs.items()}
     with timer.phase("halo"):
         parts = [got[comm.rank - 1]] if comm.rank - 1 in got else []

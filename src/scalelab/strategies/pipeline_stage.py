@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from scalelab.instrument.spans import annotate
 from scalelab.strategies.pipeline_schedule import Op
 
 Meta = tuple[tuple[int, ...], torch.dtype]  # per-item shape and dtype of a stage's output
@@ -139,9 +140,11 @@ class StageExecutor:
             (self.pending if link[0] == rank and link[1] != rank else receives).extend(works)
         return receives
 
-    def wait(self, works: list[Any], phase: str = "recv") -> None:
+    def wait(self, works: list[Any], phase: str = "recv", **facts: Any) -> None:
+        """facts: what the timeline's slice says about the message (bytes, peer, mb)."""
         if works:
             with self.ctx.timer.phase(phase):
+                annotate(**facts)
                 for w in works:
                     w.wait()
 
@@ -202,6 +205,7 @@ class StageExecutor:
             x = from_wire(buf, ctx.channels_last)
             x = x.detach().requires_grad_(train)
         with ctx.timer.phase("forward"), torch.set_grad_enabled(train), ctx.autocast():
+            annotate(mb=m)
             y = ctx.module(x)
             if train and ctx.last:
                 # This micro-batch's share of the batch's mean loss: sum_m n_m/N * mean_m.
@@ -220,6 +224,7 @@ class StageExecutor:
         ctx = self.ctx
         x, y = self.saved.pop(m)
         with ctx.timer.phase("backward"):
+            annotate(mb=m)
             if ctx.last:
                 y.backward()
             else:
@@ -233,7 +238,9 @@ class StageExecutor:
         recv = self._post_recv(ops[0], batch) if ops else (None, [])
         for i, (kind, m) in enumerate(ops):
             buf, works = recv
-            self.wait(works)
+            peer = self.ctx.rank - 1 if kind == "F" else self.ctx.rank + 1
+            nbytes = 0 if buf is None else buf.nbytes
+            self.wait(works, bytes=nbytes, peer=peer, op=f"recv {kind}", mb=m)
             sends = self.forward(m, buf, batch, train) if kind == "F" else self.backward(m, buf)
             self.post(sends, [])
             if i + 1 < len(ops):

@@ -8,6 +8,7 @@ from scalelab.cli.commands import (  # noqa: F401
     fit,
     layers,
     listing,
+    phases,
     predict,
     report,
     roofline,
@@ -15,5 +16,6 @@ from scalelab.cli.commands import (  # noqa: F401
     scaling,
     slurm,
     sweep,
+    timeline,
     versions,
 )

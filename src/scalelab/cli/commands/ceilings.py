@@ -19,9 +19,11 @@ from typing import Any
 import torch
 
 from scalelab.cli.base import COMMANDS, Command
+from scalelab.cli.commands import ceilings_collectives as coll
 from scalelab.comm.launch import inside_launcher, relaunch
 from scalelab.errors import UsageError
 from scalelab.instrument import ceilings as C
+from scalelab.instrument.collective_bench import measure_collectives
 from scalelab.instrument.comm_bench import measure_comm, message_sizes
 from scalelab.instrument.peaks import PEAKS
 from scalelab.instrument.progress import Progress
@@ -47,6 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--comm-only", action="store_true",
         help="time only communication; keep the other sections of an existing --out file",
     )  # fmt: skip
+    coll.add_arguments(p)
     p.add_argument("--peaks", action="store_true", help="print the datasheet peaks and exit")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.add_argument("--comm-result", help=argparse.SUPPRESS)  # set by the relaunch, per rank
@@ -60,6 +63,11 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--ranks must be >= 1, got {args.ranks}")
     if args.comm_result or (args.ranks > 1 and inside_launcher(LAUNCHERS[args.backend])):
         return comm_rank(args)
+    if args.nccl_tests:
+        data = coll.read_nccl_tests(args, kept_from(Path(args.out)))
+        C.write_ceilings(args.out, data)
+        coll.print_collectives(data)
+        return 0
     if args.comm_only and args.ranks < 2:
         raise UsageError("--comm-only times communication: give --ranks N (N >= 2)")
     if args.backend == "nccl" and args.ranks > torch.cuda.device_count():
@@ -75,11 +83,13 @@ def run(args: argparse.Namespace) -> int:
         data = C.new_ceilings(C.measure_local(device, args.quick, args.quiet))
         data["comm"] = {k: v for k, v in previous.get("comm", {}).items() if k != args.backend}
     if args.ranks > 1:
-        data.setdefault("comm", {})[args.backend] = launch_comm(args)
+        coll.file_comm(data, args.backend, launch_comm(args))
     if not data.get("comm"):
         data.pop("comm", None)
     C.write_ceilings(args.out, data)
     print(format_summary(data, args.out))
+    if args.comm_only:
+        coll.print_collectives(data)
     return 0
 
 
@@ -110,6 +120,7 @@ def launch_comm(args: argparse.Namespace) -> dict[str, Any]:
         result = Path(tmp) / "comm.json"
         argv = ["ceilings", "--ranks", str(args.ranks), "--backend", args.backend]
         argv += ["--comm-result", str(result)] + ["--quick"] * args.quick + ["--quiet"] * args.quiet
+        argv += ["--comm-only"] * args.comm_only  # the collectives too
         code = relaunch(LAUNCHERS[args.backend], args.ranks, argv)
         if code != 0 or not result.exists():
             raise UsageError(
@@ -154,6 +165,9 @@ def comm_rank(args: argparse.Namespace) -> int:
         progress = Progress(2 * len(sizes), f"{args.backend} x{comm.size}",
                             enabled=comm.is_root and not args.quiet)  # fmt: skip
         result = measure_comm(comm, device, sizes, block, repeats, progress)
+        if args.comm_only:  # nccl-tests' collectives (every rank takes part)
+            ops = measure_collectives(comm, device, sizes, block, repeats)
+            result = result if result is None else {**result, "collectives": ops}
         if result is not None:
             finish_comm_root(args, result)
     except BaseException as exc:
@@ -170,7 +184,7 @@ def finish_comm_root(args: argparse.Namespace, result: dict[str, Any]) -> None:
         Path(args.comm_result).write_text(json.dumps(result))
         return
     data = kept_from(Path(args.out)) or C.new_ceilings(None)  # started by the user's launcher
-    data.setdefault("comm", {})[args.backend] = result
+    coll.file_comm(data, args.backend, result)
     C.write_ceilings(args.out, data)
     print(format_summary(data, args.out))
 
