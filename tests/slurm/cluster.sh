@@ -3,7 +3,8 @@
 #
 #   tests/slurm/cluster.sh up     install slurm-wlm + munge (Debian's packages) when absent,
 #                                 start munged, slurmctld and one slurmd per node, wait until
-#                                 both nodes are idle; prints `export SLURM_CONF=...`
+#                                 both nodes are idle; prints `started` (or `already up`) and
+#                                 `export SLURM_CONF=...`
 #   tests/slurm/cluster.sh down   stop exactly the daemons `up` started, undo /etc/hosts
 #
 # Everything lives in $SCALELAB_SLURM_DIR (default /run/scalelab-slurm): the config, a private
@@ -18,7 +19,7 @@ DIR=${SCALELAB_SLURM_DIR:-/run/scalelab-slurm}
 CONF=$DIR/slurm.conf
 MARK="# scalelab-slurm"
 CTLD_PORT=${SCALELAB_SLURM_PORT:-16817}
-CPUS=${SCALELAB_SLURM_CPUS:-2}  # per emulated node; both share this host's cores
+CPUS=${SCALELAB_SLURM_CPUS:-4}  # per emulated node (both share this host's cores)
 
 die() { echo "cluster.sh: $*" >&2; exit "${2:-1}"; }
 
@@ -54,10 +55,11 @@ ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
+SlurmdParameters=config_overrides
 MpiDefault=none
 SchedulerType=sched/backfill
 ReturnToService=2
-KillWait=5
+KillWait=20
 MinJobAge=600
 InactiveLimit=0
 SlurmctldTimeout=60
@@ -99,11 +101,17 @@ wait_idle() {
   done
   sinfo -N >&2 || true
   tail -n 20 "$DIR"/*.log >&2 || true
+  down
   die "nodes n1, n2 not idle after 60 s"
 }
 
 up() {
   [ "$(id -u)" = 0 ] || die "the test cluster runs its daemons as root" 77
+  if alive slurmctld && alive slurmd-n1 && alive slurmd-n2; then
+    echo "already up"
+    echo "export SLURM_CONF=$CONF"
+    return
+  fi
   install
   mkdir -p "$DIR"/ctld "$DIR"/spool-n1 "$DIR"/spool-n2
   chmod 0700 "$DIR"
@@ -115,10 +123,12 @@ up() {
     --socket="$DIR/munge.sock" --pid-file="$DIR/munged-own.pid" \
     --log-file="$DIR/munged.log" --seed-file="$DIR/munge.seed"
   for _ in $(seq 50); do [ -S "$DIR/munge.sock" ] && break; sleep 0.1; done
+  alive slurmctld || rm -rf "${DIR:?}"/ctld/*  # a fresh controller: no jobs of an earlier run
   start slurmctld slurmctld -D -f "$CONF"
   start slurmd-n1 slurmd -D -N n1 -f "$CONF"
   start slurmd-n2 slurmd -D -N n2 -f "$CONF"
   wait_idle
+  echo "started"
   echo "export SLURM_CONF=$CONF"
 }
 

@@ -45,11 +45,11 @@ stopped() {
   exit 143
 }
 run_point() {
+  trap stopped TERM USR1
   if point_helper done "${args[@]}"; then
     echo "scalelab: this point has an ok record already: skipped"
     return 0
   fi
-  trap stopped TERM USR1
   "${launch[@]}" "${args[@]}" &
   local code=0
   wait $! || code=$?
