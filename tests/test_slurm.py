@@ -235,10 +235,7 @@ def test_submit_all_passes_its_options_and_chains_the_report(cli, tmp_path, stud
         str(p.resolve()) for p in [*sorted(out.glob("point_*")), out / "report.sbatch"]
     ]
     assert "--dependency=afterany:1:2:3" in calls[3]
-    assert (
-        "scalelab report" in (out / "report.sbatch").read_text().replace("-m scalelab", "")
-        or " report " in (out / "report.sbatch").read_text()
-    )
+    assert "python3 -m scalelab report " in (out / "report.sbatch").read_text()
 
 
 @pytest.mark.parametrize(
