@@ -23,10 +23,10 @@ ALEXNET = ["run", "alexnet", "--strategy", "mpi", "--split", "spatial", "--image
 ALEXNET += ["--batch", "2", "--iters", "1", "--warmup", "0", "--check"]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def slurm_conf():
-    """The two-node cluster for the session; stopped at the end only if this session
-    started it (a cluster someone brought up stays up)."""
+    """The two-node cluster for this module; stopped at the end only if it was started here
+    (a cluster someone brought up stays up)."""
     proc = subprocess.run(["bash", str(CLUSTER), "up"], capture_output=True, text=True)
     if proc.returncode == 77:
         pytest.skip(f"no Slurm here: {proc.stderr.strip()}")
@@ -94,7 +94,7 @@ STUDY = """
 name = "cluster"
 [grid]
 strategy = ["mpi-dp", "ddp"]
-epochs = [1, 2000]
+epochs = [1, 100000]
 [fixed]
 workload = "mlp"
 train = true
@@ -121,7 +121,7 @@ def wait_for(jobs, cwd, timeout=420):
 
 
 def running(job, cwd):
-    for _ in range(100):
+    for _ in range(240):
         if "RUNNING" in slurm(["squeue", "-h", "-o", "%T", "-j", job], cwd).stdout:
             return
         time.sleep(1)
@@ -225,7 +225,7 @@ def test_study_as_arrays_on_two_nodes(slurm_conf, tmp_path, mnist_dir, cli):
         two, one = got[(strategy, 1)], ref[(strategy, 1)]
         assert two["status"] == "ok" and two["slurm"]["node_list"] == "n[1-2]"
         assert two["loss"] == pytest.approx(one["loss"], rel=1e-6), strategy
-    for key in (("mpi-dp", 2000), ("ddp", 2000)):
+    for key in (("mpi-dp", 100000), ("ddp", 100000)):
         assert got[key]["status"] == "failed" and "stopped by Slurm" in got[key]["error"]
     page = (tmp_path / "jobs" / "report" / "index.html").read_text()
     assert page.count("stopped by Slurm") >= 2  # the report ran after both had failed

@@ -19,7 +19,7 @@ DIR=${SCALELAB_SLURM_DIR:-/run/scalelab-slurm}
 CONF=$DIR/slurm.conf
 MARK="# scalelab-slurm"
 CTLD_PORT=${SCALELAB_SLURM_PORT:-16817}
-CPUS=${SCALELAB_SLURM_CPUS:-4}  # per emulated node (both share this host's cores)
+CPUS=${SCALELAB_SLURM_CPUS:-8}  # per emulated node (both share this host's cores)
 
 die() { echo "cluster.sh: $*" >&2; exit "${2:-1}"; }
 
