@@ -1,14 +1,16 @@
 """`scalelab slurm`: generated sbatch scripts, checked by bash itself (syntax) and by running
-them against stand-in srun/scontrol/python3 that record the argument vectors they receive, so
-the quoting is proven by the shell rather than by string matching. No cluster needed."""
+them against stand-in srun/scontrol/python3/sbatch that record the argument vectors they
+receive, so the quoting is proven by the shell rather than by string matching. No cluster
+needed: tests/test_slurm_cluster.py runs the scripts on a real Slurm."""
 
 import os
-import shlex
 import subprocess
 
 import pytest
 
 from scalelab.analysis.sweep import load_study, points
+
+pytestmark = pytest.mark.slurm
 
 STUDY = """
 [study]
@@ -23,14 +25,34 @@ ckpt_dir = "my dir/it's $HOME"
 """
 
 FAKES = {
-    # srun: drop its own options, run the command once (enough to see the argument vector)
-    "srun": '#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\nexec "$@"\n',
+    # srun: answer --mpi=list from $MPI_LIST; else drop its own options and run the command
+    # once (enough to see the argument vector)
+    "srun": '#!/bin/bash\nif [ "$1" = --mpi=list ]; then printf "MPI plugin types are...\\n";'
+    ' for p in $MPI_LIST; do printf "\\t%s\\n" "$p"; done; exit 0; fi\n'
+    'while [[ "$1" == --* ]]; do shift; done\nexec "$@"\n',
     # scontrol: many nodes, so a reader that stops early (head -n 1) would SIGPIPE it
     "scontrol": '#!/bin/bash\necho node-a; seq -f "node-%g" 1 20000\n',
-    # python3: write each argument NUL-terminated to a fresh file
-    "python3": '#!/bin/bash\nf=$(mktemp -p "$ARGS_DIR")\nfor a in "$@"; do printf "%s\\0" "$a"; '
-    'done > "$f"\n',
+    # python3: the point helper says "not done"; a run writes each argument NUL-terminated to
+    # a fresh file
+    "python3": '#!/bin/bash\n[ "$2" = scalelab.analysis.slurm_point ] && exit 1\n'
+    'f=$(mktemp -p "$ARGS_DIR")\nfor a in "$@"; do printf "%s\\0" "$a"; done > "$f"\n',
+    # sbatch: record its arguments one per line, answer a job id
+    "sbatch": '#!/bin/bash\nn=$(ls "$ARGS_DIR" | wc -l)\nprintf "%s\\n" "$@" > '
+    '"$ARGS_DIR/sbatch-$((n + 1))"\necho $((n + 1))\n',
 }
+
+
+@pytest.fixture(autouse=True)
+def fake_bin(tmp_path, monkeypatch):
+    """The fakes first on PATH, for generation (srun --mpi=list) and for running scripts."""
+    bin_dir = tmp_path / "fakebin"
+    bin_dir.mkdir()
+    for name, body in FAKES.items():
+        (bin_dir / name).write_text(body)
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("MPI_LIST", "pmix none cray_shasta pmi2")
+    return bin_dir
 
 
 @pytest.fixture
@@ -64,17 +86,12 @@ def _generate(cli, tmp_path, study, *extra):
 
 
 def _run_script(tmp_path, script, **env):
-    bin_dir, args_dir = tmp_path / "fakebin", tmp_path / "args"
-    bin_dir.mkdir(exist_ok=True)
+    args_dir = tmp_path / "args"
     args_dir.mkdir(exist_ok=True)
     for f in args_dir.iterdir():
         f.unlink()
-    for name, body in FAKES.items():
-        (bin_dir / name).write_text(body)
-        (bin_dir / name).chmod(0o755)
     full_env = {
         **os.environ,
-        "PATH": f"{bin_dir}:{os.environ['PATH']}",
         "ARGS_DIR": str(args_dir),
         "SLURM_JOB_ID": "4242",
         "SLURM_JOB_NODELIST": "node-[a-b]",
@@ -92,23 +109,24 @@ def test_one_script_per_point_with_the_right_launcher(cli, tmp_path, study):
     out, stdout = _generate(cli, tmp_path, study)
     scripts = sorted(out.glob("point_*.sbatch"))
     assert len(scripts) == 3 and "submit_all.sh" in stdout
-    for s in [*scripts, out / "submit_all.sh"]:
+    for s in [*scripts, out / "submit_all.sh", out / "report.sbatch"]:
         subprocess.run(["bash", "-n", str(s)], check=True)  # valid shell
     local, mpi, ddp = (s.read_text() for s in scripts)
     assert "#SBATCH --ntasks=1" in local and "#SBATCH --nodes=1" in local
     assert "#SBATCH --partition=gpu-a" in mpi and "#SBATCH --gpus-per-node=4" in mpi
     assert "#SBATCH --nodes=2" in mpi and "#SBATCH --ntasks=8" in mpi
-    assert "srun --nodes=2 --ntasks=8 --ntasks-per-node=4 python3 -m scalelab run" in mpi
+    # MPICH (this machine's library) speaks pmi2: chosen although srun also offers pmix
+    assert "srun --nodes=2 --ntasks=8 --ntasks-per-node=4 --mpi=pmi2 python3 -m scalelab" in mpi
     assert "#SBATCH --ntasks-per-node=1" in ddp and "head=$(scontrol show hostnames" in ddp
     assert "--nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d" in ddp
     assert "# export NCCL_DEBUG=INFO" in ddp and "# export UCX_TLS=" in ddp  # commented
-    submit = (out / "submit_all.sh").read_text().splitlines()
-    assert [shlex.split(ln)[1] for ln in submit[2:]] == [str(s.resolve()) for s in scripts]
+    assert "%x-%j.out" in mpi
 
 
 def test_arguments_survive_the_shell(cli, tmp_path, study):
     """The script, run by bash, hands python exactly the point's arguments: a value with a
-    space, a quote and a $ arrives intact; the rendezvous expands to the first node."""
+    space, a quote and a $ arrives intact; the rendezvous expands to the first node and a port
+    derived from the job id (two DDP jobs on one node used to collide on 29500)."""
     out, _ = _generate(cli, tmp_path, study)
     pts = points(load_study(study, tmp_path / "res" / "r.jsonl"))
     want = lambda p: [*p.argv(), "--out", str(tmp_path / "res" / "r.jsonl")]  # noqa: E731
@@ -117,20 +135,107 @@ def test_arguments_survive_the_shell(cli, tmp_path, study):
     assert "my dir/it's $HOME" in argv
     argv = _run_script(tmp_path, out / "point_003.sbatch")  # ddp: one torchrun per node
     assert argv[:2] == ["-m", "torch.distributed.run"]
-    assert "--rdzv-endpoint=node-a:29500" in argv and "--rdzv-id=4242" in argv
+    assert "--rdzv-endpoint=node-a:24242" in argv and "--rdzv-id=4242" in argv
     assert argv[argv.index("scalelab") - 1 :] == ["-m", "scalelab", *want(pts[2])]
+    other = _run_script(tmp_path, out / "point_003.sbatch", SLURM_JOB_ID="4243")
+    assert "--rdzv-endpoint=node-a:24243" in other
 
 
-def test_job_array(cli, tmp_path, study):
-    out, stdout = _generate(cli, tmp_path, study, "--array")
-    script = out / "array.sbatch"
-    text = script.read_text()
-    subprocess.run(["bash", "-n", str(script)], check=True)
-    assert "#SBATCH --array=1-3" in text and "#SBATCH --nodes=2" in text
-    assert "#SBATCH --ntasks=8" in text  # the largest point's allocation
+def test_arrays_sized_per_point(cli, tmp_path, study):
+    """One array per allocation size: each task gets its own point's allocation (not the
+    largest point's), logs named by array job and task (%A_%a)."""
+    out, _ = _generate(cli, tmp_path, study, "--array")
+    scripts = sorted(out.glob("array_*.sbatch"))
+    texts = [s.read_text() for s in scripts]
+    for s in scripts:
+        subprocess.run(["bash", "-n", str(s)], check=True)
+    assert [t.count("#SBATCH --array=") for t in texts] == [1, 1, 1]
+    local, mpi, ddp = texts
+    assert "#SBATCH --array=1\n" in local and "#SBATCH --ntasks=1\n" in local
+    assert "#SBATCH --nodes=1\n" in local
+    assert "#SBATCH --array=2\n" in mpi and "#SBATCH --ntasks=8\n" in mpi
+    assert all("%x-%A_%a.out" in t for t in texts)
     pts = points(load_study(study, tmp_path / "res" / "r.jsonl"))
-    argv = _run_script(tmp_path, script, SLURM_ARRAY_TASK_ID="2")
+    argv = _run_script(tmp_path, scripts[1], SLURM_ARRAY_TASK_ID="2")
     assert argv == ["-m", "scalelab", *pts[1].argv(), "--out", str(tmp_path / "res" / "r.jsonl")]
+
+
+DDP_STUDY = """
+[grid]
+strategy = ["ddp", "mpi"]
+[fixed]
+workload = "mlp"
+ranks = 4
+threads = 3
+"""
+
+
+def test_cpus_per_task_and_threads_from_ranks(cli, tmp_path):
+    """A DDP job (one torchrun task per node) asks for its ranks x threads CPUs, not 1; an MPI
+    job (one task per rank) for the threads; OMP_NUM_THREADS is the threads per rank."""
+    (tmp_path / "s.toml").write_text(DDP_STUDY)
+    code, _, err = cli("slurm", tmp_path / "s.toml", "--nodes", "2", "-o", tmp_path / "j")
+    assert code == 0, err
+    ddp, mpi = (p.read_text() for p in sorted((tmp_path / "j").glob("point_*")))
+    assert "#SBATCH --cpus-per-task=6" in ddp and "--nproc-per-node=2" in ddp
+    assert "#SBATCH --cpus-per-task=3" in mpi and "#SBATCH --ntasks=4" in mpi
+    assert "export OMP_NUM_THREADS=3" in ddp and "export OMP_NUM_THREADS=3" in mpi
+
+
+def test_mpi_plugin_follows_the_library(cli, tmp_path, study, monkeypatch):
+    """pmix where the library speaks it and srun offers it; pmi2 where srun lacks pmix; an
+    explicit --mpi-plugin wins."""
+    from scalelab import environment
+
+    monkeypatch.setattr(environment, "mpi_info", lambda: {"mpi_pmi": ["pmix"]})
+    out, _ = _generate(cli, tmp_path, study)
+    assert "--mpi=pmix" in (out / "point_002.sbatch").read_text()
+    monkeypatch.setattr(environment, "mpi_info", lambda: {"mpi_pmi": ["pmix", "pmi2"]})
+    monkeypatch.setenv("MPI_LIST", "none pmi2")
+    out, _ = _generate(cli, tmp_path, study)
+    assert "--mpi=pmi2" in (out / "point_002.sbatch").read_text()
+    out, _ = _generate(cli, tmp_path, study, "--mpi-plugin", "cray_shasta")
+    assert "--mpi=cray_shasta" in (out / "point_002.sbatch").read_text()
+
+
+def test_sbatch_options_pass_through(cli, tmp_path, study):
+    extra = ["--mem", "64G", "--exclusive", "--qos", "high", "--constraint", "a100"]
+    extra += ["--gpus-per-task", "1", "--gpu-bind", "closest", "--account", "proj-1"]
+    out, _ = _generate(cli, tmp_path, study, *extra)
+    text = (out / "point_002.sbatch").read_text()
+    for line in [
+        "--mem=64G",
+        "--exclusive",
+        "--qos=high",
+        "--constraint=a100",
+        "--gpus-per-task=1",
+        "--gpu-bind=closest",
+        "--account=proj-1",
+    ]:
+        assert f"#SBATCH {line}\n" in text, line
+
+
+def test_submit_all_passes_its_options_and_chains_the_report(cli, tmp_path, study):
+    """submit_all.sh hands its arguments to every sbatch, then submits the report job with
+    --dependency=afterany on every point job (it runs however they ended)."""
+    out, _ = _generate(cli, tmp_path, study)
+    args_dir = tmp_path / "args"
+    args_dir.mkdir()
+    env = {**os.environ, "ARGS_DIR": str(args_dir)}
+    proc = subprocess.run(
+        ["bash", str(out / "submit_all.sh"), "--qos=high", "--mem", "8G"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    calls = [(args_dir / f"sbatch-{i}").read_text().split() for i in range(1, 5)]
+    assert all(c[1:4] == ["--qos=high", "--mem", "8G"] for c in calls)
+    assert [c[-1] for c in calls] == [
+        str(p.resolve()) for p in [*sorted(out.glob("point_*")), out / "report.sbatch"]
+    ]
+    assert "--dependency=afterany:1:2:3" in calls[3]
+    assert "python3 -m scalelab report " in (out / "report.sbatch").read_text()
 
 
 @pytest.mark.parametrize(
@@ -140,8 +245,21 @@ def test_job_array(cli, tmp_path, study):
         (["--time", "half an hour"], "--time 'half an hour'"),
         (["--partition", "gpu a"], "--partition 'gpu a': unexpected characters"),
         (["--nodes", "3", "--tasks-per-node", "3"], "torchrun needs ranks (8) divisible by nodes"),
+        (["--cpus-per-task", "-2"], "--cpus-per-task must be >= 1, got -2"),
+        (["--tasks-per-node", "0"], "--tasks-per-node must be >= 1, got 0"),
+        (["--mem", "lots"], "--mem 'lots'"),
+        (["--qos", "a;b"], "--qos 'a;b': unexpected characters"),
     ],
 )
 def test_bad_options_one_line_exit_2(cli, tmp_path, study, args, needle):
     code, _, err = cli("slurm", study, "-o", tmp_path / "jobs", *args)
     assert code == 2 and len(err.strip().splitlines()) == 1 and needle in err, err
+    assert not (tmp_path / "jobs").exists()
+
+
+def test_gpu_points_need_a_gpu_request(cli, tmp_path):
+    """A --device cuda point in jobs that ask for no GPU is refused before anything is written."""
+    (tmp_path / "s.toml").write_text(DDP_STUDY.replace("threads = 3", 'device = "cuda"'))
+    code, _, err = cli("slurm", tmp_path / "s.toml", "--gpus-per-node", "0", "-o", tmp_path / "j")
+    assert code == 2 and "--device cuda but the jobs ask for no GPU" in err, err
+    assert not (tmp_path / "j").exists()

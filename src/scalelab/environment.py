@@ -57,8 +57,8 @@ def nvidia_driver() -> str | None:
         return None
 
 
-def mpi_library() -> str | None:
-    """The MPI library's own version line, without initialising MPI in this process."""
+def _mpi_module():
+    """mpi4py's MPI module, imported without initialising MPI (None without mpi4py)."""
     try:
         import mpi4py
     except ImportError:
@@ -67,7 +67,87 @@ def mpi_library() -> str | None:
         mpi4py.rc.initialize = False  # MPI_Get_library_version may be called before MPI_Init
     from mpi4py import MPI
 
-    return MPI.Get_library_version().splitlines()[0].strip()
+    return MPI
+
+
+def mpi_library() -> str | None:
+    """The MPI library's own version line, without initialising MPI in this process."""
+    MPI = _mpi_module()
+    return None if MPI is None else MPI.Get_library_version().splitlines()[0].strip()
+
+
+def mpi_library_path() -> Path | None:
+    """The libmpi this process loaded through mpi4py (the one its ranks will use)."""
+    if _mpi_module() is None:
+        return None
+    try:
+        maps = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return None
+    libs = [ln.split()[-1] for ln in maps if "/libmpi" in ln.split()[-1]]
+    return Path(libs[0]) if libs else None
+
+
+def mpiexec_of_library() -> Path | None:
+    """The mpiexec installed with mpi4py's MPI library (<prefix>/lib/libmpi.so ->
+    <prefix>/bin/mpiexec), so ranks start under the launcher that speaks its PMI."""
+    lib = mpi_library_path()
+    if lib is None:
+        return None
+    for prefix in (lib.parent.parent, lib.resolve().parent.parent):
+        for name in ("mpiexec", "mpirun"):
+            if (prefix / "bin" / name).exists():
+                return prefix / "bin" / name
+    return None
+
+
+def mpi_pmi(version: str) -> list[str]:
+    """The process-management interfaces (srun --mpi=...) a library speaks, best first:
+    Open MPI speaks PMIx; MPICH speaks PMI-1/PMI-2 unless it was built against PMIx (the
+    PyPI wheel aborts under srun --mpi=pmix with "unsupported PMI version PMIx")."""
+    if "Open MPI" in version:
+        return ["pmix"]
+    if "MPICH" in version or "Intel" in version:
+        configure = next((ln for ln in version.splitlines() if "configure" in ln.lower()), "")
+        return ["pmix", "pmi2"] if "pmix" in configure.lower() else ["pmi2"]
+    return []
+
+
+def mpi_cuda_aware(version: str) -> bool | None:
+    """Whether the library accepts device pointers: asked of the library once MPI runs
+    (MPIX_Query_cuda_support), else read from its build (MPICH's configure line, Open MPI's
+    ompi_info); None when it cannot tell."""
+    MPI = _mpi_module()
+    if MPI is not None and MPI.Is_initialized():
+        from scalelab.comm.mpi import query_cuda_aware
+
+        return query_cuda_aware(MPI)
+    if "MPICH" in version:
+        return "--with-cuda" in version
+    if "Open MPI" in version:
+        try:
+            out = subprocess.run(
+                ["ompi_info", "--parsable", "--all"], capture_output=True, text=True, timeout=20
+            ).stdout
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return "mpi_built_with_cuda_support:value:true" in out
+    return None
+
+
+def mpi_info() -> dict[str, Any]:
+    """Which MPI (version line), which PMI it speaks, CUDA-awareness and its mpiexec."""
+    MPI = _mpi_module()
+    if MPI is None:
+        return {"mpi_library": None}
+    version = MPI.Get_library_version()
+    mpiexec = mpiexec_of_library()
+    return {
+        "mpi_library": version.splitlines()[0].strip(),
+        "mpi_pmi": mpi_pmi(version),
+        "mpi_cuda_aware": mpi_cuda_aware(version),
+        "mpiexec": None if mpiexec is None else str(mpiexec),
+    }
 
 
 @lru_cache(maxsize=1)
@@ -114,7 +194,7 @@ def collect() -> dict[str, Any]:
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
         "numpy": np.__version__,
-        "mpi_library": mpi_library(),
+        **mpi_info(),
         **gpu_info(),
         **git_commit(),
     }

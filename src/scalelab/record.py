@@ -26,7 +26,16 @@ DEFAULT_RESULTS = Path("scalelab-results") / "runs.jsonl"
 
 def new_record(**fields: Any) -> dict[str, Any]:
     now = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-    return {"schema": SCHEMA, "id": uuid.uuid4().hex[:12], "time": now, **fields}
+    return {"schema": SCHEMA, "id": uuid.uuid4().hex[:12], "time": now, **fields, **slurm_job()}
+
+
+def slurm_job() -> dict[str, Any]:
+    """`slurm`: the job a record was made in (job id, array task, node list, partition,
+    nodes, tasks); nothing outside Slurm."""
+    from scalelab.comm.slurm import job_fields
+
+    job = job_fields()
+    return {} if job is None else {"slurm": job}
 
 
 def failed_record(cfg: RunConfig, error: str, ranks: int | None = None, **extra: Any) -> dict:

@@ -1,46 +1,38 @@
-"""sbatch scripts for a study: one per point, or one job array.
+"""sbatch scripts for a study: one job per point, or job arrays (one per allocation size).
 
 Each point launches the way its strategy needs:
 
-- MPI strategies (launcher "mpi"): `srun` starts the ranks itself (one task per rank); scalelab
-  sees SLURM_PROCID and runs in place instead of starting mpiexec.
+- MPI strategies (launcher "mpi"): `srun --mpi=PLUGIN` starts the ranks itself (one task per
+  rank); the plugin is one the MPI library speaks (pmix for Open MPI, pmi2 for MPICH).
 - torch.distributed strategies (launcher "torchrun"): one `torchrun` per node via
-  `srun --ntasks-per-node=1`, meeting at a c10d rendezvous on the first node of the job.
+  `srun --ntasks-per-node=1`, meeting at a c10d rendezvous on the first node of the job, on a
+  port derived from the job id (two jobs sharing a node do not collide).
 - single-process strategies: one task.
 
-Every argument is shell-quoted (shlex); the scheduler fields are checked, since `#SBATCH`
-lines are not shell-parsed and cannot be quoted.
+Every point runs through `run_point` (scripts.py): a point that already has an ok record is
+skipped, and a job stopped by its time limit or scancel, or a step that dies, leaves a failed
+record. Every argument is shell-quoted (shlex); the scheduler fields are checked, since
+`#SBATCH` lines are not shell-parsed and cannot be quoted.
 """
 
 from __future__ import annotations
 
 import math
 import re
-import shlex
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from scalelab.analysis.sweep import Point, Study, points
+from scalelab.analysis.sweep import Point
 from scalelab.errors import UsageError
 from scalelab.strategies import STRATEGIES
 
-RDZV_PORT = 29500
-SAFE_FIELD = re.compile(r"^[A-Za-z0-9_.,:+-]+$")
+SAFE_FIELD = re.compile(r"^[A-Za-z0-9_.,:+=-]+$")
 SAFE_PATH = re.compile(r"^[A-Za-z0-9_./+-]+$")
 TIME = re.compile(r"^(\d+-)?\d+(:\d{2}){0,2}$")
-
-COMM_ENV = """\
-# --- communication settings: uncomment what your cluster needs ---------------------------
-# export NCCL_DEBUG=INFO                 # print the transport NCCL chose (IB, sockets, NVLink)
-# export NCCL_SOCKET_IFNAME=ib0          # interface NCCL bootstraps on (multi-homed nodes)
-# export NCCL_IB_HCA=mlx5                # InfiniBand adapters NCCL may use
-# export NCCL_NVLS_ENABLE=0              # NVLink SHARP multicast off (shared or MIG nodes)
-# export UCX_TLS=rc,sm,cuda_copy,cuda_ipc   # UCX transports for CUDA-aware Open MPI over IB
-# export UCX_NET_DEVICES=mlx5_0:1        # the IB port UCX uses
-# export OMPI_MCA_pml=ucx                # Open MPI: UCX for point-to-point messages
-# export SCALELAB_DEBUG=1                # full tracebacks instead of one-line errors
-export OMP_NUM_THREADS="${SLURM_CPUS_PER_TASK:-1}"   # torch intra-op threads per rank
-"""
+MEM = re.compile(r"^\d+[KMGT]?$")
+# sbatch options passed through as given (value checked, then one #SBATCH line each)
+PASSTHROUGH = ("mem", "qos", "constraint", "gpus_per_task", "gpu_bind", "account", "partition")
 
 
 @dataclass(frozen=True)
@@ -48,40 +40,74 @@ class SlurmOptions:
     nodes: int = 1
     gpus_per_node: int = 0
     tasks_per_node: int | None = None  # ranks per node (default: GPUs per node, else spread)
-    cpus_per_task: int | None = None
+    cpus_per_task: int | None = None  # CPUs per rank (default: the point's --threads, else 1)
     partition: str | None = None
     account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    mem: str | None = None
+    gpus_per_task: str | None = None
+    gpu_bind: str | None = None
+    exclusive: bool = False
     time: str = "00:30:00"
     python: str = "python3"
-    mpi_plugin: str | None = None  # srun --mpi=<plugin> (pmix, pmi2) when MPI needs it
+    mpi_plugin: str | None = None  # srun --mpi=<plugin>; None: chosen by default_mpi_plugin
     setup: tuple[str, ...] = ()  # shell lines run first (module load, venv activation)
     workdir: Path = Path(".")
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.gpus_per_node < 0:
             raise UsageError("--nodes must be >= 1 and --gpus-per-node >= 0")
+        for name in ("tasks_per_node", "cpus_per_task"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
         if not TIME.match(self.time):
             raise UsageError(f"--time {self.time!r}: expected [D-]HH:MM:SS, e.g. 00:30:00")
-        for name in ("partition", "account", "mpi_plugin"):
+        if self.mem is not None and not MEM.match(self.mem):
+            raise UsageError(f"--mem {self.mem!r}: expected a size such as 64G or 4000M")
+        for name in (*PASSTHROUGH, "mpi_plugin"):
             value = getattr(self, name)
             if value is not None and not SAFE_FIELD.match(value):
                 raise UsageError(f"--{name.replace('_', '-')} {value!r}: unexpected characters")
 
+    def minutes(self) -> float:
+        """The time limit in minutes ([D-]HH:MM:SS, MM, MM:SS, HH:MM:SS)."""
+        days, _, rest = self.time.rpartition("-")
+        parts = [int(p) for p in rest.split(":")]
+        h, m, s = {1: (0, parts[0], 0), 2: (0, *parts), 3: tuple(parts)}[len(parts)]
+        return (int(days or 0) * 24 + h) * 60 + m + s / 60
+
 
 @dataclass(frozen=True)
 class Layout:
-    """How one point maps onto the allocation."""
+    """How one point maps onto an allocation; points with equal layouts share an array."""
 
     launcher: str | None
     ranks: int
     nodes: int
     per_node: int
+    threads: int  # CPUs per rank
+
+    @property
+    def tasks(self) -> int:
+        """Slurm tasks: one torchrun per node, else one per rank."""
+        return self.nodes if self.launcher == "torchrun" else self.ranks
+
+    @property
+    def cpus_per_task(self) -> int:
+        return self.threads * (self.per_node if self.launcher == "torchrun" else 1)
 
 
 def layout(point: Point, opts: SlurmOptions) -> Layout:
     cfg = point.config
     launcher = STRATEGIES.get(cfg.strategy).launcher
     ranks = cfg.ranks if launcher else 1
+    if cfg.device == "cuda" and not (opts.gpus_per_node or opts.gpus_per_task):
+        raise UsageError(
+            f"point {point.index} ({point.describe()}) runs on --device cuda but the jobs ask "
+            "for no GPU: give --gpus-per-node N"
+        )
     per_node = opts.tasks_per_node or opts.gpus_per_node or math.ceil(ranks / opts.nodes)
     nodes = min(opts.nodes, math.ceil(ranks / per_node))
     if ranks > nodes * per_node:
@@ -93,129 +119,78 @@ def layout(point: Point, opts: SlurmOptions) -> Layout:
         raise UsageError(
             f"point {point.index}: torchrun needs ranks ({ranks}) divisible by nodes ({nodes})"
         )
-    return Layout(launcher, ranks, nodes, min(per_node, ranks))
+    threads = cfg.threads or opts.cpus_per_task or 1
+    return Layout(launcher, ranks, nodes, min(per_node, ranks), threads)
 
 
-def launch_line(point: Point, lay: Layout, opts: SlurmOptions, results: Path) -> str:
-    """The shell line that runs one point inside its allocation."""
-    run = [*point.argv(), "--out", str(results)]
+def srun_mpi_plugins() -> list[str] | None:
+    """The MPI plugins this Slurm's srun offers (`srun --mpi=list`); None without srun."""
+    try:
+        out = subprocess.run(["srun", "--mpi=list"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    text = out.stdout + out.stderr
+    names = re.findall(r"^\s*(?:srun:\s*)?(pmix|pmi2|cray_shasta|none)\s*$", text, re.M)
+    return names or None
+
+
+def default_mpi_plugin() -> str:
+    """The first PMI the MPI library speaks that srun offers (pmix where both have it, else
+    pmi2); pmi2 when neither can be asked."""
+    from scalelab.environment import mpi_info
+
+    speaks = mpi_info().get("mpi_pmi") or ["pmi2"]
+    offered = srun_mpi_plugins()
+    if offered is None:
+        return speaks[-1]
+    return next((p for p in speaks if p in offered), speaks[-1])
+
+
+def launch_words(lay: Layout, opts: SlurmOptions, plugin: str) -> list[str]:
+    """The command before the point's `run ...` arguments. `$head`, `$port` and
+    `$SLURM_JOB_ID` stay shell expansions (scripts.py writes them unquoted)."""
     if lay.launcher == "torchrun":
         srun = ["srun", f"--nodes={lay.nodes}", f"--ntasks={lay.nodes}", "--ntasks-per-node=1"]
-        torchrun = [
+        return [
+            *srun,
             opts.python,
             "-m",
             "torch.distributed.run",
             f"--nnodes={lay.nodes}",
             f"--nproc-per-node={lay.ranks // lay.nodes}",
             "--rdzv-backend=c10d",
+            "--rdzv-id=$SLURM_JOB_ID",
+            "--rdzv-endpoint=$head:$port",
+            "-m",
+            "scalelab",
         ]
-        # The two $-expansions must reach the shell unquoted; everything else is quoted.
-        rdzv = f'--rdzv-id="$SLURM_JOB_ID" --rdzv-endpoint="$head:{RDZV_PORT}"'
-        return f"{shlex.join(srun + torchrun)} {rdzv} {shlex.join(['-m', 'scalelab', *run])}"
     srun = ["srun", f"--nodes={lay.nodes}", f"--ntasks={lay.ranks}"]
     if lay.launcher == "mpi":
-        srun.append(f"--ntasks-per-node={lay.per_node}")
-        if opts.mpi_plugin:
-            srun.append(f"--mpi={opts.mpi_plugin}")
-    return shlex.join([*srun, opts.python, "-m", "scalelab", *run])
+        srun += [f"--ntasks-per-node={lay.per_node}", f"--mpi={plugin}"]
+    return [*srun, opts.python, "-m", "scalelab"]
 
 
-def _header(job: str, lay: Layout, opts: SlurmOptions, log_dir: Path) -> list[str]:
+def header(job: str, lay: Layout, opts: SlurmOptions, log: str) -> list[str]:
     lines = [
         "#!/bin/bash",
         f"#SBATCH --job-name={job}",
         f"#SBATCH --nodes={lay.nodes}",
         f"#SBATCH --time={opts.time}",
-        f"#SBATCH --output={log_dir}/%x-%j.out",
+        f"#SBATCH --output={log}",
+        f"#SBATCH --cpus-per-task={lay.cpus_per_task}",
     ]
     if lay.launcher == "torchrun":
         lines.append("#SBATCH --ntasks-per-node=1")
     else:
-        lines.append(f"#SBATCH --ntasks={lay.ranks}")
+        lines.append(f"#SBATCH --ntasks={lay.tasks}")
     if opts.gpus_per_node:
         lines.append(f"#SBATCH --gpus-per-node={opts.gpus_per_node}")
-    if opts.cpus_per_task:
-        lines.append(f"#SBATCH --cpus-per-task={opts.cpus_per_task}")
-    if opts.partition:
-        lines.append(f"#SBATCH --partition={opts.partition}")
-    if opts.account:
-        lines.append(f"#SBATCH --account={opts.account}")
+    for name in PASSTHROUGH:
+        value = getattr(opts, name)
+        if value is not None:
+            lines.append(f"#SBATCH --{name.replace('_', '-')}={value}")
+    if opts.exclusive:
+        lines.append("#SBATCH --exclusive")
+    if opts.minutes() >= 10:  # a warning while there is time to write the failed record
+        lines.append("#SBATCH --signal=B:USR1@120")
     return lines
-
-
-def _preamble(opts: SlurmOptions, torchrun: bool) -> list[str]:
-    lines = ["set -euo pipefail", f"cd {shlex.quote(str(opts.workdir))}", *opts.setup, COMM_ENV]
-    if torchrun:
-        # The rendezvous host: the job's first node. sed reads every line (`head -n 1` could
-        # SIGPIPE scontrol, which pipefail turns into a failed job).
-        lines.append('head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)')
-    return lines
-
-
-def point_script(study: Study, point: Point, opts: SlurmOptions, log_dir: Path) -> str:
-    lay = layout(point, opts)
-    job = _job_name(study, point.index)
-    lines = [
-        *_header(job, lay, opts, log_dir),
-        f"# scalelab study {study.name}, point {point.index}: {point.describe()}",
-        *_preamble(opts, lay.launcher == "torchrun"),
-        launch_line(point, lay, opts, study.results),
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def array_script(study: Study, pts: list[Point], opts: SlurmOptions, log_dir: Path) -> str:
-    """One job array; every task gets the largest point's allocation."""
-    lays = [layout(p, opts) for p in pts]
-    torchrun = any(lay.launcher == "torchrun" for lay in lays)
-    # Each task's srun names its own nodes and tasks, within the largest point's allocation.
-    header_layout = Layout(
-        "torchrun" if all(lay.launcher == "torchrun" for lay in lays) else "mpi",
-        max(lay.ranks for lay in lays),
-        max(lay.nodes for lay in lays),
-        max(lay.per_node for lay in lays),
-    )
-    lines = [
-        *_header(_job_name(study, None), header_layout, opts, log_dir),
-        f"#SBATCH --array=1-{len(pts)}",
-        f"# scalelab study {study.name}: {len(pts)} points, one array task each",
-        *_preamble(opts, torchrun),
-        'case "$SLURM_ARRAY_TASK_ID" in',
-    ]
-    for p, lay in zip(pts, lays):
-        lines += [
-            f"  {p.index})  # {p.describe()}",
-            f"    {launch_line(p, lay, opts, study.results)}",
-            "    ;;",
-        ]
-    lines += ['  *) echo "no point $SLURM_ARRAY_TASK_ID" >&2; exit 2 ;;', "esac"]
-    return "\n".join(lines) + "\n"
-
-
-def _job_name(study: Study, index: int | None) -> str:
-    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", study.name)
-    return f"scalelab-{safe}" + (f"-{index}" if index is not None else "")
-
-
-def write_scripts(study: Study, opts: SlurmOptions, out_dir: Path, array: bool) -> list[Path]:
-    """Write the scripts (and submit_all.sh for per-point scripts); returns what to submit."""
-    pts = points(study)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    log_dir = out_dir.resolve() / "logs"
-    if not SAFE_PATH.match(str(log_dir)):
-        raise UsageError(f"{log_dir}: #SBATCH --output cannot take this path; pick a plainer -o")
-    log_dir.mkdir(exist_ok=True)
-    if array:
-        path = out_dir / "array.sbatch"
-        path.write_text(array_script(study, pts, opts, log_dir))
-        return [path]
-    paths = []
-    for p in pts:
-        path = out_dir / f"point_{p.index:03d}.sbatch"
-        path.write_text(point_script(study, p, opts, log_dir))
-        paths.append(path)
-    submit = out_dir / "submit_all.sh"
-    body = "".join(f"sbatch {shlex.quote(str(p.resolve()))}\n" for p in paths)
-    submit.write_text(f"#!/bin/bash\nset -euo pipefail\n{body}")
-    submit.chmod(0o755)
-    return paths

@@ -7,19 +7,29 @@ the same command line under `mpiexec -n N` (MPI strategies) or `torchrun --nproc
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from scalelab.comm import slurm
 from scalelab.errors import UsageError
 
+if TYPE_CHECKING:
+    from scalelab.config import RunConfig
+
 MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MPI_LOCALRANKID")
+# Processes per launcher task on this node (mpiexec's and torchrun's own counts).
+LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
 
 
 def inside_mpi_launcher() -> bool:
-    return any(v in os.environ for v in MPI_RANK_VARS) or "SLURM_PROCID" in os.environ
+    """mpiexec started this process, or srun did as one of several tasks (the batch script
+    and a one-task step are not launchers: there scalelab starts its own ranks)."""
+    return any(v in os.environ for v in MPI_RANK_VARS) or slurm.srun_launched()
 
 
 def inside_torchrun() -> bool:
@@ -28,19 +38,54 @@ def inside_torchrun() -> bool:
     )
 
 
+def adopt_srun_step(launcher: str | None) -> None:
+    """Under srun with several tasks and no torchrun, a torch.distributed strategy takes its
+    rank, world and rendezvous from Slurm (env:// variables, set once for this process)."""
+    if launcher == "torchrun" and slurm.srun_launched() and not inside_torchrun():
+        os.environ.update(slurm.torch_env())
+
+
+def launcher_world() -> int | None:
+    """Processes the launcher around this one started (None: no launcher)."""
+    for var in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return slurm.step_tasks() if slurm.srun_launched() else None
+
+
+def default_threads() -> int | None:
+    """torch threads per rank when --threads is not given: the CPUs Slurm gave this task,
+    shared by the ranks a launcher inside the task started on this node (None outside Slurm:
+    torch's own default)."""
+    cpus = slurm.cpus_per_task()
+    if cpus is None:
+        return None
+    local = next((int(os.environ[v]) for v in LOCAL_SIZE_VARS if os.environ.get(v)), 1)
+    return max(1, cpus // max(1, local))
+
+
 def inside_launcher(launcher: str) -> bool:
     return inside_mpi_launcher() if launcher == "mpi" else inside_torchrun()
 
 
 def find_mpiexec() -> str:
-    """The mpiexec that belongs to mpi4py's library: beside this Python first (pip's mpich),
-    then PATH (a system Open MPI or MPICH)."""
+    """The mpiexec that belongs to mpi4py's MPI library (a site MPI loaded through
+    LD_LIBRARY_PATH or `module load` brings its own), then the one beside this Python (pip's
+    mpich wheel), then PATH."""
+    from scalelab.environment import mpiexec_of_library
+
+    own = mpiexec_of_library()
+    if own is not None:
+        return str(own)
     beside = Path(sys.executable).parent / "mpiexec"
     if beside.exists():
         return str(beside)
     found = shutil.which("mpiexec") or shutil.which("mpirun")
     if found is None:
-        raise UsageError("no mpiexec found: install an MPI library (pip install -e '.[mpi]')")
+        raise UsageError(
+            "no mpiexec found: load your cluster's MPI, or install MPICH (pip install -e "
+            "'.[mpich]')"
+        )
     return found
 
 
@@ -77,3 +122,18 @@ def relaunch(launcher: str, ranks: int, argv: list[str]) -> int:
     env.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (shared hosts)
     env["SCALELAB_LAUNCHED"] = "1"
     return subprocess.call(cmd, env=env)
+
+
+def settle_config(cfg: RunConfig, launcher: str | None) -> RunConfig:
+    """cfg as this process will run it under the launcher around it: the ranks that launcher
+    started (`srun -n 4 scalelab run ...` without --ranks is a 4-rank run, and its record says
+    so) and, without --threads, the CPUs Slurm gave the task."""
+    adopt_srun_step(launcher)
+    changes: dict[str, int] = {}
+    world = launcher_world() if launcher is not None and inside_launcher(launcher) else None
+    if cfg.ranks == 1 and world is not None and world > 1:
+        changes["ranks"] = world
+    threads = default_threads() if cfg.threads is None else None
+    if threads is not None:
+        changes["threads"] = threads
+    return dataclasses.replace(cfg, **changes) if changes else cfg

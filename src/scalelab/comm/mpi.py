@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import atexit
 import math
+import os
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from scalelab.comm import slurm
 from scalelab.comm.base import Comm, Request
 from scalelab.errors import UsageError
 
@@ -27,7 +29,8 @@ def import_mpi():
         import mpi4py
     except ImportError:
         raise UsageError(
-            "MPI strategies need mpi4py and an MPI library: pip install -e '.[mpi]'"
+            "MPI strategies need mpi4py and an MPI library: pip install -e '.[mpich]' (or "
+            "'.[mpi]' with your cluster's MPI loaded)"
         ) from None
     mpi4py.rc.initialize = False  # we initialise ourselves, so import order never matters
     mpi4py.rc.finalize = False
@@ -37,6 +40,26 @@ def import_mpi():
         MPI.Init_thread(MPI.THREAD_MULTIPLE)
         atexit.register(lambda: MPI.Is_finalized() or MPI.Finalize())
     return MPI
+
+
+def check_spans_srun(size: int) -> None:
+    """Under srun, MPI must span the step's tasks. Without a PMI shared by srun and the
+    library every task initialises a world of one, and N independent studies would each
+    record a 1-rank run: refused (task 0 says why; the others exit 2 quietly)."""
+    tasks = slurm.step_tasks()
+    launched_by_mpiexec = any(v in os.environ for v in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_SIZE"))
+    if tasks is None or tasks <= 1 or size == tasks or launched_by_mpiexec:
+        return
+    if os.environ.get("SLURM_PROCID", "0") != "0":
+        raise SystemExit(2)
+    from scalelab.environment import mpi_info
+
+    speaks = mpi_info().get("mpi_pmi") or ["pmi2"]
+    raise UsageError(
+        f"srun started {tasks} tasks but MPI sees {size} rank(s) in each: srun and this MPI "
+        f"library share no PMI; run srun --mpi={speaks[-1]} (this library speaks "
+        f"{', '.join(speaks)})"
+    )
 
 
 def query_cuda_aware(MPI) -> bool:
@@ -62,6 +85,7 @@ class MPIComm(Comm):
     def __init__(self) -> None:
         self.MPI = import_mpi()
         self.world = self.MPI.COMM_WORLD
+        check_spans_srun(self.world.Get_size())
         self.node = self.world.Split_type(self.MPI.COMM_TYPE_SHARED)
         self.cuda_aware = query_cuda_aware(self.MPI) and torch.cuda.is_available()
         self.device = "cuda" if self.cuda_aware else "cpu"

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from scalelab.comm.base import Comm, Request
+from scalelab.comm.launch import adopt_srun_step
 
 # A dead peer must not leave the survivors waiting: collectives time out after this long.
 TIMEOUT_S = float(os.environ.get("SCALELAB_COMM_TIMEOUT_S", "60"))
@@ -32,6 +33,7 @@ class _Work(Request):
 
 class TorchDistComm(Comm):
     def __init__(self, backend: str) -> None:
+        adopt_srun_step("torchrun")  # srun tasks without torchrun: rank and rendezvous from Slurm
         self.backend = backend
         self.device = "cuda" if backend == "nccl" else "cpu"
         self._local_rank = int(os.environ.get("LOCAL_RANK", "0"))

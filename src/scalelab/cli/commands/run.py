@@ -16,7 +16,7 @@ from typing import Any
 
 from scalelab.cli.base import COMMANDS, Command
 from scalelab.cli.options import add_config_options, config_from_args, expand_lists, flag_of
-from scalelab.comm.launch import inside_launcher, relaunch, torchrun_command
+from scalelab.comm.launch import inside_launcher, relaunch, settle_config, torchrun_command
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
 from scalelab.record import DEFAULT_RESULTS, append_record, failed_record
@@ -93,6 +93,7 @@ def substitute(argv: list[str], flag: str, value: Any) -> list[str]:
 def run_one(args: argparse.Namespace) -> int:
     cfg = config_from_args(args, workload=args.workload, **_defaults(args))
     strategy = STRATEGIES.get(cfg.strategy)
+    cfg = settle_config(cfg, strategy.launcher)
     preflight(strategy, cfg)
     if cfg.compare_devices:
         return _compare_devices(cfg, args)

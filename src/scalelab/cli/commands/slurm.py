@@ -1,13 +1,25 @@
-"""`scalelab slurm STUDY.toml`: sbatch scripts launching each point with srun or torchrun."""
+"""`scalelab slurm STUDY.toml`: sbatch scripts launching each point with srun or torchrun,
+a report job chained after them, and submit_all.sh."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from scalelab.analysis.slurm import SlurmOptions, write_scripts
+from scalelab.analysis.slurm import SlurmOptions
+from scalelab.analysis.slurm_scripts import write_scripts
 from scalelab.analysis.sweep import load_study
 from scalelab.cli.base import COMMANDS, Command
+
+SBATCH_PASSTHROUGH = {
+    "--mem": "memory per node, e.g. 64G",
+    "--qos": "quality of service",
+    "--constraint": "node features, e.g. a100",
+    "--gpus-per-task": "GPUs per task",
+    "--gpu-bind": "GPU binding, e.g. closest",
+    "--account": "Slurm account",
+    "--partition": "Slurm partition",
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -15,45 +27,63 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nodes", type=int, default=1, help="nodes available per job (default 1)")
     p.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node (default 0)")
     p.add_argument("--tasks-per-node", type=int, default=None, help="ranks per node")
-    p.add_argument("--cpus-per-task", type=int, default=None, help="CPU cores per rank")
-    p.add_argument("--partition", default=None, help="Slurm partition")
-    p.add_argument("--account", default=None, help="Slurm account")
+    p.add_argument(
+        "--cpus-per-task",
+        type=int,
+        default=None,
+        help="CPU cores per rank (default: the point's --threads, else 1)",
+    )
+    for flag, what in SBATCH_PASSTHROUGH.items():
+        p.add_argument(flag, default=None, help=f"sbatch {flag}: {what}")
+    p.add_argument("--exclusive", action="store_true", help="sbatch --exclusive: whole nodes")
     p.add_argument("--time", default="00:30:00", help="time limit per job (default 00:30:00)")
     p.add_argument("--python", default="python3", help="Python on the nodes (default python3)")
-    p.add_argument("--mpi-plugin", default=None, help="srun --mpi=PLUGIN for MPI points (pmix)")
+    p.add_argument(
+        "--mpi-plugin",
+        default=None,
+        help="srun --mpi=PLUGIN for MPI points (default: what the MPI library speaks and srun "
+        "offers, pmix for Open MPI, pmi2 for MPICH)",
+    )
     p.add_argument(
         "--setup",
         action="append",
         default=[],
         help="shell line run before the point, e.g. 'source .venv/bin/activate' (repeatable)",
     )
-    p.add_argument("--array", action="store_true", help="one job array instead of one job each")
+    p.add_argument(
+        "--array",
+        action="store_true",
+        help="job arrays (one per allocation size) instead of one job per point",
+    )
     p.add_argument("--out", default=None, help="results file the jobs append to")
     p.add_argument("-o", "--out-dir", default=None, help="folder for the scripts")
 
 
 def run(args: argparse.Namespace) -> int:
     study = load_study(args.study, args.out)
+    passthrough = {
+        f[2:].replace("-", "_"): getattr(args, f[2:].replace("-", "_")) for f in SBATCH_PASSTHROUGH
+    }
     opts = SlurmOptions(
         nodes=args.nodes,
         gpus_per_node=args.gpus_per_node,
         tasks_per_node=args.tasks_per_node,
         cpus_per_task=args.cpus_per_task,
-        partition=args.partition,
-        account=args.account,
+        exclusive=args.exclusive,
         time=args.time,
         python=args.python,
         mpi_plugin=args.mpi_plugin,
         setup=tuple(args.setup),
         workdir=Path.cwd(),
+        **passthrough,
     )
     out_dir = Path(args.out_dir or f"slurm-{study.name}")
     scripts = write_scripts(study, opts, out_dir, args.array)
-    if args.array:
-        print(f"wrote {scripts[0]}: submit with `sbatch {scripts[0]}`")
-    else:
-        print(f"wrote {len(scripts)} scripts in {out_dir}: submit with `{out_dir}/submit_all.sh`")
-    print(f"records will be appended to {study.results}; analyse with `scalelab report`")
+    print(
+        f"wrote {len(scripts)} job script(s), report.sbatch and submit_all.sh in {out_dir}: "
+        f"submit with `{out_dir}/submit_all.sh [sbatch options]`"
+    )
+    print(f"records will be appended to {study.results}; the report job writes {out_dir}/report")
     return 0
 
 

@@ -1,0 +1,74 @@
+"""What a generated sbatch script asks about its point (`python -m scalelab.analysis.slurm_point`):
+
+    done ARGS...            exit 0 when the results file has an ok record of this point
+    failed REASON ARGS...   append a failed record for it, unless this job already wrote one
+
+ARGS are the point's `scalelab` arguments (`run WORKLOAD ... --out RESULTS`), parsed by the
+`run` command itself, so the config compared and recorded is the one the run would have.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from scalelab.analysis.sweep import config_key
+from scalelab.config import RunConfig
+from scalelab.errors import UsageError
+from scalelab.record import append_record, failed_record, read_records
+
+
+def point_config(argv: list[str]) -> tuple[RunConfig, Path]:
+    from scalelab.cli.main import build_parser
+    from scalelab.cli.options import config_from_args
+
+    args = build_parser().parse_args(argv)
+    return config_from_args(args, workload=args.workload), Path(args.out)
+
+
+def same_point(cfg: RunConfig, record: dict[str, Any]) -> bool:
+    """record ran cfg. Threads the point left to Slurm are whatever the run settled on."""
+    got = dict(record.get("config") or {})
+    if cfg.threads is None:
+        got["threads"] = None
+    return config_key(got) == config_key(cfg.to_dict())
+
+
+def _records(results: Path) -> list[dict[str, Any]]:
+    try:
+        return read_records(results) if results.exists() else []
+    except UsageError:
+        return []
+
+
+def is_done(cfg: RunConfig, results: Path) -> bool:
+    return any(r.get("status") == "ok" and same_point(cfg, r) for r in _records(results))
+
+
+def record_failure(cfg: RunConfig, results: Path, reason: str) -> bool:
+    """Append the failed record unless a record of this point from this job exists (the root
+    rank recorded its own failure, or the job got both USR1 and TERM)."""
+    job = os.environ.get("SLURM_JOB_ID")
+    for r in _records(results):
+        if same_point(cfg, r) and job is not None and (r.get("slurm") or {}).get("job_id") == job:
+            return False
+    append_record(results, failed_record(cfg, reason, source="slurm"))
+    return True
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["done"]:
+        cfg, results = point_config(argv[1:])
+        return 0 if is_done(cfg, results) else 1
+    if argv[:1] == ["failed"] and len(argv) > 2:
+        cfg, results = point_config(argv[2:])
+        record_failure(cfg, results, argv[1])
+        return 0
+    sys.stderr.write("usage: python -m scalelab.analysis.slurm_point done|failed REASON ARGS\n")
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

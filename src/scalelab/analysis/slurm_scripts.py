@@ -1,0 +1,200 @@
+"""Writing a study's sbatch scripts: one job per point or one array per allocation size,
+a report job chained after them with --dependency=afterany, and submit_all.sh that submits
+everything with the sbatch options it is given ("$@")."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections import defaultdict
+from pathlib import Path
+
+from scalelab.analysis.slurm import (
+    SAFE_PATH,
+    Layout,
+    SlurmOptions,
+    default_mpi_plugin,
+    header,
+    launch_words,
+    layout,
+)
+from scalelab.analysis.sweep import Point, Study, points
+from scalelab.errors import UsageError
+
+COMM_ENV = """\
+# --- communication settings: uncomment what your cluster needs ---------------------------
+# export NCCL_DEBUG=INFO                 # print the transport NCCL chose (IB, sockets, NVLink)
+# export NCCL_SOCKET_IFNAME=ib0          # interface NCCL bootstraps on (multi-homed nodes)
+# export NCCL_IB_HCA=mlx5                # InfiniBand adapters NCCL may use
+# export NCCL_NVLS_ENABLE=0              # NVLink SHARP multicast off (shared or MIG nodes)
+# export UCX_TLS=rc,sm,cuda_copy,cuda_ipc   # UCX transports for CUDA-aware Open MPI over IB
+# export UCX_NET_DEVICES=mlx5_0:1        # the IB port UCX uses
+# export OMPI_MCA_pml=ucx                # Open MPI: UCX for point-to-point messages
+# export SCALELAB_DEBUG=1                # full tracebacks instead of one-line errors
+"""
+
+# run_point: the arrays `launch` and `args` name one point. Skipped when it has an ok record;
+# a step that dies, or a job stopped by its time limit or scancel (SIGTERM, or USR1 from
+# --signal ahead of the limit), leaves a failed record. srun runs in the background so the
+# trap fires at once (bash runs traps only between foreground commands).
+RUN_POINT = """\
+point_helper() { "$PY" -m scalelab.analysis.slurm_point "$@"; }
+stopped() {
+  point_helper failed "job $SLURM_JOB_ID was stopped by Slurm (time limit or scancel)" \\
+    "${args[@]}" || true
+  exit 143
+}
+run_point() {
+  trap stopped TERM USR1
+  if point_helper done "${args[@]}"; then
+    echo "scalelab: this point has an ok record already: skipped"
+    return 0
+  fi
+  "${launch[@]}" "${args[@]}" &
+  local code=0
+  wait $! || code=$?
+  trap - TERM USR1
+  case $code in 0|1|2) return "$code" ;; esac  # ok, check failed, refused: ranks said so
+  point_helper failed "the job step exited with code $code" "${args[@]}" || true
+  return "$code"
+}
+"""
+
+
+def _words(words: list[str]) -> str:
+    """shlex-quoted, except the expansions launch_words leaves for the shell."""
+    return " ".join(f'"{w}"' if "$" in w else shlex.quote(w) for w in words)
+
+
+def point_lines(point: Point, lay: Layout, opts: SlurmOptions, plugin: str, results: Path):
+    args = [*point.argv(), "--out", str(results)]
+    return [
+        f"launch=({_words(launch_words(lay, opts, plugin))})",
+        f"args=({shlex.join(args)})",
+    ]
+
+
+def preamble(opts: SlurmOptions, lay: Layout) -> list[str]:
+    lines = [
+        "set -euo pipefail",
+        f"cd {shlex.quote(str(opts.workdir))}",
+        *opts.setup,
+        COMM_ENV,
+        f"PY={shlex.quote(opts.python)}",
+        f"export OMP_NUM_THREADS={lay.threads}   # torch intra-op threads per rank",
+    ]
+    if lay.launcher == "torchrun":
+        # The rendezvous: the job's first node, a port from the job id. sed reads every line
+        # (`head -n 1` could SIGPIPE scontrol, which pipefail turns into a failed job).
+        lines += [
+            'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',
+            "port=$((20000 + SLURM_JOB_ID % 20000))",
+        ]
+    return [*lines, RUN_POINT]
+
+
+def point_script(study: Study, point: Point, opts: SlurmOptions, plugin: str, logs: Path):
+    lay = layout(point, opts)
+    return "\n".join(
+        [
+            *header(job_name(study, point.index), lay, opts, f"{logs}/%x-%j.out"),
+            f"# scalelab study {study.name}, point {point.index}: {point.describe()}",
+            *preamble(opts, lay),
+            *point_lines(point, lay, opts, plugin, study.results),
+            "run_point",
+        ]
+    )
+
+
+def array_script(study: Study, lay: Layout, pts: list[Point], opts, plugin, logs) -> str:
+    """One job array for points of one layout: each task gets exactly its allocation."""
+    lines = [
+        *header(job_name(study, None), lay, opts, f"{logs}/%x-%A_%a.out"),
+        f"#SBATCH --array={','.join(str(p.index) for p in pts)}",
+        f"# scalelab study {study.name}: {len(pts)} points, one array task each",
+        *preamble(opts, lay),
+        'case "$SLURM_ARRAY_TASK_ID" in',
+    ]
+    for p in pts:
+        body = point_lines(p, lay, opts, plugin, study.results)
+        lines += [f"  {p.index})  # {p.describe()}", *(f"    {ln}" for ln in body), "    ;;"]
+    lines += ['  *) echo "no point $SLURM_ARRAY_TASK_ID" >&2; exit 2 ;;', "esac", "run_point"]
+    return "\n".join(lines)
+
+
+def report_script(study: Study, opts: SlurmOptions, logs: Path, out: Path) -> str:
+    """The report job: runs after every point job ended, however it ended (afterany)."""
+    report = [opts.python, "-m", "scalelab", "report", str(study.results), "-o", str(out)]
+    lines = [
+        "#!/bin/bash",
+        f"#SBATCH --job-name={job_name(study, None)}-report",
+        "#SBATCH --nodes=1",
+        "#SBATCH --ntasks=1",
+        f"#SBATCH --time={opts.time}",
+        f"#SBATCH --output={logs}/%x-%j.out",
+    ]
+    lines += [
+        f"#SBATCH --{n}={getattr(opts, n)}"
+        for n in ("partition", "account", "qos")
+        if getattr(opts, n)
+    ]
+    lines += [
+        "set -euo pipefail",
+        f"cd {shlex.quote(str(opts.workdir))}",
+        *opts.setup,
+        shlex.join(report),
+    ]
+    return "\n".join(lines)
+
+
+def submit_script(jobs: list[Path], report: Path) -> str:
+    """Submits every job with the options given to it ("$@": --qos, --reservation, ...), then
+    the report job after all of them."""
+    lines = ["#!/bin/bash", "set -euo pipefail", "ids=()"]
+    for job in jobs:
+        q = shlex.quote(str(job.resolve()))
+        lines.append(f'ids+=("$(sbatch --parsable "$@" {q} | cut -d";" -f1)")')
+    q = shlex.quote(str(report.resolve()))
+    lines += [
+        'deps=$(IFS=:; echo "${ids[*]}")',
+        f'report=$(sbatch --parsable "$@" --dependency="afterany:$deps" {q} | cut -d";" -f1)',
+        'echo "submitted ${ids[*]}; report job $report runs after them"',
+    ]
+    return "\n".join(lines)
+
+
+def job_name(study: Study, index: int | None) -> str:
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", study.name)
+    return f"scalelab-{safe}" + (f"-{index}" if index is not None else "")
+
+
+def write_scripts(study: Study, opts: SlurmOptions, out_dir: Path, array: bool) -> list[Path]:
+    """Write the job scripts, report.sbatch and submit_all.sh; returns the job scripts.
+    Every point's layout is checked before anything is written."""
+    pts = points(study)
+    lays = [layout(p, opts) for p in pts]
+    log_dir = out_dir.resolve() / "logs"
+    if not SAFE_PATH.match(str(log_dir)):
+        raise UsageError(f"{log_dir}: #SBATCH --output cannot take this path; pick a plainer -o")
+    needs_mpi = any(lay.launcher == "mpi" for lay in lays)
+    plugin = opts.mpi_plugin or (default_mpi_plugin() if needs_mpi else "pmi2")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    texts: dict[str, str] = {}
+    if array:
+        groups: dict[Layout, list[Point]] = defaultdict(list)
+        for p, lay in zip(pts, lays):
+            groups[lay].append(p)
+        for k, (lay, group) in enumerate(groups.items(), 1):
+            texts[f"array_{k:02d}.sbatch"] = array_script(study, lay, group, opts, plugin, log_dir)
+    else:
+        for p in pts:
+            texts[f"point_{p.index:03d}.sbatch"] = point_script(study, p, opts, plugin, log_dir)
+    jobs = [out_dir / name for name in texts]
+    for path, text in zip(jobs, texts.values()):
+        path.write_text(text + "\n")
+    report = out_dir / "report.sbatch"
+    report.write_text(report_script(study, opts, log_dir, out_dir.resolve() / "report") + "\n")
+    submit = out_dir / "submit_all.sh"
+    submit.write_text(submit_script(jobs, report) + "\n")
+    submit.chmod(0o755)
+    return jobs

@@ -1,0 +1,243 @@
+"""scalelab on a real Slurm (22.05, Debian's packages): two emulated nodes n1 and n2 on this
+host, brought up by tests/slurm/cluster.sh. Every run here is started by srun or sbatch as a
+cluster user would, and compared with the same run on one node."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from scalelab.record import read_records
+
+pytestmark = pytest.mark.slurm
+
+ROOT = Path(__file__).resolve().parents[1]
+CLUSTER = ROOT / "tests" / "slurm" / "cluster.sh"
+PY = sys.executable
+ALEXNET = ["run", "alexnet", "--strategy", "mpi", "--split", "spatial", "--image-size", "67"]
+ALEXNET += ["--batch", "2", "--iters", "1", "--warmup", "0", "--check"]
+
+
+@pytest.fixture(scope="module")
+def slurm_conf():
+    """The two-node cluster for this module; stopped at the end only if it was started here
+    (a cluster someone brought up stays up)."""
+    proc = subprocess.run(["bash", str(CLUSTER), "up"], capture_output=True, text=True)
+    if proc.returncode == 77:
+        pytest.skip(f"no Slurm here: {proc.stderr.strip()}")
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    conf = proc.stdout.split("SLURM_CONF=")[-1].strip()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SLURM_CONF", conf)
+        yield conf
+    if "started" in proc.stdout.splitlines():
+        subprocess.run(["bash", str(CLUSTER), "down"], check=True)
+
+
+def slurm(cmd, cwd, timeout=300, **env):
+    return subprocess.run(
+        cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **env}
+    )
+
+
+def scalelab_srun(srun_args, args, cwd):
+    return slurm(["srun", *srun_args, PY, "-m", "scalelab", *args], cwd)
+
+
+def one_record(path):
+    (rec,) = read_records(path)
+    return rec
+
+
+def test_srun_without_pmi_is_refused_in_one_line(slurm_conf, tmp_path):
+    """No --mpi plugin (MpiDefault=none): each task would be a 1-rank world and append its own
+    record. Refused: exit 2, one line naming srun --mpi=pmi2, nothing written."""
+    out = tmp_path / "r.jsonl"
+    proc = scalelab_srun(["-N2", "-n2"], [*ALEXNET, "--out", str(out)], tmp_path)
+    said = [ln for ln in proc.stderr.splitlines() if ln.startswith("scalelab")]
+    assert proc.returncode == 2, proc.stderr
+    assert len(said) == 1 and "srun --mpi=pmi2" in said[0], proc.stderr
+    assert not out.exists()
+
+
+def test_mpi_spatial_across_two_nodes_equals_one_node(slurm_conf, tmp_path):
+    """alexnet, height split over 2 ranks on n1+n2 (pmi2): the same digest as on one node; the
+    record says 2 ranks in its config too, 1 thread (the one CPU Slurm gave each task) and the
+    job it ran in."""
+    two, one = tmp_path / "two.jsonl", tmp_path / "one.jsonl"
+    proc = scalelab_srun(
+        ["-N2", "-n2", "--ntasks-per-node=1", "--mpi=pmi2"], [*ALEXNET, "--out", str(two)], tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr
+    proc = scalelab_srun(["-N1", "-n2", "--mpi=pmi2"], [*ALEXNET, "--out", str(one)], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    a, b = one_record(two), one_record(one)
+    assert a["ranks"] == a["config"]["ranks"] == 2 and a["config"]["threads"] == 1
+    assert a["check_passed"] and a["digest"] == b["digest"] == a["reference_digest"]
+    job = a["slurm"]
+    assert (job["node_list"], job["nodes"], job["tasks"], job["partition"]) == (
+        "n[1-2]",
+        2,
+        2,
+        "debug",
+    )
+    assert job["job_id"].isdigit() and b["slurm"]["node_list"] == "n1"
+
+
+STUDY = """
+[study]
+name = "cluster"
+[grid]
+strategy = ["mpi-dp", "ddp"]
+epochs = [1, 100000]
+[fixed]
+workload = "mlp"
+train = true
+ranks = 2
+hidden = 16
+batch = 20
+train_size = 200
+heldout_size = 100
+data_dir = "{mnist}"
+"""
+MLP = ["run", "mlp", "--train", "--ranks", "2", "--hidden", "16", "--batch", "20"]
+MLP += ["--train-size", "200", "--heldout-size", "100", "--quiet"]
+
+
+def wait_for(jobs, cwd, timeout=420):
+    """Until no job of `jobs` is pending or running (MinJobAge keeps finished ones listed)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        out = slurm(["squeue", "-h", "-o", "%i %T", "-j", ",".join(jobs)], cwd).stdout
+        if not out.strip():
+            return
+        time.sleep(3)
+    pytest.fail(f"jobs {jobs} still queued after {timeout} s: {out}")
+
+
+def running(job, cwd):
+    for _ in range(240):
+        if "RUNNING" in slurm(["squeue", "-h", "-o", "%T", "-j", job], cwd).stdout:
+            return
+        time.sleep(1)
+    pytest.fail(f"job {job} never started")
+
+
+def by_point(records):
+    return {(r["strategy"], r["config"]["epochs"]): r for r in records}
+
+
+def test_study_as_arrays_on_two_nodes(slurm_conf, tmp_path, mnist_dir, cli):
+    """A sweep submitted with submit_all.sh (one array per allocation): mpi-dp (srun
+    --mpi=pmi2) and ddp (torchrun c10d), one rank on each of n1 and n2, train on MNIST to the
+    losses of their one-node runs (mpi-dp: `scalelab run --ranks 2` in a batch script; ddp:
+    `srun -n 2`). The long mpi-dp point given a 1-minute limit and the cancelled ddp one end
+    failed; the report job runs after all points and shows them. Submitted again, a finished
+    point is skipped."""
+    (tmp_path / "study.toml").write_text(STUDY.format(mnist=mnist_dir))
+    res = tmp_path / "res" / "runs.jsonl"
+    code, _, err = cli(
+        "slurm",
+        tmp_path / "study.toml",
+        "--nodes",
+        "2",
+        "--tasks-per-node",
+        "1",
+        "--array",
+        "--time",
+        "00:10:00",
+        "--python",
+        PY,
+        "-o",
+        tmp_path / "jobs",
+        "--out",
+        res,
+    )
+    assert code == 0, err
+    one_node = [
+        [
+            "sbatch",
+            "--parsable",
+            "-N1",
+            "-n2",
+            "-o",
+            "mpidp.out",
+            "--wrap",
+            " ".join(
+                [
+                    PY,
+                    "-m",
+                    "scalelab",
+                    *MLP,
+                    "--strategy",
+                    "mpi-dp",
+                    "--data-dir",
+                    str(mnist_dir),
+                    "--out",
+                    "one.jsonl",
+                ]
+            ),
+        ],
+        [
+            "sbatch",
+            "--parsable",
+            "-N1",
+            "-n2",
+            "-o",
+            "ddp.out",
+            "--wrap",
+            " ".join(
+                [
+                    "srun",
+                    PY,
+                    "-m",
+                    "scalelab",
+                    *MLP,
+                    "--strategy",
+                    "ddp",
+                    "--data-dir",
+                    str(mnist_dir),
+                    "--out",
+                    "one.jsonl",
+                ]
+            ),
+        ],
+    ]
+    refs = [slurm(cmd, tmp_path).stdout.strip() for cmd in one_node]
+    proc = slurm(["bash", str(tmp_path / "jobs" / "submit_all.sh")], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    arrays, report = proc.stdout.split("submitted ")[1].split("; report job ")
+    mpidp, ddp = arrays.split()
+    report = report.split()[0]
+    running(f"{ddp}_4", tmp_path)
+    slurm(["scancel", f"{ddp}_4"], tmp_path)
+    slurm(["scontrol", "update", f"JobId={mpidp}_2", "TimeLimit=1"], tmp_path)
+    wait_for([mpidp, ddp, report, *refs], tmp_path)
+
+    got = by_point(read_records(res))
+    ref = by_point(read_records(tmp_path / "one.jsonl"))
+    for strategy in ("mpi-dp", "ddp"):
+        two, one = got[(strategy, 1)], ref[(strategy, 1)]
+        assert two["status"] == "ok" and two["slurm"]["node_list"] == "n[1-2]"
+        assert two["loss"] == pytest.approx(one["loss"], rel=1e-6), strategy
+    for key in (("mpi-dp", 100000), ("ddp", 100000)):
+        assert got[key]["status"] == "failed" and "stopped by Slurm" in got[key]["error"]
+    page = (tmp_path / "jobs" / "report" / "index.html").read_text()
+    assert page.count("stopped by Slurm") >= 2  # the report ran after both had failed
+
+    before = len(read_records(res))
+    again = slurm(
+        ["sbatch", "--parsable", "--wait", "--array=1", str(tmp_path / "jobs" / "array_01.sbatch")],
+        tmp_path,
+    )
+    assert again.returncode == 0, again.stderr
+    assert len(read_records(res)) == before
+    log = next((tmp_path / "jobs" / "logs").glob(f"*{again.stdout.strip()}_1.out")).read_text()
+    assert "ok record already: skipped" in log
+    code, out, err = cli("scaling", res)
+    assert code == 0, err
