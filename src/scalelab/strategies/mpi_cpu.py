@@ -43,4 +43,7 @@ class MPIStrategy(SplitStrategy):
 def require_mpi4py() -> None:
     """One clear line when mpi4py is missing (without initialising MPI in this process)."""
     if importlib.util.find_spec("mpi4py") is None:
-        raise UsageError("MPI strategies need mpi4py and an MPI library: pip install -e '.[mpi]'")
+        raise UsageError(
+            "MPI strategies need mpi4py and an MPI library: pip install -e '.[mpich]' "
+            "(or '.[mpi]' with a site MPI loaded)"
+        )

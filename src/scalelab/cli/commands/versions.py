@@ -77,7 +77,9 @@ def unavailable(v: Variant, base: RunConfig) -> str | None:
         return f"needs {v.ranks} GPUs, this machine has {torch.cuda.device_count()}"
     if STRATEGIES.get(v.strategy).launcher == "mpi":
         if importlib.util.find_spec("mpi4py") is None:
-            return "mpi4py is not installed (pip install -e '.[mpi]')"
+            return (
+                "mpi4py is not installed (pip install -e '.[mpich]', or '.[mpi]' over a site MPI)"
+            )
         from scalelab.comm.launch import find_mpiexec
 
         try:
