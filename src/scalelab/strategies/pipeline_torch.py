@@ -238,6 +238,7 @@ class TorchPipeline(TorchStrategy):
         def step() -> torch.Tensor | None:
             with self.timer.phase("schedule"):
                 out, _ = self._run_pass(local, len(x), False)
+            self.log.end_step()
             with self.timer.phase("gather"):
                 return self._gather_outputs(out)
 
