@@ -36,7 +36,15 @@ SHAPES = {
     "alexnet": {"image_size": 67, "num_classes": 10},
 }
 TRAIN = {"train": True, "train_size": 16, "heldout_size": 8, "momentum": 0.9, "steps": 2}
-PP_SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zero-bubble", "zbv", "dualpipev"]
+PP_SCHEDULES = [
+    "gpipe",
+    "1f1b",
+    "interleaved-1f1b",
+    "looped-bfs",
+    "zero-bubble",
+    "zbv",
+    "dualpipev",
+]
 
 
 def scenarios(suite: str, world: int) -> list[tuple[str, dict]]:
@@ -105,7 +113,9 @@ def compare(name: str, kw: dict, rank: int, world: int) -> dict | None:
         initial = WORKLOADS.get(name)(ref_cfg).build_model().state_dict()
         diff = max(float((a[k].double() - b[k].double()).abs().max()) for k in b)
         moved = max(float((b[k].double() - initial[k].double()).abs().max()) for k in b)
-        result.update(weight_diff=diff, moved=moved, loss=out.history.loss, ref_loss=ref.history.loss)
+        result.update(
+            weight_diff=diff, moved=moved, loss=out.history.loss, ref_loss=ref.history.loss
+        )
     else:
         result["relerr"] = relative_error(out.output, ref.output)
     return result

@@ -210,7 +210,9 @@ class TorchPipeline(TorchStrategy):
                 with torch.no_grad():
                     out = p.schedule.eval(*args)
         self.log.add_pass(self.clock.events, start, time.perf_counter(), self.cfg.train)
-        loss_sum = torch.stack(losses).detach().sum().double() * n_global if losses and train else None
+        loss_sum = (
+            torch.stack(losses).detach().sum().double() * n_global if losses and train else None
+        )
         return (out if p.last else None), loss_sum
 
     def _drop_grads(self) -> None:

@@ -134,8 +134,10 @@ def torch_pipeline_notes(strategy: Any, train: bool) -> dict[str, Any]:
         "stage": rows,
         # Per-group communication: pp = the schedule's point-to-point inside each rank's span
         # (the span minus its actions: waits and transfers), dp = one gradient all-reduce.
-        "comm_groups": {"pp": {"size": k, "ops": "p2p activations/gradients"},
-                        "dp": {"size": cfg.dp, "ops": "all-reduce of gradients per step"}},  # fmt: skip
+        "comm_groups": {
+            "pp": {"size": k, "ops": "p2p activations/gradients"},
+            "dp": {"size": cfg.dp, "ops": "all-reduce of gradients per step"},
+        },  # fmt: skip
     }
     if strategy.balance_rounds:
         notes["balance_rounds"] = strategy.balance_rounds

@@ -55,7 +55,9 @@ NO_EVAL = ("zero-bubble", "zbv", "dualpipev")
 def virtual_stages(schedule: str, requested: int) -> int:
     if schedule in V_SHAPE:
         if requested not in (1, 2):
-            raise UsageError(f"--schedule {schedule} holds 2 stages per rank; drop --virtual-stages")
+            raise UsageError(
+                f"--schedule {schedule} holds 2 stages per rank; drop --virtual-stages"
+            )
         return 2
     if schedule in SINGLE and requested != 1:
         raise UsageError(f"--schedule {schedule} holds one stage per rank; drop --virtual-stages")
@@ -84,7 +86,11 @@ class Clock:
 
     def wrap(self, stage: PipelineStage) -> None:
         """Time the stage's three compute entry points (the schedules call them by name)."""
-        fwd, bwd, wgt = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk
+        fwd, bwd, wgt = (
+            stage.forward_one_chunk,
+            stage.backward_one_chunk,
+            stage.backward_weight_one_chunk,
+        )
         i = stage.stage_index
 
         def forward_one_chunk(m, *args, **kwargs):
@@ -147,5 +153,7 @@ def build_pass(
         sched = cls(stages[0] if name in SINGLE else stages, n_microbatches=micro,
                     loss_fn=loss_fn, scale_grads=False)  # fmt: skip
     except (ValueError, RuntimeError, AssertionError) as exc:
-        raise UsageError(f"--schedule {name} with {micro} micro-batches: torch says: {exc}") from None
+        raise UsageError(
+            f"--schedule {name} with {micro} micro-batches: torch says: {exc}"
+        ) from None
     return Pass(stages, sched, micro)

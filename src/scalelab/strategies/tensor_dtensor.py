@@ -84,7 +84,9 @@ class DTensorParallel(TorchStrategy):
     @classmethod
     def preflight(cls, cfg) -> int:
         if cfg.tp is not None and cfg.ranks > 1 and cfg.ranks != cfg.tp * cfg.dp:
-            raise UsageError(f"tensor: --dp {cfg.dp} x --tp {cfg.tp} needs --ranks {cfg.tp * cfg.dp}")
+            raise UsageError(
+                f"tensor: --dp {cfg.dp} x --tp {cfg.tp} needs --ranks {cfg.tp * cfg.dp}"
+            )
         return cfg.batch
 
     def make_comm(self) -> Comm:
@@ -103,7 +105,9 @@ class DTensorParallel(TorchStrategy):
         with torch.device("meta"):
             pairs = linear_pairs(workload, workload.build_model())
         if not pairs:
-            raise UsageError(f"tensor --engine torch: {workload.name} marks no Linear pair to shard")
+            raise UsageError(
+                f"tensor --engine torch: {workload.name} marks no Linear pair to shard"
+            )
         if self.cfg.batch < self.cfg.dp:
             raise UsageError(f"--batch {self.cfg.batch} < --dp {self.cfg.dp}")
         self.pairs = pairs
