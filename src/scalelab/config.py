@@ -10,6 +10,7 @@ from scalelab.errors import UsageError
 from scalelab.precision import PRECISIONS
 
 DEVICES = ("cpu", "cuda")
+ENGINES = ("scalelab", "torch")
 
 
 def opt(default: Any, help: str) -> Any:
@@ -109,7 +110,11 @@ class RunConfig:
     # Model parallelism.
     stages: int = opt(2, "pipeline: number of stages (one rank or GPU each).")
     microbatches: int = opt(4, "pipeline: micro-batches per batch (GPipe).")
-    schedule: str = opt("gpipe", "pipeline: gpipe or 1f1b.")
+    schedule: str = opt(
+        "gpipe",
+        "pipeline: gpipe or 1f1b; with --engine torch also interleaved-1f1b, looped-bfs, "
+        "zero-bubble, zbv, dualpipev.",
+    )
     balance: str = opt(
         "auto", "pipeline: 'auto' (equalise measured layer time) or a list like 5,7."
     )
@@ -120,6 +125,21 @@ class RunConfig:
     )
     placement: str = opt(
         "pipeline", "pipeline: 'pipeline' (ranks, micro-batches) or 'manual' (GPUs of one process)."
+    )
+    # Model parallelism on torch's engines (strategies/pipeline_torch.py, tensor_dtensor.py).
+    engine: str = opt(
+        "scalelab",
+        "pipeline/tensor: 'scalelab' (the hand-written engines) or 'torch' "
+        "(torch.distributed.pipelining schedules; DTensor tensor parallelism).",
+    )
+    virtual_stages: int = opt(
+        1, "pipeline --engine torch: stages per rank (interleaved-1f1b, looped-bfs, zero-bubble)."
+    )
+    tp: int | None = opt(
+        None, "tensor --engine torch: ranks per tensor-parallel group (default: --ranks / --dp)."
+    )
+    dp: int = opt(
+        1, "--engine torch: data-parallel replicas of the pipeline or tensor group (2-D mesh)."
     )
     swap_relu_pool: bool = opt(False, "vgg16/alexnet: apply max-pool before ReLU (they commute).")
 
@@ -176,6 +196,19 @@ class RunConfig:
             raise UsageError(f"--data-dir {self.data_dir}: no such directory")
         if self.weights is not None and not Path(self.weights).is_file():
             raise UsageError(f"--weights {self.weights}: no such file")
+        self._check_torch_engines()
+
+    def _check_torch_engines(self) -> None:
+        """--engine, --virtual-stages, --tp, --dp (the layouts on torch's engines)."""
+        if self.engine not in ENGINES:
+            raise UsageError(f"unknown --engine {self.engine!r} (known: {', '.join(ENGINES)})")
+        if self.virtual_stages < 1 or self.dp < 1 or (self.tp is not None and self.tp < 1):
+            raise UsageError("--virtual-stages, --dp and --tp must be >= 1")
+        torch_only = {"--dp": self.dp != 1, "--virtual-stages": self.virtual_stages != 1,
+                      "--tp": self.tp is not None}  # fmt: skip
+        used = [flag for flag, on in torch_only.items() if on]
+        if used and self.engine != "torch":
+            raise UsageError(f"{', '.join(used)} need --engine torch")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

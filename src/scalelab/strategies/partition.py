@@ -68,6 +68,18 @@ def _vgg16(workload: Workload, model: nn.Module) -> list[Layer]:
     ]
 
 
+@sequencer("mlp")
+def _mlp(workload: Workload, model: nn.Module) -> list[Layer]:
+    # MLP.forward: flatten, cast, fc1, sigmoid, fc2 (the seed's W1/b1, W2/b2).
+    return [
+        Layer("flatten", nn.Flatten()),
+        Layer("cast", MatchDtype()),
+        Layer("fc1", model.fc1),
+        Layer("sigmoid", nn.Sigmoid()),
+        Layer("fc2", model.fc2),
+    ]
+
+
 def _alexnet_trunk_module(model: nn.Module, layer) -> nn.Module:
     """The module computing one alexnet TrunkLayer (its forward uses F.relu / F.max_pool2d)."""
     make = {

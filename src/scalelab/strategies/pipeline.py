@@ -72,6 +72,10 @@ class PipelineStrategy(TorchStrategy):
             raise UsageError(
                 f"unknown --placement {cfg.placement!r} (known: {', '.join(PLACEMENTS)})"
             )
+        if cfg.engine == "torch":
+            from scalelab.strategies.pipeline_torch import TorchPipeline
+
+            return TorchPipeline(cfg)  # torch.distributed.pipelining's schedules
         if placement is cls:
             return super().__new__(cls)
         return placement(cfg)  # not a subclass: Python does not run our __init__ on it

@@ -99,6 +99,17 @@ def slice_for(t: torch.Tensor, dim: int | None, rows: slice) -> torch.Tensor:
 class TensorParallel(OnMPIRanks):
     name = "tensor"
 
+    def __new__(cls, cfg: RunConfig):
+        if cfg.engine == "torch":  # DTensor's ColwiseParallel/RowwiseParallel, under torchrun
+            from scalelab.strategies.tensor_dtensor import DTensorParallel
+
+            return DTensorParallel(cfg)
+        return super().__new__(cls)
+
+    @classmethod
+    def launcher_for(cls, cfg: RunConfig) -> str | None:
+        return "torchrun" if cfg.engine == "torch" else cls.launcher
+
     def __init__(self, cfg: RunConfig) -> None:
         self.preflight(cfg)
         super().__init__(cfg)
@@ -109,6 +120,10 @@ class TensorParallel(OnMPIRanks):
     @classmethod
     def preflight(cls, cfg: RunConfig) -> int:
         """Checks that need no ranks; returns the global batch."""
+        if cfg.engine == "torch":
+            from scalelab.strategies.tensor_dtensor import DTensorParallel
+
+            return DTensorParallel.preflight(cfg)
         refuse_options(cfg, "tensor", NONBLOCKING)
         if cfg.workload != "mlp":
             raise UsageError(f"tensor splits the seed's MLP only (mlp), not {cfg.workload}")

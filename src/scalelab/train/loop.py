@@ -245,9 +245,7 @@ class Trainer:
         self.sync()
         start, self.excluded = time.perf_counter(), 0.0
         for step in self.plan.source.epoch(self.pos.epoch, self.pos.step):
-            loss = train_step(
-                self.strategy, self.plan, self.model, self.opt, step, self.timer, self.scaler
-            )
+            loss = self.train_step(step)
             self.pos.loss_sum += loss
             self.pos.items += step.items
             self.pos.step += 1
@@ -258,6 +256,13 @@ class Trainer:
                 break
         self.sync()
         return time.perf_counter() - start - self.excluded, self.timer.lap()
+
+    def train_step(self, step: Step) -> torch.Tensor:
+        """One optimizer step; a strategy whose forward and backward run as one schedule
+        (pipeline --engine torch) overrides this and keeps the rest of the loop."""
+        return train_step(
+            self.strategy, self.plan, self.model, self.opt, step, self.timer, self.scaler
+        )
 
     def _after_step(self, loss: torch.Tensor, step: Step) -> None:
         notify_step()

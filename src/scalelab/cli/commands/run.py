@@ -97,12 +97,13 @@ def run_one(args: argparse.Namespace) -> int:
     preflight(strategy, cfg)
     if cfg.compare_devices:
         return _compare_devices(cfg, args)
-    if strategy.launcher is not None and cfg.ranks > 1 and not inside_launcher(strategy.launcher):
+    launcher = _launcher(strategy, cfg)
+    if launcher is not None and cfg.ranks > 1 and not inside_launcher(launcher):
         results = None if args.no_record else Path(args.out)
         before = _lines(results)
-        code = launch(strategy.launcher, cfg, args)
+        code = launch(launcher, cfg, args)
         if code not in (0, 2) and results is not None and _lines(results) == before:
-            _record_lost_job(cfg, results, strategy.launcher, code)
+            _record_lost_job(cfg, results, launcher, code)
         return code
     try:
         report = execute(cfg, None if args.no_record else Path(args.out))
@@ -122,6 +123,12 @@ def run_one(args: argparse.Namespace) -> int:
 
 def _lines(path: Path | None) -> int:
     return len(path.read_bytes().splitlines()) if path is not None and path.exists() else 0
+
+
+def _launcher(strategy: type, cfg: RunConfig) -> str | None:
+    """Who starts the ranks: a strategy with two engines (tensor) says per config."""
+    pick = getattr(strategy, "launcher_for", None)
+    return pick(cfg) if pick is not None else strategy.launcher
 
 
 def _record_lost_job(cfg: RunConfig, results: Path, launcher: str, code: int) -> None:

@@ -1,0 +1,331 @@
+"""`pipeline --engine torch`: the workload's layers cut into S x V stages (the same cut and
+balancing as the hand engine: `--balance auto|5,7`, `--rebalance R`), run by a schedule from
+torch.distributed.pipelining (`--schedule gpipe|1f1b|interleaved-1f1b|looped-bfs|zero-bubble|
+zbv|dualpipev`), optionally replicated `--dp D` times on a (dp, pp) device mesh.
+
+Training goes through train/loop.py's Trainer (checkpoints, resume, NaN stop): its step here is
+the schedule's step (forward and backward of every micro-batch), then the gradients summed over
+the dp group, then the workload's parameter penalty (mlp's L2: strategies/penalty.py) per
+stage, then SGD. The loss of micro-batch m is its mean cross-entropy weighted by n_m / N (N the
+global batch), torch's own scaling off: one pipelined step equals one single-process step.
+
+Every rank holds the whole model on the host (the optimizer is built over it; other stages'
+parameters never get a gradient, so SGD skips them) and its own pieces on the device.
+Checkpoints and --save-weights gather each stage's parameters from replica 0 onto the root.
+
+The record's `pipeline` field carries what the hand engine's does (per-stage times, bubble
+measured and simulated, timelines) plus engine, virtual stages and the mesh: the simulation
+replays the schedule's own action lists with the measured per-stage times
+(strategies/pipeline_torch_sim.py).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from scalelab.comm import Comm
+from scalelab.comm.torchdist import TorchDistComm
+from scalelab.errors import UsageError
+from scalelab.instrument.timer import device_sync, timed_iterations
+from scalelab.strategies import partition as part
+from scalelab.strategies import penalty as pen
+from scalelab.strategies.base import RunOutput
+from scalelab.strategies.ddp import init_group
+from scalelab.strategies.mesh import Layout, MeshGroups
+from scalelab.strategies.pipeline_torch_report import RunLog, torch_pipeline_notes
+from scalelab.strategies.pipeline_torch_stages import (
+    NO_EVAL,
+    SCHEDULES,
+    Clock,
+    Pass,
+    build_pass,
+    micro_for,
+    stage_ids,
+    virtual_stages,
+)
+from scalelab.strategies.torch_base import TorchStrategy
+from scalelab.train.loop import GlobalBatches, Trainer, TrainPlan, require_labels, run_training
+from scalelab.train.sources import Step
+from scalelab.workloads.base import Inputs, Workload
+
+
+class TorchPipeline(TorchStrategy):
+    name = "pipeline"
+    launcher = "torchrun"
+    needs_data_everywhere = True
+
+    def __init__(self, cfg) -> None:
+        super().__init__(cfg)
+        self.layout = Layout(cfg.dp, cfg.stages, "pp")
+        self.log = RunLog()
+
+    def make_comm(self) -> Comm:
+        backend = "nccl" if self.cfg.device == "cuda" else "gloo"
+        init_group(backend)  # one process without a launcher: an in-memory store
+        return TorchDistComm(backend)
+
+    def pick_device(self) -> torch.device:
+        device = super().pick_device()
+        if device.type == "cuda":
+            device = torch.device("cuda", self.comm.local_rank % torch.cuda.device_count())
+        return device
+
+    # --- checks ---------------------------------------------------------------------------
+    def validate(self, workload: Workload) -> None:
+        cfg = self.cfg
+        if cfg.placement != "pipeline":
+            raise UsageError("--engine torch runs the pipeline on ranks; drop --placement manual")
+        if cfg.stages < 1 or cfg.microbatches < 1:
+            raise UsageError("--stages and --microbatches must be >= 1")
+        if cfg.schedule not in SCHEDULES:
+            raise UsageError(f"unknown --schedule {cfg.schedule!r} (known: {', '.join(SCHEDULES)})")
+        self.v = virtual_stages(cfg.schedule, cfg.virtual_stages)
+        self.layout.check(self.comm.size, "pipeline --engine torch")
+        if cfg.batch % (cfg.dp * cfg.microbatches):
+            raise UsageError(
+                f"--batch {cfg.batch} must split into --dp {cfg.dp} x --microbatches "
+                f"{cfg.microbatches} equal parts (torch's stages fix the micro-batch shape)"
+            )
+        if self.precision.autocast is torch.float16 and cfg.train:
+            raise UsageError("pipeline --engine torch trains in fp64/fp32/tf32/bf16; use bf16")
+        self.groups = MeshGroups(self.layout, self.device.type)
+
+    # --- the cut ----------------------------------------------------------------------------
+    def setup(self, workload: Workload, model: nn.Module, sample: torch.Tensor) -> None:
+        """sample: one batch's transport-form items, on every rank."""
+        cfg = self.cfg
+        self.workload, self.model = workload, model.to(dtype=self.precision.storage)
+        self.layers = part.model_layers(workload, model)
+        self.n_stages = cfg.stages * self.v
+        self.clock = Clock(device_sync(self.device))
+        counts = part.parse_balance(cfg.balance, len(self.layers), self.n_stages)
+        self.profile: list[part.LayerProfile] | None = None
+        self.balance_rounds: list[dict[str, Any]] = []
+        auto = counts is None
+        if auto:
+            counts = self.comm.bcast_object(self._auto_counts(sample) if self.is_root else None)
+        self._place(counts)
+        if auto and cfg.stages > 1 and cfg.rebalance > 0:
+            self._rebalance(sample)
+        self.log.current.clear()  # the balancing passes are not steps
+
+    def _auto_counts(self, sample: torch.Tensor) -> list[int]:
+        cfg = self.cfg
+        n = cfg.batch // (cfg.dp * cfg.microbatches)
+        x = self.workload.prepare(sample[:n].to(self.device)).to(self.precision.storage)
+        self.profile = part.profile_layers(
+            self.layers, x, self.device, self.precision.storage, cfg.train, self.autocast
+        )
+        capacity = part.device_capacity(self.device, part.env_mem_limit())
+        self._mem = part.memory_model(
+            capacity, self.n_stages, cfg.microbatches, cfg.train, cfg.schedule, cfg.momentum
+        )
+        return part.balance_auto(self.profile, self.n_stages, self._mem)
+
+    def _place(self, counts: list[int]) -> None:
+        """This rank's pieces of the cut on the device; passes are built per size on use."""
+        self.counts = counts
+        bounds = part.bounds(counts)
+        ids = stage_ids(self.cfg.schedule, self.groups.inner_rank, self.cfg.stages, self.v)
+        for piece in getattr(self, "pieces", {}).values():
+            piece.to("cpu")
+        self.pieces = {
+            i: nn.Sequential(*[lay.module for lay in self.layers[slice(*bounds[i])]]).to(
+                device=self.device, dtype=self.precision.storage
+            )
+            for i in sorted(ids)
+        }
+        self.passes: dict[tuple[int, bool], Pass] = {}
+
+    def _rebalance(self, sample: torch.Tensor) -> None:
+        """--rebalance R: time each stage in a real pipelined pass, re-cut the profile fitted
+        to every cut timed (partition.rebalance), keep the fastest cut; at most R rounds."""
+        timed: dict[tuple[int, ...], float] = {}
+        n = self.cfg.batch
+        for round_ in range(self.cfg.rebalance + 1):
+            for _ in range(2):  # the second pass counts (the first allocates)
+                self._run_pass(Inputs(sample[:n], torch.zeros(n, dtype=torch.int64)), n, True)
+            self._drop_grads()
+            per_stage = self.comm.gather_object(self.log.stage_seconds(self.clock.events))
+            decision = None
+            if self.is_root:
+                measured = [0.0] * self.n_stages
+                for rank_times in per_stage:
+                    for i, s in rank_times.items():
+                        measured[i] = max(measured[i], s)
+                self.balance_rounds.append({"balance": list(self.counts), "stage_s": measured})
+                timed[tuple(self.counts)] = max(measured)
+                tried = [(r["balance"], r["stage_s"]) for r in self.balance_rounds]
+                proposal = part.rebalance(self.profile, tried, self._mem)
+                done = round_ == self.cfg.rebalance or tuple(proposal) in timed
+                decision = (list(min(timed, key=timed.get)) if done else proposal, done)
+            counts, done = self.comm.bcast_object(decision)
+            if counts != self.counts:
+                self._place(counts)
+            if done:
+                return
+
+    # --- one pass ---------------------------------------------------------------------------
+    def _pass_for(self, n_local: int, train: bool) -> Pass:
+        key = (n_local, train or self.cfg.schedule in NO_EVAL)
+        if key not in self.passes:
+            micro = micro_for(n_local, self.cfg.microbatches)
+            loss = self._loss if key[1] else None
+            self.passes[key] = build_pass(
+                self.cfg.schedule, self.pieces, self.n_stages, self.device,
+                self.groups.inner_group, micro, loss, self.clock,
+            )  # fmt: skip
+        return self.passes[key]
+
+    def _loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Micro-batch m's share of the global batch's mean cross-entropy: mean_m * n_m / N
+        (zero for forward-only passes that run a training schedule)."""
+        base = Workload.loss(self.workload, self.model, out, target)
+        return base * (len(target) * self._scale)
+
+    def _run_pass(self, local: Inputs, n_global: int, train: bool):
+        """This replica's share through the schedule; returns (outputs on the last stage or
+        None, summed loss * N on the last stage or None)."""
+        p = self._pass_for(len(local), train)
+        self._scale = 1.0 / n_global if train else 0.0
+        args = ()
+        if p.first:
+            x = self.to_device(local.x)
+            args = (self.workload.prepare(x).to(self.precision.storage),)
+        target = self.to_device(local.y) if p.last and local.y is not None else None
+        if p.last and target is None:
+            target = torch.zeros(len(local), dtype=torch.int64, device=self.device)
+        self.clock.events.clear()
+        losses: list[torch.Tensor] = []
+        start = time.perf_counter()
+        with self.autocast():
+            if train or self.cfg.schedule in NO_EVAL:
+                out = p.schedule.step(*args, target=target, losses=losses)
+            else:
+                with torch.no_grad():
+                    out = p.schedule.eval(*args)
+        self.log.add_pass(self.clock.events, start, time.perf_counter(), self.cfg.train)
+        loss_sum = (
+            torch.stack(losses).detach().sum().double() * n_global if losses and train else None
+        )
+        return (out if p.last else None), loss_sum
+
+    def _drop_grads(self) -> None:
+        for piece in self.pieces.values():
+            piece.zero_grad(set_to_none=True)
+
+    def _own_params(self) -> list[nn.Parameter]:
+        return [p for piece in self.pieces.values() for p in piece.parameters()]
+
+    # --- hooks of the training loop ---------------------------------------------------------
+    def shard(self, batch: Inputs) -> Inputs:
+        share = self.groups.share(len(batch))
+        return batch.slice(share.start, share.stop)
+
+    def all_sum(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64, device=self.comm.device)
+        return float(self.comm.allreduce(t).cpu()[0])
+
+    # --- inference --------------------------------------------------------------------------
+    def infer(self, workload: Workload, model: nn.Module, inputs: Inputs | None) -> RunOutput:
+        x = self.comm.bcast_object(inputs.x if self.is_root else None)
+        self.setup(workload, model, x)
+        local = self.shard(Inputs(x, None))
+
+        def step() -> torch.Tensor | None:
+            with self.timer.phase("schedule"):
+                out, _ = self._run_pass(local, len(x), False)
+            self.log.end_step()
+            with self.timer.phase("gather"):
+                return self._gather_outputs(out)
+
+        timings, out = timed_iterations(
+            step, self.timer, self.cfg.warmup, self.cfg.iters, barrier=self.comm.barrier
+        )
+        return RunOutput(
+            timings,
+            self.gather_phases(timings),
+            None if out is None else np.asarray(out),
+            len(x),
+            notes=torch_pipeline_notes(self, train=False),
+        )
+
+    def _gather_outputs(self, out: torch.Tensor | None) -> torch.Tensor | None:
+        """Every replica's logits onto the root, in replica order (float64, host)."""
+        mine = None if out is None else (self.groups.dp_rank, out.detach().to("cpu", torch.float64))
+        parts = self.comm.gather_object(mine)
+        if parts is None:
+            return None
+        return torch.cat([t for _, t in sorted(p for p in parts if p is not None)])
+
+    # --- training ---------------------------------------------------------------------------
+    def train(
+        self, workload: Workload, model: nn.Module, data: tuple[Inputs, Inputs] | None
+    ) -> RunOutput:
+        train, heldout = data
+        require_labels(train, heldout)
+        self.setup(workload, model, train.x[: self.cfg.batch])
+        from scalelab.strategies.pipeline_torch_state import export_state, import_state
+
+        plan = TrainPlan(
+            source=GlobalBatches(self, train, self.cfg.batch, self.cfg.seed),
+            evaluate=lambda m: self.evaluate(heldout),
+            module=self.model,
+            prepare=workload.prepare,
+            loss=workload.loss,
+            n_train=len(train),
+            export_state=lambda m, opt: export_state(self, opt),
+            import_state=lambda m, opt, s, o: import_state(self, opt, s, o),
+        )
+        out = run_training(self, workload, self.model, plan, make_trainer=PipelineTrainer)
+        whole = export_state(self, None)
+        if whole is not None:
+            self.model.load_state_dict(whole[0])
+        out.model = self.model if self.is_root else None
+        out.notes.update(torch_pipeline_notes(self, train=True))
+        return out
+
+    def evaluate(self, heldout: Inputs) -> float:
+        """Held-out accuracy: each replica scores its share, batch by batch (untimed)."""
+        share = self.groups.share(len(heldout))
+        mine = heldout.slice(share.start, share.stop)
+        correct = 0
+        for start in range(0, len(mine), max(self.cfg.batch // self.cfg.dp, 1)):
+            piece = mine.slice(start, start + self.cfg.batch // self.cfg.dp)
+            out, _ = self._run_pass(Inputs(piece.x, None), len(piece), False)
+            if out is not None:
+                correct += int((out.argmax(dim=1).cpu() == piece.y).sum())
+        self._drop_grads()
+        self.log.drop_last_passes(evaluation=True)
+        self.timer.lap()
+        return self.all_sum(correct) / max(len(heldout), 1)
+
+
+class PipelineTrainer(Trainer):
+    """The training loop with the pipelined step."""
+
+    def train_step(self, step: Step) -> torch.Tensor:
+        s: TorchPipeline = self.strategy
+        with self.timer.phase("schedule"):
+            _, loss_sum = s._run_pass(step.local, step.items, True)
+        with self.timer.phase("dp_allreduce"):
+            sent = s.groups.all_reduce_grads(s._own_params())
+        self.timer.add_bytes("dp_allreduce", sent)
+        total = torch.zeros((), dtype=torch.float64, device=s.device)
+        if loss_sum is not None:
+            total = total + loss_sum
+        for piece in s.pieces.values():  # after the dp sum: the penalty's gradient once
+            reg = pen.penalty(s.workload, piece.named_parameters())
+            if reg is not None:
+                reg.backward()
+                total = total + reg.detach().double() * len(step.local)
+        with self.timer.phase("step"):
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+        s.log.end_step()
+        return total

@@ -1,0 +1,104 @@
+"""The bubble of a torch.distributed.pipelining schedule: its own action lists replayed with
+measured per-stage times, beside the bubble measured per rank.
+
+An action is (stage, kind, m): kind F (forward), B (full backward), I (input gradient) or W
+(weight gradient) of micro-batch m on pipeline stage `stage` (of S x V stages; a rank holds V).
+The multi-stage schedules carry their lists (`schedule.pipeline_order`, rank -> actions, None
+for an idle slot; DualPipeV's OVERLAP_F_B pairs run their two sub-actions one after the other
+here, as they do on a CPU). GPipe's list is torch's; 1F1B's is scalelab's own 1F1B
+(strategies/pipeline_schedule.py: the same order torch's Schedule1F1B executes), because
+torch 2.13's `Schedule1F1B.pipeline_order` shifts the last rank's forwards by one micro-batch
+(it lists 1F4 for 4 micro-batches: a list drawn for visualisation, not the one it runs).
+
+Replay: each rank runs its list in order, one action at a time; F(s, m) waits for F(s-1, m),
+B or I (s, m) for the backward of (s+1, m) and for F(s, m); W(s, m) for I(s, m). Communication
+is free. A rank's bubble is 1 - (its seconds of actions) / (the makespan).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from scalelab.strategies.pipeline_schedule import one_f_one_b_ops
+
+Action = tuple[int, str, int]  # (stage, kind, micro-batch)
+COMPUTE = ("F", "B", "I", "W")
+
+
+def _flatten(action: Any) -> list[Action]:
+    if action is None:
+        return []
+    if action.sub_actions:
+        return [a for sub in action.sub_actions for a in _flatten(sub)]
+    kind = action.computation_type.value
+    if kind not in COMPUTE:
+        return []
+    return [(action.stage_index, kind, action.microbatch_index)]
+
+
+def schedule_actions(schedule: Any, name: str, ranks: int, micro: int) -> dict[int, list[Action]]:
+    """Every rank's compute actions in the order the schedule runs them."""
+    if name == "1f1b":
+        return {r: [(r, k, m) for k, m in one_f_one_b_ops(r, ranks, micro, True)]
+                for r in range(ranks)}  # fmt: skip
+    order = schedule.pipeline_order
+    return {r: [a for act in order[r] for a in _flatten(act)] for r in range(ranks)}
+
+
+def _deps(action: Action, n_stages: int) -> list[Action]:
+    s, kind, m = action
+    if kind == "F":
+        return [(s - 1, "F", m)] if s > 0 else []
+    if kind == "W":
+        return [(s, "I", m)]
+    up = [(s, "F", m)]
+    return up if s == n_stages - 1 else [*up, (s + 1, "B", m), (s + 1, "I", m)]
+
+
+def replay(
+    actions: Mapping[int, Sequence[Action]],
+    seconds: Mapping[tuple[int, str], float],
+    n_stages: int,
+) -> tuple[float, dict[int, float]]:
+    """(makespan, busy seconds per rank); seconds[(stage, kind)]: one micro-batch's action."""
+    done: dict[tuple[int, str, int], float] = {}
+    clock = {r: 0.0 for r in actions}
+    pos = {r: 0 for r in actions}
+    busy = {r: 0.0 for r in actions}
+    present = {a for acts in actions.values() for a in acts}
+    while any(pos[r] < len(actions[r]) for r in actions):
+        progressed = False
+        for r, acts in actions.items():
+            while pos[r] < len(acts):
+                act = acts[pos[r]]
+                # A dependency that never runs (B vs I variants) is not waited for.
+                needed = [d for d in _deps(act, n_stages) if d in present]
+                if any(d not in done for d in needed):
+                    break
+                start = max([clock[r], *(done[d] for d in needed)])
+                t = seconds.get((act[0], act[1]), 0.0)
+                clock[r] = done[act] = start + t
+                busy[r] += t
+                pos[r] += 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError("the schedule's action lists deadlock in the replay")
+    return max(clock.values(), default=0.0), busy
+
+
+def simulated_bubble(
+    actions: Mapping[int, Sequence[Action]], seconds: Mapping[tuple[int, str], float], n: int
+) -> dict[int, float]:
+    makespan, busy = replay(actions, seconds, n)
+    return {r: (1 - b / makespan if makespan > 0 else 0.0) for r, b in busy.items()}
+
+
+def stage_seconds(rows: Sequence[dict], micro: int) -> dict[tuple[int, str], float]:
+    """Per (stage, kind): one micro-batch's median seconds, from every rank's summary row."""
+    out: dict[tuple[int, str], float] = {}
+    for row in rows:
+        for key, seconds in row["action_s"].items():
+            stage, kind = key.split(":")
+            out[(int(stage), kind)] = seconds / micro
+    return out

@@ -1,0 +1,159 @@
+"""Stages and schedules of `pipeline --engine torch`: which of the S x V cut pieces a rank
+holds, torch's PipelineStage around each, the schedule over them, and a clock around every
+forward/backward a stage runs (the same record the hand engine's timeline keeps).
+
+Placement follows the schedule: one stage per rank (gpipe, 1f1b); V stages in a loop
+(interleaved-1f1b, looped-bfs, zero-bubble: rank r holds r, r + S, r + 2S, ...); two stages in
+a V (zbv, dualpipev: rank r holds r and 2S - 1 - r, so the last stage is on rank 0).
+
+torch's PipelineStage learns the shapes crossing each boundary from the first micro-batch it
+runs and keeps them: every micro-batch must have the same size (with 7 items over 4
+micro-batches the last stage returned 8 rows). So each (replica share, train) size gets its
+own stages and schedule, and a share not divisible by the micro-batch count runs with the
+largest count that divides it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
+)
+
+from scalelab.errors import UsageError
+
+SCHEDULES: dict[str, type] = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved-1f1b": ScheduleInterleaved1F1B,
+    "looped-bfs": ScheduleLoopedBFS,
+    "zero-bubble": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
+}
+SINGLE = ("gpipe", "1f1b")  # one stage per rank (PipelineScheduleSingle)
+V_SHAPE = ("zbv", "dualpipev")  # exactly two stages per rank, in a V
+# torch 2.13: eval() of these runs their backward actions ("can't steal_bwd_input if this
+# stage doesn't have backward" at 2I0 for ZBV), so their forward-only passes run the training
+# schedule with a zero loss (a backward of zeros, the gradients dropped).
+NO_EVAL = ("zero-bubble", "zbv", "dualpipev")
+
+
+def virtual_stages(schedule: str, requested: int) -> int:
+    if schedule in V_SHAPE:
+        if requested not in (1, 2):
+            raise UsageError(
+                f"--schedule {schedule} holds 2 stages per rank; drop --virtual-stages"
+            )
+        return 2
+    if schedule in SINGLE and requested != 1:
+        raise UsageError(f"--schedule {schedule} holds one stage per rank; drop --virtual-stages")
+    return requested
+
+
+def stage_ids(schedule: str, rank: int, ranks: int, v: int) -> list[int]:
+    """The pipeline stages (0 .. S*V - 1) rank `rank` of `ranks` holds."""
+    if schedule in V_SHAPE:
+        return [rank, 2 * ranks - 1 - rank]
+    return [rank + k * ranks for k in range(v)]
+
+
+def micro_for(n: int, micro: int) -> int:
+    """The micro-batch count for n items: `micro`, or the largest count below it dividing n."""
+    return max(d for d in range(1, min(micro, n) + 1) if n % d == 0)
+
+
+@dataclass
+class Clock:
+    """Every forward/backward action this rank ran in the current pass: (stage, kind, m,
+    start, end), perf_counter seconds (the device synchronised at both ends on a GPU)."""
+
+    sync: Callable[[], None]
+    events: list[tuple[int, str, int, float, float]] = field(default_factory=list)
+
+    def wrap(self, stage: PipelineStage) -> None:
+        """Time the stage's three compute entry points (the schedules call them by name)."""
+        fwd, bwd, wgt = (
+            stage.forward_one_chunk,
+            stage.backward_one_chunk,
+            stage.backward_weight_one_chunk,
+        )
+        i = stage.stage_index
+
+        def forward_one_chunk(m, *args, **kwargs):
+            return self._time(i, "F", m, fwd, m, *args, **kwargs)
+
+        def backward_one_chunk(m, *args, **kwargs):
+            full = kwargs.get("full_backward", args[1] if len(args) > 1 else True)
+            return self._time(i, "B" if full else "I", m, bwd, m, *args, **kwargs)
+
+        def backward_weight_one_chunk(m, *args, **kwargs):
+            return self._time(i, "W", m, wgt, m, *args, **kwargs)
+
+        stage.forward_one_chunk = forward_one_chunk
+        stage.backward_one_chunk = backward_one_chunk
+        stage.backward_weight_one_chunk = backward_weight_one_chunk
+
+    def _time(self, stage: int, kind: str, m: int, fn: Callable, *args, **kwargs) -> Any:
+        self.sync()
+        start = time.perf_counter()
+        out = fn(*args, **kwargs)
+        self.sync()
+        self.events.append((stage, kind, m, start, time.perf_counter()))
+        return out
+
+
+@dataclass
+class Pass:
+    """One configured pipeline for one replica share size: its stages and schedule."""
+
+    stages: list[PipelineStage]
+    schedule: Any
+    micro: int
+
+    @property
+    def first(self) -> bool:
+        return any(s.is_first for s in self.stages)
+
+    @property
+    def last(self) -> bool:
+        return any(s.is_last for s in self.stages)
+
+
+def build_pass(
+    name: str,
+    pieces: dict[int, nn.Module],
+    n_stages: int,
+    device: torch.device,
+    group: Any,
+    micro: int,
+    loss_fn: Callable | None,
+    clock: Clock,
+) -> Pass:
+    """Fresh PipelineStages over the pieces (shapes are learnt per size) and the schedule;
+    torch's refusals (a micro-batch count a schedule cannot take) become one-line errors."""
+    stages = [PipelineStage(mod, i, n_stages, device, group=group) for i, mod in pieces.items()]
+    for stage in stages:
+        clock.wrap(stage)
+    cls = SCHEDULES[name]
+    try:
+        sched = cls(stages[0] if name in SINGLE else stages, n_microbatches=micro,
+                    loss_fn=loss_fn, scale_grads=False)  # fmt: skip
+    except (ValueError, RuntimeError, AssertionError) as exc:
+        raise UsageError(
+            f"--schedule {name} with {micro} micro-batches: torch says: {exc}"
+        ) from None
+    return Pass(stages, sched, micro)
