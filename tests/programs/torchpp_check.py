@@ -20,6 +20,7 @@ import torch.distributed as dist
 import scalelab.workloads.deepstack as deepstack
 import scalelab.workloads.vgg as vgg
 from scalelab.config import RunConfig
+from scalelab.errors import UsageError
 from scalelab.oracle.check import relative_error
 from scalelab.strategies import STRATEGIES
 from scalelab.strategies.local import LocalStrategy
@@ -94,7 +95,10 @@ def compare(name: str, kw: dict, rank: int, world: int) -> dict | None:
     cfg = config(name, kw, world, True)
     strategy = STRATEGIES.get(cfg.strategy)(cfg)
     strategy.close = lambda: None
-    out = run(cfg, strategy, rank == 0)
+    try:
+        out = run(cfg, strategy, rank == 0)
+    except UsageError as exc:  # a refused configuration: every rank refuses the same cut
+        return {"workload": name, "schedule": kw.get("schedule"), "refused": str(exc)}
     if rank != 0:
         return None
     ref_cfg = config(name, kw, world, False)
@@ -131,7 +135,7 @@ def main() -> None:
             continue
         t0 = time.perf_counter()
         result = compare(name, kw, rank, world)
-        if result is not None:
+        if result is not None and (rank == 0 or "refused" not in result):
             result["elapsed_s"] = round(time.perf_counter() - t0, 2)
             print(json.dumps(result), flush=True)
         dist.barrier()

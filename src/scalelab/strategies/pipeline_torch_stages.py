@@ -50,6 +50,7 @@ V_SHAPE = ("zbv", "dualpipev")  # exactly two stages per rank, in a V
 # stage doesn't have backward" at 2I0 for ZBV), so their forward-only passes run the training
 # schedule with a zero loss (a backward of zeros, the gradients dropped).
 NO_EVAL = ("zero-bubble", "zbv", "dualpipev")
+SPLIT_BACKWARD = NO_EVAL  # the schedules that run backward as input, then weight gradients
 
 
 def virtual_stages(schedule: str, requested: int) -> int:
