@@ -442,3 +442,29 @@ def test_committed_results_within_bound_on_the_criterions_scope():
     assert abs(worst["error_pct"]) <= 15.0, f"{worst['source']}: {worst['error_pct']:+.1f}%"
     assert t["error_pct"].abs().mean() <= 10.0
     assert len(t) >= 60 and (t["role"] == "predicted").sum() >= 36
+
+
+def test_dp_replicas_of_a_pipeline_add_one_gradient_allreduce():
+    """dp2 x pp2 on 4 GPUs: each replica is the 2-stage pipeline at half the batch, plus one
+    all-reduce over the 2 replicas of a rank's share of the gradients (parameters / 2 stages,
+    in the storage dtype); 3 ranks cannot hold 2 replicas."""
+    from scalelab.predict.calibration import CalPoint, Pool
+    from scalelab.predict.frame import predict_one
+    from scalelab.predict.models import Context
+    from scalelab.predict.models.base import param_layers, storage_bytes
+
+    local = Scenario(_vgg(strategy="local"), 1, 1)
+    pool = Pool([CalPoint(local.family(), "local", None, b, t, 0.0, f"b{b}")
+                 for b, t in ((64, 0.020), (256, 0.068))])  # fmt: skip
+    ctx = Context(Figures(json.loads(CEILINGS.read_text()), "c.json"), None, pool)
+    one = predict_one(ctx, Scenario(_vgg(batch=128), 2, 2, balance=(16, 24)))
+    two = Scenario(_vgg(dp=2, engine="torch", ranks=4), 4, 4, balance=(16, 24))
+    pred = predict_one(ctx, two)
+    grads = sum(p for _, p, _ in param_layers(two)) * storage_bytes(two) / 2
+    assert pred.phases["dp_allreduce"] == pytest.approx(ctx.fabric(two, "nccl").allreduce(grads, 2))
+    assert {k: v for k, v in pred.phases.items() if k != "dp_allreduce"} == pytest.approx(
+        one.phases
+    )
+    assert pred.throughput == pytest.approx(256 / pred.seconds)
+    bad = Scenario(_vgg(dp=2, engine="torch", ranks=3), 3, 3)
+    assert "do not split into --dp 2" in predict_one(ctx, bad).feasible

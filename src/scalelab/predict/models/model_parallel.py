@@ -13,17 +13,25 @@ from scalelab.predict.models.base import (
     OverMPI,
     output_width,
 )
+from scalelab.predict.models.mesh2d import replicated
 from scalelab.predict.scenario import Prediction, Scenario
 
 
 @MODELS.register("tensor", "the MLP's hidden units over ranks: one all-reduce per step")
 class TensorModel(OverMPI):
     def infeasible(self, scenario: Scenario) -> str | None:
-        if scenario.ranks > scenario.cfg.hidden:
-            return f"{scenario.ranks} ranks but only {scenario.cfg.hidden} hidden units"
+        dp = max(1, scenario.cfg.dp)
+        if scenario.ranks % dp:
+            return f"{scenario.ranks} ranks do not split into --dp {dp} replicas"
+        if scenario.ranks // dp > scenario.cfg.hidden:
+            return f"{scenario.ranks // dp} ranks but only {scenario.cfg.hidden} hidden units"
         return None
 
     def predict(self, ctx: Context, s: Scenario) -> Prediction:
+        """--dp D: D replicas of the N-rank tensor group (mesh2d.py)."""
+        return replicated(ctx, s, self._predict_split, self.wire(s).backend)
+
+    def _predict_split(self, ctx: Context, s: Scenario) -> Prediction:
         compute = ctx.compute(s)
         wire = self.wire(s)
         nbytes = (s.cfg.batch * output_width(s) + 1) * 4

@@ -31,6 +31,7 @@ from scalelab.errors import UsageError
 from scalelab.precision import get_precision
 from scalelab.predict.compute_model import ComputeModel, build_workload, roofline_layers
 from scalelab.predict.models.base import MODELS, Context, StrategyModel
+from scalelab.predict.models.mesh2d import replicated
 from scalelab.predict.scenario import Prediction, Scenario
 from scalelab.strategies.partition import (
     LayerProfile,
@@ -119,11 +120,18 @@ class PipelineModel(StrategyModel):
             layers = len(layer_names(scenario))
         except UsageError as exc:
             return str(exc)
-        if scenario.ranks > layers:
-            return f"{scenario.ranks} stages but the model has {layers} layers"
+        dp = max(1, scenario.cfg.dp)
+        if scenario.ranks % dp:
+            return f"{scenario.ranks} ranks do not split into --dp {dp} replicas"
+        if scenario.ranks // dp > layers:
+            return f"{scenario.ranks // dp} stages but the model has {layers} layers"
         return None
 
     def predict(self, ctx: Context, s: Scenario) -> Prediction:
+        """--dp D: D replicas of the S-stage pipeline (mesh2d.py)."""
+        return replicated(ctx, s, self._predict_stages, self.wire(s).backend)
+
+    def _predict_stages(self, ctx: Context, s: Scenario) -> Prediction:
         cfg, k = s.cfg, s.ranks
         m = min(cfg.microbatches, cfg.batch)
         micro = cfg.batch / m
