@@ -116,7 +116,7 @@ class TorchStrategy(Strategy):
         timings, out = timed_iterations(step, self.timer, self.cfg.warmup, self.cfg.iters)
         return RunOutput(
             timings,
-            [timings.phase_medians()],
+            [timings.iteration_phases()],
             np.asarray(out),
             len(inputs),
             {"h2d": inputs.x.nbytes},

@@ -89,12 +89,12 @@ class SplitStrategy(TorchStrategy):
 
     def _gather_reports(self, timings: Timings) -> list[RankReport] | None:
         walls = timings.walls
-        median_iter = sorted(range(len(walls)), key=walls.__getitem__)[len(walls) // 2]
+        median_iter = timings.median_index()
         runs = self.cfg.warmup + self.cfg.iters
         mine = RankReport(
             rank=self.comm.rank,
             wall_s=statistics.median(walls),
-            phases=timings.phase_medians(),
+            phases=timings.iteration_phases(),
             bytes={k: v // runs for k, v in self.timer.bytes_moved().items()},
             timeline=self.timer.history[1 + median_iter],  # history[0]: the warm-up lap
             extra=self.split.rank_extra(),
