@@ -52,10 +52,10 @@ def describe(values: Sequence[float]) -> dict[str, float]:
 
 
 def spread_text(stats: dict[str, Any], scale: float = 1e3, unit: str = "ms") -> str:
-    """'median 12.30 ms, IQR 0.41, CV 3.2%, n 10' for a terminal or a table cell."""
+    """'IQR 0.41 ms, CV 3.2%, n 10 (min 11.9, max 13.2)' for a terminal or a table cell."""
     if not stats or stats.get("n", 0) == 0:
         return "no repetitions"
     return (
-        f"median {stats['median'] * scale:.2f} {unit}, IQR {stats['iqr'] * scale:.2f}, "
-        f"CV {stats['cv']:.1%}, n {stats['n']}"
+        f"IQR {stats['iqr'] * scale:.2f} {unit}, CV {stats['cv']:.1%}, n {stats['n']} "
+        f"(min {stats['min'] * scale:.2f}, max {stats['max'] * scale:.2f})"
     )

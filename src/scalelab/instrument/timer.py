@@ -223,10 +223,12 @@ class Timings:
 
     @property
     def wall_median(self) -> float:
-        return statistics.median(self.walls)
+        """The wall of the median-wall iteration (the lower median for an even count): a
+        wall one real iteration had, which the phases the record keeps lie inside."""
+        return statistics.median_low(self.walls)
 
     def median_index(self) -> int:
-        """The median-wall iteration (the lower median: its wall <= wall_median, so its
+        """The median-wall iteration (the lower median: its wall is wall_median, so its
         phases, timed inside it, add up to at most the reported wall)."""
         order = sorted(range(len(self.walls)), key=self.walls.__getitem__)
         return order[(len(order) - 1) // 2]

@@ -7,7 +7,6 @@ shared, so `mpi`, `mpi-gpu` and `nccl` cannot drift apart.
 
 from __future__ import annotations
 
-import statistics
 from typing import Any
 
 import numpy as np
@@ -93,7 +92,7 @@ class SplitStrategy(TorchStrategy):
         runs = self.cfg.warmup + self.cfg.iters
         mine = RankReport(
             rank=self.comm.rank,
-            wall_s=statistics.median(walls),
+            wall_s=timings.wall_median,
             phases=timings.iteration_phases(),
             bytes={k: v // runs for k, v in self.timer.bytes_moved().items()},
             timeline=self.timer.history[1 + median_iter],  # history[0]: the warm-up lap
