@@ -153,7 +153,9 @@ def _add_checks(
     """The record's `warnings` (oversubscription, host load, spread) and `host` numbers."""
     import torch  # already imported by every strategy
 
-    threads = 1 if strategy.name == "serial" else torch.get_num_threads()  # serial: 1 BLAS thread
+    # serial: one BLAS thread; on a GPU the CPU threads mostly wait for the device
+    cpu_threads = strategy.name != "serial" and strategy.cfg.device == "cpu"
+    threads = torch.get_num_threads() if cpu_threads else 1
     what = "epochs" if output.history is not None else "iterations"
     warnings, host = host_checks.run_checks(
         strategy.comm.size, threads, output.timings.walls, load, what

@@ -13,7 +13,7 @@ from typing import Any
 
 import pandas as pd
 
-from scalelab.analysis.frame import label, ok_records, per_iteration, phase_scale
+from scalelab.analysis.frame import label, ok_records, phase_scale
 
 OTHER = "other"
 # Phases are timed inside their iteration's wall on the same clock, so they add up to at most
@@ -140,13 +140,16 @@ def phase_order(path: str) -> tuple:
 def phase_breakdown(records: list[dict[str, Any]]) -> pd.DataFrame:
     """Long form (run, ranks, phase, seconds): self seconds per iteration, mean over ranks.
 
-    One row per phase path per run, plus OTHER = iteration time - time inside phases. For the
-    stacked per-phase bars of a scaling study: the reader sees which phase grew with N.
+    One row per phase path per run, plus OTHER = wall - time inside phases, both as means over
+    the ranks (each rank against its own wall, rank_wall_s), so a run's bar stacks up to its
+    ranks' mean wall and never past it. For the stacked per-phase bars of a scaling study:
+    the reader sees which phase grew with N.
     """
     rows = []
     for rec in ok_records(records):
-        _, iter_s = per_iteration(rec)
         scale = phase_scale(rec)
+        walls = rank_walls(rec)
+        iter_s = sum(walls) / len(walls) * scale
         per_rank = [self_times(ph) for ph in rank_phases(rec)]
         paths = sorted({p for ph in per_rank for p in ph}, key=phase_order)
         inside = 0.0
