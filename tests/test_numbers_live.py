@@ -66,7 +66,7 @@ def test_oversubscribed_mpi_run_is_warned_and_its_phases_add_up(busy_host, tmp_p
     proc = _scalelab(
         "run", "alexnet", "--image-size", 67, "--batch", ranks, "--strategy", "mpi",
         "--split", "spatial", "--ranks", ranks, "--iters", 3, "--warmup", 1, "--threads", 1,
-        "--quiet", "--out", out,
+        "--out", out,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     (rec,) = read_records(out)
@@ -75,6 +75,17 @@ def test_oversubscribed_mpi_run_is_warned_and_its_phases_add_up(busy_host, tmp_p
     acc = phases.phase_accounting(rec)
     assert not acc["exceeds"].any(), acc
     assert "scalelab: warning:" in proc.stderr
+    # The per-rank table, the summary and the record show the same iteration of each rank.
+    rows = {}
+    for line in proc.stdout.splitlines():  # table rows: a name, then one number per rank
+        name, *cells = line.split() or [""]
+        if len(cells) == ranks and all(c.replace(".", "", 1).isdigit() for c in cells):
+            rows[name] = cells
+    for r, (ph, wall) in enumerate(zip(rec["rank_phases"], rec["rank_wall_s"])):
+        assert float(rows["wall"][r]) == pytest.approx(wall * 1e3, abs=1e-3)
+        assert float(rows["compute"][r]) == pytest.approx(ph["compute"] * 1e3, abs=1e-3)
+    assert f"compute {rec['phases']['compute'] * 1e3:.2f} ms" in proc.stdout  # the summary
+    assert rec["phases"] == rec["rank_phases"][0] and rec["wall_s"] == rec["rank_wall_s"][0]
 
 
 def test_ceilings_and_report_on_a_busy_host(busy_host, cli, tmp_path):
