@@ -191,6 +191,24 @@ def test_recorded_phases_stay_inside_each_ranks_wall(name):
         )  # top-level phases + other = the wall, per rank
 
 
+def test_phase_bars_stack_to_the_ranks_mean_wall():
+    """Bars never stand above the measured iteration: self times + other = mean rank wall."""
+    rec = {
+        "id": "x",
+        "status": "ok",
+        "mode": "infer",
+        "workload": "mlp",
+        "strategy": "mpi",
+        "ranks": 2,
+        "wall_s": 0.010,
+        "rank_wall_s": [0.010, 0.012],
+        "rank_phases": [{"compute": 0.008, "compute/fwd": 0.005}, {"compute": 0.011}],
+    }
+    bars = phases.phase_breakdown([rec])
+    assert bars["seconds"].sum() == pytest.approx(0.011)
+    assert (bars["seconds"] >= 0).all()
+
+
 def test_the_issues_impossible_record_is_flagged():
     """Rank 1's phases sum to 0.583 s in a run whose wall is 0.384 s."""
     rec = {
