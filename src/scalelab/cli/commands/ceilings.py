@@ -23,6 +23,7 @@ from scalelab.comm.launch import inside_launcher, relaunch
 from scalelab.errors import UsageError
 from scalelab.instrument import ceilings as C
 from scalelab.instrument.ceiling_checks import self_check
+from scalelab.instrument.host_checks import HostProbe, load_warning
 from scalelab.instrument.comm_bench import measure_comm, message_sizes
 from scalelab.instrument.peaks import PEAKS
 from scalelab.instrument.progress import Progress
@@ -78,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
             f"{torch.cuda.device_count()} GPUs visible"
         )
     device = pick_device(args.device)
+    probe = HostProbe.start()
     previous = kept_from(Path(args.out))
     if args.comm_only:
         data = previous or C.new_ceilings(None)
@@ -91,6 +93,9 @@ def run(args: argparse.Namespace) -> int:
             data.setdefault("comm", {})[args.backend] = comm
     if not data.get("comm"):
         data.pop("comm", None)
+    busy = load_warning(probe.host_load(probe.own_cpu_s()), need_cpus=C.cpu_cores())
+    if busy:  # a ceiling is what a quiet machine reaches: these may be low
+        data["warnings"] = [*data.get("warnings", []), *busy]
     C.write_ceilings(args.out, data)
     print(format_summary(data, args.out))
     if data.get("warnings"):
