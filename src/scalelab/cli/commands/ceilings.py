@@ -23,8 +23,8 @@ from scalelab.comm.launch import inside_launcher, relaunch
 from scalelab.errors import UsageError
 from scalelab.instrument import ceilings as C
 from scalelab.instrument.ceiling_checks import self_check
-from scalelab.instrument.host_checks import HostProbe, load_warning
 from scalelab.instrument.comm_bench import measure_comm, message_sizes
+from scalelab.instrument.host_checks import HostProbe, load_warning
 from scalelab.instrument.peaks import PEAKS
 from scalelab.instrument.progress import Progress
 
