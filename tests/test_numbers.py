@@ -245,3 +245,43 @@ def test_validate_headline_leaves_calibration_points_out():
     assert first == pytest.approx(v.mape(predicted_only=True), abs=0.05)
     assert "not used for calibration" in head.split("(")[0]
     assert (v.table["role"] == "predicted").any() and (v.table["warnings"] == "").all()
+
+
+# --- warned runs dropped on request ----------------------------------------------------------
+def _warn_first(src: Path, dst: Path) -> None:
+    """dst: src's records with a warning on the first ok one."""
+    lines = src.read_text().splitlines()
+    for i, line in enumerate(lines):
+        rec = json.loads(line)
+        if rec.get("status") == "ok":
+            rec["warnings"] = ["host busy: test"]
+            lines[i] = json.dumps(rec)
+            break
+    dst.write_text("\n".join(lines) + "\n")
+
+
+def test_report_lists_or_drops_warned_runs(cli, tmp_path):
+    results = tmp_path / "runs.jsonl"
+    _warn_first(FIXTURES / "scaling_strong.jsonl", results)
+    code, _, err = cli("report", results, "-o", tmp_path / "all", "--no-plots")
+    assert code == 0, err
+    page = (tmp_path / "all" / "index.html").read_text()
+    assert "host busy: test" in page and "1 with warnings" in page
+    code, out, err = cli("report", results, "-o", tmp_path / "kept", "--no-plots", "--drop-warned")
+    assert code == 0 and "left out 1 warned run" in out, err
+    assert "host busy: test" not in (tmp_path / "kept" / "index.html").read_text()
+
+
+def test_validate_drops_warned_points(tmp_path):
+    import shutil
+
+    from scalelab.predict.validate import validate
+
+    folder = tmp_path / "predict"
+    shutil.copytree(FIXTURES / "predict", folder)
+    target = next(p for p in sorted(folder.glob("*.jsonl")) if "mpi" in p.name)
+    _warn_first(FIXTURES / "predict" / target.name, target)
+    kept = validate(folder, None, None)
+    dropped = validate(folder, None, None, drop_warned=True)
+    assert (kept.table["warnings"] != "").sum() == 1 and "warned runs" in kept.summary()
+    assert len(dropped.table) == len(kept.table) - 1 and (dropped.table["warnings"] == "").all()

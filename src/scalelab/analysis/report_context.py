@@ -127,18 +127,24 @@ def _versions_table(recs: list[dict[str, Any]]) -> str:
                 "dtype": rec.get("precision"),
                 "device": cfg.get("device"),
                 "wall ms": rec["wall_s"] * 1e3,
+                "CV": (rec.get("wall_spread_s") or {}).get("cv"),
                 "items/s": rec.get("throughput"),
                 "relerr": rec["relerr"],
                 "digest": rec.get("digest"),
                 "check": "ok" if rec.get("check_passed") else "FAILED",
+                "warnings": "; ".join(rec.get("warnings") or []),
             }
         )
     df = pd.DataFrame(rows)
     serial = df.loc[df["strategy"] == "serial", "wall ms"]
     base = serial.iloc[-1] if len(serial) else df["wall ms"].max()
-    df.insert(7, "speedup", base / df["wall ms"])
-    fmts = {"wall ms": ".2f", "items/s": ".1f", "speedup": lambda v: f"{v:.1f}x", "relerr": ".1e"}
-    bad = {"check": lambda v: "good" if v == "ok" else "bad"}
+    df.insert(8, "speedup", base / df["wall ms"])
+    fmts = {"wall ms": ".2f", "CV": ".1%", "items/s": ".1f", "speedup": lambda v: f"{v:.1f}x",
+            "relerr": ".1e"}  # fmt: skip
+    bad = {
+        "check": lambda v: "good" if v == "ok" else "bad",
+        "warnings": lambda v: "warn" if v else "",
+    }
     return html.table(df, fmts, classes=bad, text_cols={"digest"} | text_columns(df))
 
 
