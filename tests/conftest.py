@@ -41,3 +41,20 @@ def cli(capsys):
         return code, out, err
 
     return run
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_torch_settings():
+    """Fail a test that leaves torch's process-wide settings changed (thread count, default
+    dtype, grad mode): the next test, whichever the random order picks, would inherit them.
+    The settings are put back first, so one leak fails one test, not every later one."""
+    import torch
+
+    before = (torch.get_num_threads(), torch.get_default_dtype(), torch.is_grad_enabled())
+    yield
+    after = (torch.get_num_threads(), torch.get_default_dtype(), torch.is_grad_enabled())
+    if after != before:
+        torch.set_num_threads(before[0])
+        torch.set_default_dtype(before[1])
+        torch.set_grad_enabled(before[2])
+        pytest.fail(f"test left torch settings (threads, dtype, grad) {after}, was {before}")

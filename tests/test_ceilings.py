@@ -48,7 +48,22 @@ def test_cpu_ceilings_are_plausible(cpu_ceilings):
         assert 1e7 < data["cpu_gemm_flops"][key] < 1e12 * cores
         assert 1e8 < data["cpu_mem_bw"][key] < 1e12
     assert data["cpu_gemm_flops"]["cores"] == cores
-    assert "h2d" not in data and "comm" not in data  # no GPU, no launcher
+    assert "h2d" not in data  # no GPU
+    # MPI alpha-beta over 2 ranks by default when MPI is installed (this suite's [mpi] extra)
+    from scalelab.cli.commands.ceilings import mpi_available
+
+    if mpi_available():
+        mpi = data["comm"]["mpi"]
+        assert mpi["ranks"] == 2 and mpi["p2p"]["beta_Bps"] > 0 and "mpi x2 p2p" in out
+    else:
+        assert "comm" not in data
+    # Self-checked: every relation holds, or the file says which one does not.
+    from scalelab.instrument.ceiling_checks import violations
+
+    assert {f"implausible ceiling: {w}" for _, w in violations(data)} <= set(data["warnings"])
+    assert data["passes"]["gemm"] >= 1 and data["passes"]["host"] >= 1
+    for key in ("cpu_gemm_flops", "cpu_mem_bw"):
+        assert data[key]["all_cores"] >= data[key]["one_core"]
     conc = data["cpu_concurrency"]  # part of every default run (not only --comm-only ones)
     assert conc["ranks"][0] == 1 and conc["ranks"][-1] == cores and conc["slowdown"][0] == 1.0
     assert len(conc["slowdown"]) == len(conc["ranks"]) and "CPU processes at once" in out
@@ -156,7 +171,8 @@ def test_ceilings_of_another_machine_warn(cpu_ceilings, tmp_path, capsys):
 
 @pytest.mark.parametrize(
     "args, needle",
-    [(["--comm-only"], "--ranks"), (["--ranks", "0"], "--ranks must be >= 1"),
+    [(["--comm-only", "--ranks", "1"], "--ranks"), (["--ranks", "0"], "--ranks must be >= 1"),
+     (["--no-comm", "--ranks", "2"], "contradict"),
      (["--backend", "nccl", "--ranks", "2"], "GPU per rank")],
 )  # fmt: skip
 def test_bad_ceilings_flags(cli, tmp_path, args, needle):

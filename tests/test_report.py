@@ -2,6 +2,7 @@
 the page rendered headless by Chromium (skipped only where Chromium is absent) to a
 screenshot that must show a real page."""
 
+import base64
 import re
 import shutil
 import subprocess
@@ -48,10 +49,13 @@ def test_report_contents(report):
     assert ">18.57<" in page and ">compute<" in page  # fc1's AI and bound
     assert "RuntimeError: boom" in page  # the failed point is listed
     assert ">1.00x<" in page  # per-rank imbalance rows
-    # Self-contained: no scripts, nothing fetched; every image is a file beside the page.
+    # Self-contained: no scripts, nothing fetched; every image embedded as PNG data (its file
+    # beside the page too).
     assert "<script" not in page and not re.search(r"(src|href)=\"(https?:)?//", page)
-    images = re.findall(r'<img src="([^"]+)"', page)
-    assert len(images) == 6 and all((report / src).is_file() for src in images)
+    images = re.findall(r'<img src="data:image/png;base64,([^"]+)" data-file="([^"]+)"', page)
+    assert len(images) == 6 and len(images) == page.count("<img")
+    for data, name in images:
+        assert base64.b64decode(data) == (report / name).read_bytes()
     assert (report / "scaling.csv").read_text().count("\n") == 7  # header + 6 points
 
 

@@ -14,11 +14,14 @@ from typing import Any
 from scalelab import environment
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
+from scalelab.instrument import host_checks
+from scalelab.instrument.numbers import numbers_lines
 from scalelab.instrument.session import instrumented
 from scalelab.oracle.check import CheckResult, check_output
 from scalelab.precision import PRECISIONS, Precision
 from scalelab.record import append_record, failed_record, new_record
 from scalelab.strategies import STRATEGIES, RunOutput, Strategy
+from scalelab.train.headline import headline
 from scalelab.weights import load_weights, save_weights
 from scalelab.workloads import WORKLOADS, Inputs, Workload
 from scalelab.workloads.base import state_dict_float64
@@ -97,9 +100,11 @@ def _execute(
         load_weights(model, cfg.weights)
     reference_params = state_dict_float64(model) if cfg.check else None
     try:
+        probe = host_checks.HostProbe.start()
         with instrumented(cfg, strategy, model, workload) as inst:  # --trace, --nvml, --per-layer
             output, inputs = _run_mode(strategy, workload, model)
         output.notes.update(inst.notes(output))
+        load, rank_walls = _rank_numbers(strategy, probe, output)
     except UsageError:
         raise
     except Exception as exc:
@@ -116,9 +121,47 @@ def _execute(
     if cfg.save_weights is not None and output.model is not None:
         save_weights(output.model, cfg.save_weights)
     record = build_record(cfg, workload, strategy, output, check)
+    _add_checks(record, strategy, output, load)
+    record["rank_wall_s"] = rank_walls
     if results is not None:
         append_record(results, record)
+    host_checks.emit(record["warnings"])
     return RunReport(record, check)
+
+
+def _rank_numbers(
+    strategy: Strategy, probe: host_checks.HostProbe, output: RunOutput
+) -> tuple[dict[str, Any] | None, list[float | None] | None]:
+    """On the root: (what other processes did on our CPUs while the run ran, each rank's wall
+    that its rank_phases lie inside). Every rank's own CPU seconds are gathered, so sibling
+    ranks do not count as load. Collective."""
+    walls = output.timings.walls
+    if not walls:
+        wall = None
+    else:  # training: the whole run; inference: the median-wall iteration (iteration_phases)
+        wall = sum(walls) if output.history is not None else output.timings.iteration_wall()
+    mine = (probe.own_cpu_s(), wall)
+    got = strategy.comm.gather_object(mine) if strategy.comm.size > 1 else [mine]
+    if not strategy.is_root:
+        return None, None
+    return probe.host_load(sum(c for c, _ in got)), [w for _, w in got]
+
+
+def _add_checks(
+    record: dict[str, Any], strategy: Strategy, output: RunOutput, load: dict[str, Any] | None
+) -> None:
+    """The record's `warnings` (oversubscription, host load, spread) and `host` numbers."""
+    import torch  # already imported by every strategy
+
+    # serial: one BLAS thread; on a GPU the CPU threads mostly wait for the device
+    cpu_threads = strategy.name != "serial" and strategy.cfg.device == "cpu"
+    threads = torch.get_num_threads() if cpu_threads else 1
+    what = "epochs" if output.history is not None else "iterations"
+    warnings, host = host_checks.run_checks(
+        strategy.comm.size, threads, output.timings.walls, load, what
+    )
+    record["warnings"] = warnings
+    record["host"] = host
 
 
 def digest_tolerance(precision: Precision) -> float:
@@ -161,10 +204,12 @@ def build_record(
         wall = sum(timings.walls)
         items = out.history.items
         phases = timings.phase_totals()
+        statistic = "totals over the run (every epoch), per rank"
     else:
         wall = timings.wall_median
         items = out.items_per_iter
-        phases = timings.phase_medians()
+        phases = timings.iteration_phases()
+        statistic = "the median-wall iteration of each rank (rank 0 in phases)"
     # A training step costs ~3 forwards (backward = grad wrt activations + grad wrt weights).
     flops = workload.flops_per_item() * items * (3 if out.history is not None else 1)
     rec = new_record(
@@ -185,6 +230,7 @@ def build_record(
         throughput=items / wall if wall > 0 else float("nan"),
         item_unit=workload.item,
         phases=phases,
+        phases_statistic=statistic,
         rank_phases=out.rank_phases,
         bytes=out.bytes_moved,
         flops_per_item=workload.flops_per_item(),
@@ -201,6 +247,7 @@ def build_record(
         )
     if out.history is not None:
         rec.update(loss=out.history.loss, accuracy=out.history.accuracy, steps=out.history.steps)
+        rec.update(headline(timings, items))
     return rec
 
 
@@ -240,4 +287,5 @@ def format_summary(rec: dict[str, Any]) -> str:
         lines.append(
             f"  final loss {rec['loss'][-1]:.4f} | held-out accuracy {rec['accuracy'][-1]:.4f}"
         )
+    lines += numbers_lines(rec)  # spread, phase statistic, steady rate, warnings
     return "\n".join(lines)

@@ -1,11 +1,13 @@
 """Small HTML building blocks for the report: escaped tables, figures, sections, the page.
 
 Self-contained on purpose: inline CSS, no scripts, no fonts or anything else fetched, images
-as relative PNG files beside the page, so the folder reads anywhere, offline, without scalelab.
+embedded as base64 PNG data (the PNG files stay beside the page too), so index.html alone reads
+anywhere, offline, without scalelab: mailed, attached, moved out of its folder.
 """
 
 from __future__ import annotations
 
+import base64
 import html
 import math
 from collections.abc import Callable
@@ -35,6 +37,8 @@ td.text, th.text { text-align: left; }
 tr:nth-child(even) td { background: #f8fafc; }
 td.bad { color: #b3261e; font-weight: 600; }
 td.good { color: #1b7a3a; }
+td.warn, ul.warn { color: #9a5b00; }
+ul.warn { font-size: 13px; margin: 4px 0 10px; }
 figure { margin: 10px 0 18px; }
 figure img { max-width: 100%; border: 1px solid #e3e8ef; }
 figcaption { font-size: 13px; color: #4a5563; margin-top: 4px; }
@@ -85,11 +89,21 @@ def table(
 
 
 def figure(path: Path, page_dir: Path, caption: str) -> str:
-    src = path.relative_to(page_dir).as_posix()
+    """The PNG embedded in the page; data-file names the copy beside it."""
+    data = base64.b64encode(path.read_bytes()).decode("ascii")
+    name = path.relative_to(page_dir).as_posix()
     return (
-        f'<figure><img src="{esc(src)}" alt="{esc(caption)}">'
-        f"<figcaption>{esc(caption)}</figcaption></figure>"
+        f'<figure><img src="data:image/png;base64,{data}" data-file="{esc(name)}" '
+        f'alt="{esc(caption)}"><figcaption>{esc(caption)}</figcaption></figure>'
     )
+
+
+def warning_list(items: list[str]) -> str:
+    """Warnings in red, one per line (nothing when there are none)."""
+    if not items:
+        return ""
+    lis = "".join(f"<li>{esc(w)}</li>" for w in items)
+    return f'<ul class="warn">{lis}</ul>'
 
 
 def note(text: str) -> str:

@@ -13,9 +13,13 @@ from typing import Any
 
 import pandas as pd
 
-from scalelab.analysis.frame import label, ok_records, per_iteration, phase_scale
+from scalelab.analysis.frame import label, ok_records, phase_scale
 
 OTHER = "other"
+# Phases are timed inside their iteration's wall on the same clock, so they add up to at most
+# the wall; this allows for the rounding of a sum of a few perf_counter differences.
+PHASE_SLACK_S = 1e-6
+ACCOUNTING_COLUMNS = ["rank", "wall_s", "phases_s", "other_s", "covered", "exceeds"]
 
 
 def self_times(phases: dict[str, float]) -> dict[str, float]:
@@ -40,19 +44,66 @@ def rank_phases(rec: dict[str, Any]) -> list[dict[str, float]]:
     return [rec.get("phases") or {}]
 
 
+def rank_walls(rec: dict[str, Any]) -> list[float]:
+    """Each rank's wall that its phases lie inside (the record's rank_wall_s; records from
+    before it have only rank 0's wall_s, taken for every rank)."""
+    n = len(rank_phases(rec))
+    walls = rec.get("rank_wall_s")
+    if (
+        isinstance(walls, list)
+        and len(walls) == n
+        and all(isinstance(w, (int, float)) for w in walls)
+    ):
+        return [float(w) for w in walls]
+    return [float(rec.get("wall_s") or 0.0)] * n
+
+
+def top_level(phases: dict[str, float]) -> float:
+    return sum(t for p, t in phases.items() if "/" not in p)
+
+
+def phase_accounting(rec: dict[str, Any]) -> pd.DataFrame:
+    """Per rank, per iteration: wall, the top-level phases' sum, other = wall - phases (time
+    outside every phase: Python between phases, the barrier), the share the phases cover and
+    whether they exceed the wall (by more than PHASE_SLACK_S): an impossible record."""
+    scale = phase_scale(rec)
+    rows = []
+    for rank, (ph, wall) in enumerate(zip(rank_phases(rec), rank_walls(rec))):
+        inside = top_level(ph)
+        rows.append(
+            {
+                "rank": rank,
+                "wall_s": wall * scale,
+                "phases_s": inside * scale,
+                "other_s": (wall - inside) * scale,
+                "covered": inside / wall if wall > 0 else float("nan"),
+                "exceeds": inside > wall + PHASE_SLACK_S,
+            }
+        )
+    return pd.DataFrame(rows, columns=ACCOUNTING_COLUMNS)
+
+
 def rank_phase_table(rec: dict[str, Any]) -> pd.DataFrame:
-    """Rank x phase path, seconds per iteration (per optimizer step when training).
+    """Rank x phase path, seconds per iteration (per optimizer step when training), then
+    OTHER (the rank's wall minus its top-level phases) and "wall".
 
     Extra rows: "mean", "max" and "imbalance" (max / mean, 1.0 = perfectly balanced), the
     number that says whether one slow rank holds the others at a collective.
     """
     scale = phase_scale(rec)
-    rows = [{p: t * scale for p, t in ph.items()} for ph in rank_phases(rec)]
+    rows = [
+        {
+            **{p: t * scale for p, t in ph.items()},
+            OTHER: (w - top_level(ph)) * scale,
+            "wall": w * scale,
+        }
+        for ph, w in zip(rank_phases(rec), rank_walls(rec))
+    ]
     table = pd.DataFrame(rows).fillna(0.0)
     table.index = [f"rank {r}" for r in range(len(rows))]
     if table.empty:
         return table
-    table = table[sorted(table.columns, key=phase_order)]
+    table = table[sorted(set(table.columns) - {"wall"}, key=phase_order) + ["wall"]]
     if len(rows) > 1:
         mean, peak = table.mean(), table.max()
         table.loc["mean"] = mean
@@ -89,13 +140,16 @@ def phase_order(path: str) -> tuple:
 def phase_breakdown(records: list[dict[str, Any]]) -> pd.DataFrame:
     """Long form (run, ranks, phase, seconds): self seconds per iteration, mean over ranks.
 
-    One row per phase path per run, plus OTHER = iteration time - time inside phases. For the
-    stacked per-phase bars of a scaling study: the reader sees which phase grew with N.
+    One row per phase path per run, plus OTHER = wall - time inside phases, both as means over
+    the ranks (each rank against its own wall, rank_wall_s), so a run's bar stacks up to its
+    ranks' mean wall and never past it. For the stacked per-phase bars of a scaling study:
+    the reader sees which phase grew with N.
     """
     rows = []
     for rec in ok_records(records):
-        _, iter_s = per_iteration(rec)
         scale = phase_scale(rec)
+        walls = rank_walls(rec)
+        iter_s = sum(walls) / len(walls) * scale
         per_rank = [self_times(ph) for ph in rank_phases(rec)]
         paths = sorted({p for ph in per_rank for p in ph}, key=phase_order)
         inside = 0.0

@@ -26,7 +26,6 @@ from scalelab.analysis.report_waits import waits_section, with_phases
 from scalelab.errors import UsageError
 
 Section = tuple[str, str, str]
-MAX_PHASE_TABLES = 8
 
 
 class Page:
@@ -55,31 +54,64 @@ def _ms(v: float) -> str:
     return f"{v * 1e3:.3f}"
 
 
+def data_label(rec: dict[str, Any]) -> str:
+    """'real: mnist' when the run read a data set (--data-dir), else 'synthetic'."""
+    data_dir = (rec.get("config") or {}).get("data_dir")
+    return f"real: {Path(data_dir).name}" if data_dir else "synthetic"
+
+
+def _spread(rec: dict[str, Any], key: str) -> float | None:
+    value = (rec.get("wall_spread_s") or {}).get(key)
+    return value if isinstance(value, (int, float)) else None
+
+
 def runs_section(records: list[dict[str, Any]], page: Page) -> Section:
     df = records_frame(records)
     df["run"] = sibling_labels(records, frozenset({"ranks"}))
+    df["data"] = [data_label(r) for r in records]
+    df["CV"] = [_spread(r, "cv") for r in records]
+    df["IQR ms"] = [_spread(r, "iqr") for r in records]
+    df["steady/s"] = [r.get("steady_throughput") for r in records]
+    df["warnings"] = ["; ".join(r.get("warnings") or []) for r in records]
     df["error"] = [r.get("error", "") for r in records]
     cols = [
         "time",
         "run",
         "ranks",
+        "data",
         "status",
         "iter_items",
         "iter_s",
+        "IQR ms",
+        "CV",
         "throughput",
+        "steady/s",
         "achieved_tflops",
+        "warnings",
         "error",
     ]
     view = df[cols].rename(columns={"iter_s": "ms/iter", "achieved_tflops": "GFLOP/s"})
     fmts = {
         "ms/iter": _ms,
+        "IQR ms": _ms,
+        "CV": ".1%",
         "throughput": ".1f",
+        "steady/s": ".1f",
         "GFLOP/s": lambda v: f"{v * 1e3:.2f}",
         "iter_items": ".0f",
     }
-    bad = {"status": lambda v: "good" if v == "ok" else "bad"}
-    body = html.note("Per iteration: one timed inference pass, or one optimizer step.")
-    table = html.table(view, fmts, classes=bad)
+    css = {
+        "status": lambda v: "good" if v == "ok" else "bad",
+        "warnings": lambda v: "warn" if v else "",
+    }
+    warned = sum(bool(r.get("warnings")) for r in records)
+    body = html.note(
+        f"Every run ({len(records)}; {warned} with warnings: their times are suspect). Per "
+        "iteration: one timed inference pass, or one optimizer step (training: the whole run "
+        "over its steps; steady/s leaves the warm-up out). IQR and CV over the repetitions "
+        "(training: over epochs). data: the data set read, or synthetic inputs."
+    )
+    table = html.table(view, fmts, classes=css, text_cols={"warnings", "error", "data"})
     return "runs", "All runs", body + table + page.csv(with_phases(df, records), "runs.csv")
 
 
@@ -87,12 +119,16 @@ def phase_section(records: list[dict[str, Any]]) -> Section:
     latest: dict[str, dict[str, Any]] = {}
     for rec in ok_records(records):
         latest[experiment_key(rec) + rec.get("mode", "")] = rec
-    chosen = sorted(latest.values(), key=lambda r: -int(r.get("ranks", 1)))[:MAX_PHASE_TABLES]
+    chosen = sorted(latest.values(), key=lambda r: -int(r.get("ranks", 1)))
     names = dict(zip(map(id, chosen), sibling_labels(chosen, frozenset({"ranks"}))))
+    repeats = len(ok_records(records)) - len(chosen)
     parts = [
         html.note(
             "Milliseconds per iteration (per optimizer step when training) inside each phase, per "
-            "rank; nested phases (a/b) are part of their parent. imbalance = max / mean over ranks."
+            "rank: each rank's median-wall iteration (training: totals / steps); nested phases "
+            "(a/b) are part of their parent; other = the rank's wall - its top-level phases "
+            "(Python between phases, barriers); imbalance = max / mean over ranks. One table "
+            f"per configuration, its latest run ({repeats} earlier repeat(s) are in All runs)."
         )
     ]
     for rec in chosen:
@@ -103,8 +139,18 @@ def phase_section(records: list[dict[str, Any]]) -> Section:
         if "imbalance" in table.index:
             shown.loc["imbalance"] = table.loc["imbalance"].map(lambda v: f"{v:.2f}x")
         parts.append(f"<h3>{html.esc(names[id(rec)])} x{rec.get('ranks', 1)}</h3>")
+        parts.append(html.warning_list(_phase_problems(rec)))
         parts.append(html.table(shown.rename_axis("rank"), index=True, text_cols={"rank"}))
     return "phases", "Per-rank phases", "\n".join(parts)
+
+
+def _phase_problems(rec: dict[str, Any]) -> list[str]:
+    acc = phases.phase_accounting(rec)
+    over = acc[acc["exceeds"]]
+    return [
+        f"rank {r.rank}: phases {r.phases_s * 1e3:.3f} ms exceed its wall {r.wall_s * 1e3:.3f} ms"
+        for r in over.itertuples()
+    ] + list(rec.get("warnings") or [])
 
 
 def scaling_section(records: list[dict[str, Any]], page: Page, mode: str | None) -> Section:
@@ -150,8 +196,17 @@ def roofline_section(records: list[dict[str, Any]], ceilings: dict | None, page:
             c: ".3g" for c in ("flops", "bytes", "achieved", "peak_flops", "mem_bw", "attainable")
         }
         fmts.update(ai=".2f", seconds=_ms, fraction=".1%")
+        over = int((df["flag"] != "").sum())
         parts += [
             "<h3>Per layer</h3>",
+            html.warning_list(
+                [
+                    f"{over} point(s) above their roof: {roofline.UNDER_MEASURED} (re-measure "
+                    "the ceilings on a quiet machine); circled red in the figure"
+                ]
+                if over
+                else []
+            ),  # fmt: skip
             html.table(df.rename(columns={"seconds": "ms"}), {**fmts, "ms": _ms}),
             page.csv(df, "roofline_layers.csv"),
             page.figure("layer_roofline", "Per-layer roofline under the measured ceilings.", df),

@@ -89,9 +89,6 @@ def _ceiling_rows(c: dict[str, Any]) -> list[tuple[str, str, str]]:
     return rows
 
 
-MAX_VERSION_TABLES = 6
-
-
 def versions_section(records: list[dict[str, Any]]) -> Section:
     """One table per `scalelab versions` invocation (its shared `versions` id), else per
     workload / input / batch, of the checked inference runs."""
@@ -109,7 +106,7 @@ def versions_section(records: list[dict[str, Any]]) -> Section:
             "speedup against the serial run of the same table (the slowest run without one)."
         )
     ]
-    for recs in list(groups.values())[-MAX_VERSION_TABLES:]:
+    for recs in groups.values():  # every table: no silent cap
         cfg = recs[0].get("config") or {}
         size = cfg.get("image_size")
         title = f"{recs[0]['workload']} {f'{size}x{size}' if size else '(native size)'}, "
@@ -130,18 +127,24 @@ def _versions_table(recs: list[dict[str, Any]]) -> str:
                 "dtype": rec.get("precision"),
                 "device": cfg.get("device"),
                 "wall ms": rec["wall_s"] * 1e3,
+                "CV": (rec.get("wall_spread_s") or {}).get("cv"),
                 "items/s": rec.get("throughput"),
                 "relerr": rec["relerr"],
                 "digest": rec.get("digest"),
                 "check": "ok" if rec.get("check_passed") else "FAILED",
+                "warnings": "; ".join(rec.get("warnings") or []),
             }
         )
     df = pd.DataFrame(rows)
     serial = df.loc[df["strategy"] == "serial", "wall ms"]
     base = serial.iloc[-1] if len(serial) else df["wall ms"].max()
-    df.insert(7, "speedup", base / df["wall ms"])
-    fmts = {"wall ms": ".2f", "items/s": ".1f", "speedup": lambda v: f"{v:.1f}x", "relerr": ".1e"}
-    bad = {"check": lambda v: "good" if v == "ok" else "bad"}
+    df.insert(8, "speedup", base / df["wall ms"])
+    fmts = {"wall ms": ".2f", "CV": ".1%", "items/s": ".1f", "speedup": lambda v: f"{v:.1f}x",
+            "relerr": ".1e"}  # fmt: skip
+    bad = {
+        "check": lambda v: "good" if v == "ok" else "bad",
+        "warnings": lambda v: "warn" if v else "",
+    }
     return html.table(df, fmts, classes=bad, text_cols={"digest"} | text_columns(df))
 
 

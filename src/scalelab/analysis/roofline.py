@@ -37,7 +37,11 @@ LAYER_COLUMNS = [
     "attainable",
     "bound",
     "fraction",
+    "flag",
 ]
+# A point above its roof means the ceiling was measured too low (noise only slows a ceiling's
+# measurement down), never that the layer beat the machine: it is flagged, not drawn silently.
+UNDER_MEASURED = "ceiling under-measured"
 
 
 # --- ceilings ------------------------------------------------------------------------------
@@ -131,6 +135,7 @@ def layer_roofline(records: list[dict[str, Any]], ceilings: dict[str, Any]) -> p
                 bound=classify(ai, peak, bw),
             )
             row["fraction"] = row["achieved"] / row["attainable"] if row["attainable"] else math.nan
+            row["flag"] = UNDER_MEASURED if row["fraction"] > 1.0 else ""
             rows.append(row)
     return pd.DataFrame(rows, columns=LAYER_COLUMNS)
 

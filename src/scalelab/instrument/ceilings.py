@@ -29,6 +29,12 @@ noise on a shared machine only adds time); GEMM keeps the best size:
       "cpu_gemm_flops": {"one_core": float, "all_cores": float, "cores": int,
                          "dtype": "fp64"},           # NumPy float64 GEMM FLOP/s
       "cpu_mem_bw": {"one_core": float, "all_cores": float},  # NumPy copy, read+write bytes/s
+                                        # both: "all_cores_threads" (cores, or 1 when one
+                                        # thread beat all of them: then the n-thread figure is
+                                        # in "all_threads_measured")
+      "passes": {"gemm": int, "host": int},   # measurement passes (ceiling_checks re-measures
+                                        # what breaks a sanity relation; best of each kept)
+      "warnings": [str, ...],           # relations still broken, busy-host signs
       "cpu_concurrency": {              # k single-threaded processes computing at once
         "ranks": [1, 2, 4, ..., cores], "slowdown": [1.0, ...],  # median time at k / at 1
         "slowdown_max": [...], "seconds": [...], "kernel": str, "method": str
@@ -46,6 +52,7 @@ noise on a shared machine only adds time); GEMM keeps the best size:
       "peaks": {...}                    # peaks.datasheet_peak(gpu name).to_dict(), when known
     }
 
+`scalelab ceilings` measures "comm.mpi" over 2 ranks by default when MPI is installed.
 Sections that were not measured (no GPU: "h2d", "d2h"; no launcher: "comm"; `--comm-only`:
 every local section) are absent, so readers test `"h2d" in ceilings`. A later run writing
 the same file keeps the `comm` entries of other backends measured on the same host.
@@ -295,14 +302,21 @@ def numpy_copy_bandwidth(nbytes: int, threads: int, plan: Plan) -> float:
 def host_ceilings(plan: Plan) -> dict[str, Any]:
     cores = cpu_cores()
     best = lambda threads: max(numpy_gemm_flops(n, threads, plan) for n in plan.cpu_gemm_sizes)  # noqa: E731
+    copy = lambda threads: numpy_copy_bandwidth(plan.cpu_copy_bytes, threads, plan)  # noqa: E731
     return {
-        "cpu_gemm_flops": {"one_core": best(1), "all_cores": best(cores), "cores": cores,
-                           "dtype": "fp64"},
-        "cpu_mem_bw": {
-            "one_core": numpy_copy_bandwidth(plan.cpu_copy_bytes, 1, plan),
-            "all_cores": numpy_copy_bandwidth(plan.cpu_copy_bytes, cores, plan),
-        },
-    }  # fmt: skip
+        "cpu_gemm_flops": {**_cores_pair(best, cores), "cores": cores, "dtype": "fp64"},
+        "cpu_mem_bw": _cores_pair(copy, cores),
+    }
+
+
+def _cores_pair(rate: Callable[[int], float], cores: int) -> dict[str, Any]:
+    """one_core and all_cores; all_cores is the better of `cores` threads and one thread (n
+    cores can always do what one does: on a busy host n threads can be 10x slower than one,
+    a worker waiting for a core), the threads that reached it and the n-thread figure kept."""
+    one, many = rate(1), rate(cores) if cores > 1 else None
+    if many is None or many >= one:
+        return {"one_core": one, "all_cores": many or one, "all_cores_threads": cores}
+    return {"one_core": one, "all_cores": one, "all_cores_threads": 1, "all_threads_measured": many}
 
 
 # --- the whole measurement -----------------------------------------------------------------

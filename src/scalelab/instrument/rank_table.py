@@ -142,7 +142,11 @@ def format_rank_table(reports: Sequence[RankReport], items: int, unit: str, titl
     its start (after the barrier); throughput from the median wall over iterations."""
     names = phase_order(reports)
     head = f"{'':<18}" + "".join(f"{'rank ' + str(r.rank):>11}" for r in reports)
-    lines = [f"per-rank phases (ms){': ' + title if title else ''}", head]
+    lines = [
+        f"per-rank phases (ms) of each rank's median-wall iteration (the iteration the record's "
+        f"phases and rank_phases hold){': ' + title if title else ''}",
+        head,
+    ]
     for name in names:  # timeline: first start and last end of each phase
         starts = [min((s for n, s, _ in r.timeline if n == name), default=None) for r in reports]
         ends = [max((e for n, _, e in r.timeline if n == name), default=None) for r in reports]

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from scalelab.instrument.spans import SPANS
+from scalelab.instrument.stats import describe
 
 
 @dataclass
@@ -211,11 +212,15 @@ class Timings:
     """Per-iteration wall times and phase laps of one rank, with their medians.
 
     device_laps: CUDA-event seconds per phase, one dict per iteration (GPU runs only).
+    marks: training only: (training seconds so far, items trained so far) at each optimizer
+        step's end, on the host clock (evaluation and checkpoints excluded), so the record can
+        tell warm-up and capture from the steady part (train/headline.py).
     """
 
     walls: list[float] = field(default_factory=list)
     laps: list[dict[str, float]] = field(default_factory=list)
     device_laps: list[dict[str, float]] = field(default_factory=list)
+    marks: list[tuple[float, int]] = field(default_factory=list)
 
     def add(self, wall: float, lap: dict[str, float], device: dict | None = None) -> None:
         self.walls.append(wall)
@@ -225,7 +230,23 @@ class Timings:
 
     @property
     def wall_median(self) -> float:
-        return statistics.median(self.walls)
+        """The wall of the median-wall iteration (the lower median for an even count): a
+        wall one real iteration had, which the phases the record keeps lie inside."""
+        return statistics.median_low(self.walls)
+
+    def median_index(self) -> int:
+        """The median-wall iteration (the lower median: its wall is wall_median, so its
+        phases, timed inside it, add up to at most the reported wall)."""
+        order = sorted(range(len(self.walls)), key=self.walls.__getitem__)
+        return order[(len(order) - 1) // 2]
+
+    def iteration_phases(self) -> dict[str, float]:
+        """The phases of the median-wall iteration: one real iteration, so they add up to
+        at most its wall (medians per phase, from different iterations, need not)."""
+        return dict(self.laps[self.median_index()]) if self.laps else {}
+
+    def iteration_wall(self) -> float:
+        return self.walls[self.median_index()]
 
     def phase_medians(self) -> dict[str, float]:
         return _medians(self.laps)
@@ -241,11 +262,8 @@ class Timings:
         return totals
 
     def spread(self) -> dict[str, float]:
-        return {
-            "min": min(self.walls),
-            "max": max(self.walls),
-            "stdev": statistics.pstdev(self.walls) if len(self.walls) > 1 else 0.0,
-        }
+        """n, median, q1, q3, iqr, mean, stdev, cv, min, max of the walls (stats.describe)."""
+        return describe(self.walls)
 
 
 def timed_iterations(

@@ -34,6 +34,7 @@ class Measured:
     seconds: float  # per iteration (inference) or optimizer step (training)
     source: str  # file:line or file[row]
     origin: Path  # the file, to pair it with the ceilings of its machine
+    warnings: tuple[str, ...] = ()  # the record's run warnings (oversubscribed, busy host, ...)
 
 
 @dataclass
@@ -135,7 +136,7 @@ def _run_record(found: Found, path: Path, where: str, rec: dict[str, Any]) -> No
     if cfg.strategy not in MODELS:
         found.skipped[f"{cfg.strategy} runs (no model of that strategy)"] += 1
         return
-    found.points.append(Measured(scenario, seconds, where, path))
+    found.points.append(Measured(scenario, seconds, where, path, tuple(rec.get("warnings") or ())))
 
 
 def _step_seconds(rec: dict[str, Any], default: float) -> float:

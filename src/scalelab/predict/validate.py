@@ -9,8 +9,9 @@ ceilings in the nearest folder up (the name closest to the results file's first:
 mpi_scaling_h200x2.jsonl -> ceilings_h200x2.json), and the files that borrowed another host's
 figures are named with what they borrowed. A point is predicted
 from the measurements of its own machine only; the one-rank points it is calibrated on (and
-the multi-GPU run that sets DDP's host cost) match by construction and are marked, and the
-MAPE is also given over the points that calibrated nothing.
+the multi-GPU run that sets DDP's host cost) match by construction and are marked: the
+headline MAPE is over the points that calibrated nothing (the MAPE over all follows). Points
+from runs whose records carry warnings are shown with them, or left out with drop_warned.
 """
 
 from __future__ import annotations
@@ -56,23 +57,42 @@ class Validation:
         return float(t["error_pct"].abs().mean()) if len(t) else math.nan
 
     def summary(self) -> str:
-        """The last line: `MAPE: 4.1% (12 points; 7 not used for calibration: 5.3%)`."""
+        """The last line, the headline first: the MAPE over the points that calibrated
+        nothing (calibration points match by construction, so they would flatter it):
+        `MAPE: 5.3% over 7 points not used for calibration (all 12 points: 4.1%; ...)`."""
         n, k = len(self.scored), int((self.table["role"] == "predicted").sum())
-        rest = f"{k} not used for calibration: {self.mape(True):.1f}%"
         bounds = len(self.table) - n
         tail = f"; {bounds} uncalibrated bound(s) left out" if bounds else ""
-        return f"MAPE: {self.mape():.1f}% ({n} points; {rest}{tail})"
+        warned = int((self.scored["warnings"] != "").sum()) if "warnings" in self.table else 0
+        tail += f"; {warned} point(s) from warned runs (--drop-warned)" if warned else ""
+        return (
+            f"MAPE: {self.mape(True):.1f}% over {k} points not used for calibration "
+            f"(all {n} points: {self.mape():.1f}%{tail})"
+        )
 
     def outside(self) -> pd.DataFrame:
         t = self.scored
         return t[t["error_pct"].abs() > 100 * LIMIT]
 
 
-def validate(root: str | Path, ceilings: str | None, network: NetworkProfile | None) -> Validation:
+def validate(
+    root: str | Path,
+    ceilings: str | None,
+    network: NetworkProfile | None,
+    drop_warned: bool = False,
+) -> Validation:
+    """drop_warned: leave out the points whose runs carry warnings (oversubscribed, busy
+    host, unstable timing); otherwise they are kept and their warnings shown."""
     root = Path(root)
     if not root.exists():
         raise UsageError(f"{root}: no such results file or folder")
     found = discover(root)
+    if drop_warned:
+        kept = [p for p in found.points if not p.warnings]
+        dropped = len(found.points) - len(kept)
+        if dropped:
+            found.skipped["points from warned runs (--drop-warned)"] += dropped
+        found.points = kept
     if not found.points:
         raise UsageError(
             f"{root}: no measured point the model covers (skipped: {dict(found.skipped)})"
@@ -215,6 +235,7 @@ def _row(ctx: Context, point: Measured) -> tuple[dict | None, str]:
         "predicted_ms": pred.seconds * 1e3,
         "error_pct": 100 * (pred.seconds / point.seconds - 1),
         "role": label,
+        "warnings": "; ".join(point.warnings),
     }
     return row, ""
 

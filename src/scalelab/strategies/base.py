@@ -92,7 +92,7 @@ class Strategy(ABC):
         raise UsageError(f"strategy {self.name} does not train; drop --train")
 
     def gather_phases(self, timings: Timings) -> list[dict[str, float]] | None:
-        return self.comm.gather_object(timings.phase_medians())
+        return self.comm.gather_object(timings.iteration_phases())
 
     def close(self) -> None:
         self.comm.close()

@@ -60,7 +60,7 @@ class SerialStrategy(Strategy):
 
         with single_blas_thread():
             timings, out = timed_iterations(step, self.timer, self.cfg.warmup, self.cfg.iters)
-        return RunOutput(timings, [timings.phase_medians()], np.asarray(out), len(inputs))
+        return RunOutput(timings, [timings.iteration_phases()], np.asarray(out), len(inputs))
 
     def train(
         self, workload: Workload, model: nn.Module, data: tuple[Inputs, Inputs] | None

@@ -29,6 +29,14 @@ class TorchStrategy(Strategy):
     def __init__(self, cfg) -> None:
         super().__init__(cfg)
         self.device = self.pick_device()
+        # Process-wide torch settings this run changes, put back by close(): a run inside a
+        # longer-lived process (a test, a sweep in one interpreter) must not leave them behind.
+        self._saved_threads = torch.get_num_threads()
+        self._saved_backends = (
+            torch.backends.cuda.matmul.allow_tf32,
+            torch.backends.cudnn.allow_tf32,
+            torch.backends.cudnn.benchmark,
+        )
         if cfg.threads is not None:
             torch.set_num_threads(cfg.threads)
         if self.device.type == "cuda":
@@ -41,6 +49,15 @@ class TorchStrategy(Strategy):
 
     def pick_device(self) -> torch.device:
         return resolve_device(self.cfg.device)
+
+    def close(self) -> None:
+        torch.set_num_threads(self._saved_threads)
+        (
+            torch.backends.cuda.matmul.allow_tf32,
+            torch.backends.cudnn.allow_tf32,
+            torch.backends.cudnn.benchmark,
+        ) = self._saved_backends
+        super().close()
 
     # --- hooks distributed strategies override ---------------------------------------------
     def shard(self, batch: Inputs) -> Inputs:
@@ -99,7 +116,7 @@ class TorchStrategy(Strategy):
         timings, out = timed_iterations(step, self.timer, self.cfg.warmup, self.cfg.iters)
         return RunOutput(
             timings,
-            [timings.phase_medians()],
+            [timings.iteration_phases()],
             np.asarray(out),
             len(inputs),
             {"h2d": inputs.x.nbytes},

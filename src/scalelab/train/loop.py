@@ -232,14 +232,23 @@ class Trainer:
             self._resume()
             self.first_step = self.history.steps
             self.progress = self._progress()
-        timings = Timings()
+        timings = self.timings = Timings()
         self.model.train()
+        self.trained_s = 0.0  # training seconds of the finished epochs
         while self.pos.epoch < self.cfg.epochs and not self.finished:
+            self.epoch_t0 = time.perf_counter()
             wall, lap = self._epoch()
             timings.add(wall, lap, getattr(self.timer, "last_device_lap", None))
+            self.trained_s += wall
             self._end_epoch()
         self.model.eval()
         return timings
+
+    def _mark(self) -> None:
+        """(training seconds, items) at a step's end: host clock, no device sync (a GPU step
+        may still run; the epoch's closing sync bounds that)."""
+        now = time.perf_counter() - self.epoch_t0 - self.excluded
+        self.timings.marks.append((self.trained_s + now, self.trained))
 
     def _epoch(self) -> tuple[float, dict[str, float]]:
         self.sync()
@@ -265,6 +274,7 @@ class Trainer:
         )
 
     def _after_step(self, loss: torch.Tensor, step: Step) -> None:
+        self._mark()
         notify_step()
         done = self.history.steps
         self.guard.observe(loss, done)

@@ -23,8 +23,10 @@ from scalelab.cli.commands import ceilings_collectives as coll
 from scalelab.comm.launch import inside_launcher, relaunch
 from scalelab.errors import UsageError
 from scalelab.instrument import ceilings as C
+from scalelab.instrument.ceiling_checks import self_check
 from scalelab.instrument.collective_bench import measure_collectives
 from scalelab.instrument.comm_bench import measure_comm, message_sizes
+from scalelab.instrument.host_checks import HostProbe, load_warning
 from scalelab.instrument.peaks import PEAKS
 from scalelab.instrument.progress import Progress
 
@@ -40,7 +42,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--device", choices=("cpu", "cuda"), help="where to time GEMM and copies (default: cuda "
         "when a GPU is visible)",
     )  # fmt: skip
-    p.add_argument("--ranks", type=int, default=1, help="also time communication over N ranks")
+    p.add_argument(
+        "--ranks", type=int, default=None,
+        help="also time communication over N ranks (default: 2 MPI ranks when MPI is installed)",
+    )  # fmt: skip
+    p.add_argument("--no-comm", action="store_true", help="time no communication")
     p.add_argument(
         "--backend", choices=tuple(LAUNCHERS), default="mpi",
         help="communication library for --ranks: mpi (mpiexec), gloo or nccl (torchrun)",
@@ -59,6 +65,11 @@ def run(args: argparse.Namespace) -> int:
     if args.peaks:
         print(format_peaks())
         return 0
+    default_comm = args.ranks is None
+    if default_comm:
+        args.ranks = 2 if not args.no_comm and args.backend == "mpi" and mpi_available() else 1
+    elif args.no_comm:
+        raise UsageError("--no-comm and --ranks contradict each other; give one")
     if args.ranks < 1:
         raise UsageError(f"--ranks must be >= 1, got {args.ranks}")
     if args.comm_result or (args.ranks > 1 and inside_launcher(LAUNCHERS[args.backend])):
@@ -76,21 +87,66 @@ def run(args: argparse.Namespace) -> int:
             f"{torch.cuda.device_count()} GPUs visible"
         )
     device = pick_device(args.device)
+    probe = HostProbe.start()
     previous = kept_from(Path(args.out))
     if args.comm_only:
         data = previous or C.new_ceilings(None)
     else:
         data = C.new_ceilings(C.measure_local(device, args.quick, args.quiet))
+        checked_local(data, device, args.quick)
         data["comm"] = {k: v for k, v in previous.get("comm", {}).items() if k != args.backend}
     if args.ranks > 1:
-        coll.file_comm(data, args.backend, launch_comm(args))
+        comm = default_mpi(args) if default_comm else launch_comm(args)
+        if comm is not None:
+            coll.file_comm(data, args.backend, comm)
     if not data.get("comm"):
         data.pop("comm", None)
+    busy = load_warning(probe.host_load(probe.own_cpu_s()), need_cpus=C.cpu_cores())
+    if busy:  # a ceiling is what a quiet machine reaches: these may be low
+        data["warnings"] = [*data.get("warnings", []), *busy]
     C.write_ceilings(args.out, data)
     print(format_summary(data, args.out))
+    if data.get("warnings"):
+        sys.stderr.write("scalelab ceilings: warning: " + "; ".join(data["warnings"]) + "\n")
     if args.comm_only:
         coll.print_collectives(data)
     return 0
+
+
+def mpi_available() -> bool:
+    try:
+        import mpi4py  # noqa: F401
+
+        from scalelab.comm.launch import find_mpiexec
+
+        find_mpiexec()
+    except (ImportError, UsageError):
+        return False
+    return True
+
+
+def default_mpi(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The MPI alpha-beta measured by default (2 ranks): a failure there is a warning, not
+    the end of the local ceilings already measured."""
+    try:
+        return launch_comm(args)
+    except UsageError as exc:
+        sys.stderr.write(f"scalelab ceilings: warning: no MPI alpha-beta: {exc}\n")
+        return None
+
+
+def checked_local(data: dict[str, Any], device: torch.device, quick: bool) -> None:
+    """Sanity relations on the local sections; re-measure what breaks one (ceiling_checks)."""
+    plan = C.Plan.make(device, quick)
+    names = [n for n in (data.get("gemm_flops") or {}) if n != "detail"]
+    names = [n for n in names if not (device.type == "cpu" and n == "tf32")]
+    remeasure = {
+        "gemm": lambda: {"gemm_flops": C.gemm_flops(device, plan, names)},
+        "host": lambda: C.host_ceilings(plan),
+    }
+    self_check(data, remeasure)
+    if device.type == "cpu":
+        data["gemm_flops"]["tf32"] = data["gemm_flops"]["fp32"]
 
 
 def pick_device(name: str | None) -> torch.device:
@@ -234,6 +290,11 @@ def format_summary(data: dict[str, Any], path: str) -> str:
         for op in ("allreduce", "p2p"):
             lines.append(f"  {backend} x{res['ranks']} {op:<9} alpha {res[op]['alpha_s'] * 1e6:.3g}"
                          f" us, beta {_si(res[op]['beta_Bps'], 'B/s')}")  # fmt: skip
+    if "passes" in data:
+        passes = ", ".join(f"{k} {v}" for k, v in data["passes"].items())
+        lines.append(f"  passes per section (best of each kept): {passes}")
+    for warning in data.get("warnings") or []:
+        lines.append(f"  WARNING: {warning}")
     lines.append(f"  written to {path}")
     return "\n".join(lines)
 

@@ -56,6 +56,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="RESULTS",
         help="compare the model with every measured record under RESULTS",
     )
+    p.add_argument(
+        "--drop-warned", action="store_true",
+        help="--validate: leave out runs whose records carry warnings (busy host, ...)",
+    )  # fmt: skip
     p.add_argument("-o", "--out", default=None, help="folder for predict.csv/.json and the plot")
     p.add_argument("--no-plots", action="store_true", help="table and files only")
     add_config_options(p, skip={"ranks"})
@@ -187,7 +191,7 @@ def _write(args, table, notes, summary, template, network) -> None:
 def validate(args: argparse.Namespace, network) -> int:
     from scalelab.predict.validate import validate as run_validation
 
-    v = run_validation(args.validate, args.ceilings, network)
+    v = run_validation(args.validate, args.ceilings, network, args.drop_warned)
     pairs = ", ".join(f"{r} -> {c}" for r, c in sorted(v.ceilings.items()))
     print(f"validate: {args.validate} (ceilings: {pairs})")
     for results, what in sorted(v.borrowed.items()):

@@ -6,6 +6,7 @@ import argparse
 
 from scalelab.analysis import load_for_roofline
 from scalelab.cli.base import COMMANDS, Command
+from scalelab.errors import UsageError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -17,11 +18,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--title", default="scalelab report", help="page title")
     p.add_argument("--mode", choices=("strong", "weak"), default=None, help="force scaling mode")
     p.add_argument("--no-plots", action="store_true", help="tables only (no matplotlib needed)")
+    p.add_argument(
+        "--drop-warned", action="store_true",
+        help="leave out runs whose records carry warnings (busy host, oversubscribed, unstable)",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
     records, ceilings = load_for_roofline(args.results, args.ceilings, not args.no_plots)
     from scalelab.analysis.report import write_report
+
+    if args.drop_warned:
+        kept = [r for r in records if not r.get("warnings")]
+        print(f"report: left out {len(records) - len(kept)} warned run(s)")
+        if not kept:
+            raise UsageError(f"{args.results}: every run carries warnings (drop --drop-warned)")
+        records = kept
 
     path = write_report(
         records, args.out_dir, ceilings, args.title, plots=not args.no_plots, mode=args.mode

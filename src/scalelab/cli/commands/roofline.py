@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from scalelab.analysis import load_for_roofline
@@ -66,8 +67,12 @@ def layer_roofline(records: list, ceilings: dict, out: Path, no_plots: bool) -> 
 
     df = table_of(records, ceilings)
     df.to_csv(out / "roofline_layers.csv", index=False)
-    cols = ["run", "layer", "kind", "ai", "achieved", "attainable", "bound", "fraction"]
+    cols = ["run", "layer", "kind", "ai", "achieved", "attainable", "bound", "fraction", "flag"]
     print(df[cols].to_string(index=False, float_format="{:.4g}".format))
+    over = int((df["flag"] != "").sum())
+    if over:  # never silently above the roof
+        print(f"warning: {over} point(s) above their roof: ceiling under-measured (measure the "
+              "ceilings again on a quiet machine)", file=sys.stderr)  # fmt: skip
     if not no_plots:
         from scalelab.analysis import plots
 

@@ -7,7 +7,6 @@ shared, so `mpi`, `mpi-gpu` and `nccl` cannot drift apart.
 
 from __future__ import annotations
 
-import statistics
 from typing import Any
 
 import numpy as np
@@ -89,12 +88,12 @@ class SplitStrategy(TorchStrategy):
 
     def _gather_reports(self, timings: Timings) -> list[RankReport] | None:
         walls = timings.walls
-        median_iter = sorted(range(len(walls)), key=walls.__getitem__)[len(walls) // 2]
+        median_iter = timings.median_index()
         runs = self.cfg.warmup + self.cfg.iters
         mine = RankReport(
             rank=self.comm.rank,
-            wall_s=statistics.median(walls),
-            phases=timings.phase_medians(),
+            wall_s=timings.wall_median,
+            phases=timings.iteration_phases(),
             bytes={k: v // runs for k, v in self.timer.bytes_moved().items()},
             timeline=self.timer.history[1 + median_iter],  # history[0]: the warm-up lap
             extra=self.split.rank_extra(),

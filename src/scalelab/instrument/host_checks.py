@@ -1,0 +1,190 @@
+"""Is this run's time worth believing? Checks of the host a run had, for its `warnings` list.
+
+- oversubscription: more processes (or processes x torch threads) on this host than CPUs the
+  job may use: the affinity mask, the cgroup CPU quota, the Slurm allocation, the smallest;
+- host load: CPU time other processes took on our CPUs while the run ran (from /proc/stat,
+  minus every rank's own CPU time), more than the CPUs our run left free;
+- spread: the timed repetitions' CV over stats.SPREAD_CV.
+
+The record keeps the warnings and the numbers behind them (`host`); the root prints one
+stderr line. pyperf's `system tune` checks and its "the benchmark seems unstable" are the model.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from scalelab.instrument.stats import SPREAD_CV, describe
+
+# CPUs' worth of other processes' work beyond what our run left free before a run is warned.
+LOAD_MARGIN_CPUS = 0.25
+LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE")
+
+
+def affinity_cpus() -> list[int]:
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def cgroup_quota(root: Path = Path("/sys/fs/cgroup")) -> float | None:
+    """CPUs the cgroup's quota allows (v2 cpu.max, v1 cfs_quota_us / cfs_period_us)."""
+    try:
+        v2 = root / "cpu.max"
+        if v2.is_file():
+            quota, period = v2.read_text().split()[:2]
+            return None if quota == "max" else int(quota) / int(period)
+        quota = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        period = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+        return quota / period if quota > 0 else None
+    except (OSError, ValueError):
+        return None
+
+
+def slurm_cpus(env: dict[str, str] | None = None) -> int | None:
+    env = os.environ if env is None else env
+    value = env.get("SLURM_CPUS_ON_NODE")
+    return int(value) if value and value.isdigit() else None
+
+
+def cpu_allowance(env: dict[str, str] | None = None) -> tuple[float, str]:
+    """(CPUs this job may use on this host, what limits it)."""
+    limits = [(float(len(affinity_cpus())), "affinity")]
+    quota = cgroup_quota()
+    if quota is not None:
+        limits.append((quota, "cgroup quota"))
+    slurm = slurm_cpus(env)
+    if slurm is not None:
+        limits.append((float(slurm), "Slurm allocation"))
+    return min(limits)
+
+
+def ranks_on_host(size: int, env: dict[str, str] | None = None) -> int:
+    """Ranks sharing this host: the launcher's local size, else all of them (one host)."""
+    env = os.environ if env is None else env
+    for var in LOCAL_SIZE_VARS:
+        if env.get(var, "").isdigit():
+            return int(env[var])
+    return size
+
+
+# --- host load while the run ran ----------------------------------------------------------
+def busy_seconds(cpus: Sequence[int], stat: Path = Path("/proc/stat")) -> float | None:
+    """Busy (non-idle, non-iowait) seconds summed over `cpus` since boot; None off Linux."""
+    try:
+        lines = stat.read_text().splitlines()
+    except OSError:
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    wanted = {f"cpu{c}" for c in cpus}
+    total = 0
+    for line in lines:
+        parts = line.split()
+        if parts and parts[0] in wanted:
+            values = [int(v) for v in parts[1:9]]  # user nice system idle iowait irq softirq steal
+            total += sum(values) - values[3] - values[4]
+    return total / tick
+
+
+def own_cpu_seconds() -> float:
+    """This process's CPU seconds, every thread, and its waited-for children."""
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+@dataclass
+class HostProbe:
+    """Started before a run's work on every rank; `stop()` gives this rank's CPU seconds."""
+
+    cpus: list[int]
+    wall0: float
+    busy0: float | None
+    own0: float
+    loadavg: float | None
+
+    @classmethod
+    def start(cls) -> HostProbe:
+        cpus = affinity_cpus()
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+        return cls(cpus, time.perf_counter(), busy_seconds(cpus), own_cpu_seconds(), load)
+
+    def own_cpu_s(self) -> float:
+        return own_cpu_seconds() - self.own0
+
+    def host_load(self, job_cpu_s: float) -> dict[str, Any]:
+        """What the run's CPUs did meanwhile: others' CPU seconds over the run, as CPUs."""
+        seconds = time.perf_counter() - self.wall0
+        busy1 = busy_seconds(self.cpus)
+        out: dict[str, Any] = {"cpus": len(self.cpus), "seconds": seconds,
+                               "loadavg_before": self.loadavg, "job_cpu_s": job_cpu_s}  # fmt: skip
+        if busy1 is not None and self.busy0 is not None and seconds > 0:
+            others = max(busy1 - self.busy0 - job_cpu_s, 0.0)
+            out["others_cpus"] = others / seconds  # average CPUs other processes kept busy
+        return out
+
+
+# --- the warnings ---------------------------------------------------------------------------
+def oversubscription(ranks_here: int, threads: int, allowance: tuple[float, str]) -> list[str]:
+    cpus, why = allowance
+    if ranks_here > cpus:
+        return [f"{ranks_here} processes on {cpus:g} CPUs ({why}): ranks wait for cores"]
+    if ranks_here * threads > cpus:
+        return [
+            f"{ranks_here} processes x {threads} torch threads on {cpus:g} CPUs ({why}): "
+            "threads wait for cores (pass --threads to cap them)"
+        ]
+    return []
+
+
+def load_warning(load: dict[str, Any], need_cpus: float) -> list[str]:
+    """Warn when others took more of our CPUs than the run left free (plus a margin)."""
+    others = load.get("others_cpus")
+    if others is None:
+        return []
+    free = load["cpus"] - min(need_cpus, load["cpus"])
+    if others > free + LOAD_MARGIN_CPUS:
+        return [
+            f"host busy: other processes kept {others:.2f} of {load['cpus']} CPUs busy during "
+            f"the run (it needed {min(need_cpus, load['cpus']):g})"
+        ]
+    return []
+
+
+def spread_warning(walls: Sequence[float], what: str = "iterations") -> list[str]:
+    stats = describe(walls)
+    if stats["n"] >= 3 and stats["cv"] > SPREAD_CV:
+        return [
+            f"unstable timing: CV {stats['cv']:.0%} over {stats['n']} {what} "
+            f"(threshold {SPREAD_CV:.0%}; min {stats['min'] * 1e3:.3g} ms, "
+            f"max {stats['max'] * 1e3:.3g} ms)"
+        ]
+    return []
+
+
+def run_checks(
+    size: int, threads: int, walls: Sequence[float], load: dict[str, Any] | None, what: str
+) -> tuple[list[str], dict[str, Any]]:
+    """(warnings, the numbers behind them) for a run of `size` ranks."""
+    allowance = cpu_allowance()
+    here = ranks_on_host(size)
+    host = {"allowed_cpus": allowance[0], "limited_by": allowance[1], "ranks_here": here,
+            "torch_threads": threads, **(load or {})}  # fmt: skip
+    warnings = oversubscription(here, threads, allowance)
+    if load is not None:
+        warnings += load_warning(load, here * threads)
+    warnings += spread_warning(walls, what)
+    return warnings, host
+
+
+def emit(warnings: Sequence[str], stream=None) -> None:
+    """The one stderr line a warned run prints."""
+    if warnings:
+        (stream or sys.stderr).write("scalelab: warning: " + "; ".join(warnings) + "\n")

@@ -1,0 +1,287 @@
+"""Numbers a careful user believes, checked on recorded fixtures and known answers: the
+statistics of repeated times, the run warnings (oversubscription, host load, spread), the
+training headline, ceilings that check themselves, phases inside their wall, roofline points
+above their roof flagged, and predict --validate's headline over uncalibrated points.
+(Live runs under a load generator: test_numbers_live.py.)"""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from scalelab.analysis import phases, roofline
+from scalelab.instrument import ceiling_checks as CC
+from scalelab.instrument import host_checks as H
+from scalelab.instrument.stats import SPREAD_CV, describe
+from scalelab.instrument.timer import Timings
+from scalelab.record import read_records
+from scalelab.train.headline import headline
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+# --- statistics -------------------------------------------------------------------------------
+@pytest.mark.parametrize("n", [1, 2, 5, 10, 11])
+def test_describe_matches_numpy(n):
+    x = np.random.default_rng(n).lognormal(size=n).tolist()
+    got = describe(x)
+    q1, med, q3 = np.percentile(x, [25, 50, 75])  # linear interpolation, NumPy's default
+    assert got["n"] == n and got["median"] == pytest.approx(med)
+    assert got["q1"] == pytest.approx(q1) and got["iqr"] == pytest.approx(q3 - q1)
+    assert got["cv"] == pytest.approx(np.std(x) / np.mean(x))
+    assert (got["min"], got["max"]) == (min(x), max(x))
+
+
+def test_timings_phases_come_from_one_iteration_inside_its_wall():
+    """Per-phase medians of different iterations can add up past every wall; the median-wall
+    iteration's phases cannot."""
+    t = Timings()
+    for wall, a, b in [(2.0, 1.0, 1.0), (1.0, 1.0, 0.0), (1.0, 0.0, 1.0), (1.1, 0.5, 0.5)]:
+        t.add(wall, {"a": a, "b": b})
+    medians = t.phase_medians()
+    assert medians["a"] + medians["b"] > t.wall_median  # the issue's contradiction
+    it = t.iteration_phases()
+    assert sum(it.values()) <= t.iteration_wall() <= t.wall_median
+    assert t.iteration_wall() == 1.0 and t.spread()["n"] == 4
+
+
+# --- warnings -----------------------------------------------------------------------------------
+def test_oversubscription_counts_processes_and_threads():
+    assert H.oversubscription(4, 1, (2.0, "affinity")) == [
+        "4 processes on 2 CPUs (affinity): ranks wait for cores"
+    ]
+    assert "x 2 torch threads" in H.oversubscription(2, 2, (2.0, "cgroup quota"))[0]
+    assert H.oversubscription(2, 1, (2.0, "affinity")) == []
+    assert H.oversubscription(1, 2, (2.0, "affinity")) == []
+
+
+def test_cpu_limits_from_cgroup_and_slurm(tmp_path):
+    (tmp_path / "cpu.max").write_text("150000 100000\n")
+    assert H.cgroup_quota(tmp_path) == 1.5
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert H.cgroup_quota(tmp_path) is None
+    v1 = tmp_path / "v1"
+    (v1 / "cpu").mkdir(parents=True)
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("300000")
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000")
+    assert H.cgroup_quota(v1) == 3.0
+    assert H.slurm_cpus({"SLURM_CPUS_ON_NODE": "6"}) == 6 and H.slurm_cpus({}) is None
+    assert H.ranks_on_host(8, {"LOCAL_WORLD_SIZE": "4"}) == 4 and H.ranks_on_host(3, {}) == 3
+
+
+def test_busy_seconds_reads_only_our_cpus(tmp_path):
+    stat = tmp_path / "stat"
+    # user nice system idle iowait irq softirq steal: busy = all but idle and iowait
+    stat.write_text(
+        "cpu  9 9 9 9 9 9 9 9 0 0\ncpu0 100 0 50 1000 7 0 0 0 0 0\ncpu1 200 0 0 5 5 0 0 0 0 0\n"
+    )
+    tick = __import__("os").sysconf("SC_CLK_TCK")
+    assert H.busy_seconds([0], stat) == pytest.approx(150 / tick)
+    assert H.busy_seconds([0, 1], stat) == pytest.approx(350 / tick)
+
+
+def test_load_and_spread_warnings():
+    load = {"cpus": 2, "others_cpus": 1.2}
+    assert "host busy" in H.load_warning(load, need_cpus=2)[0]
+    assert H.load_warning(load, need_cpus=1) == []  # 1 CPU left free, 1.2 used: in margin
+    assert H.load_warning({"cpus": 2, "others_cpus": 0.1}, need_cpus=2) == []
+    assert H.load_warning({"cpus": 2}, need_cpus=2) == []  # no /proc/stat: no claim
+    steady = [1.0, 1.01, 0.99, 1.0]
+    assert H.spread_warning(steady) == []
+    noisy = [1.0, 1.0, 2.0, 1.0]
+    assert describe(noisy)["cv"] > SPREAD_CV and "CV 35%" in H.spread_warning(noisy)[0]
+    assert H.spread_warning([1.0, 3.0]) == []  # two repetitions: no spread claim
+
+
+# --- training headline ----------------------------------------------------------------------------
+def test_steady_throughput_leaves_the_warm_up_out():
+    """A 6.8 s capture then 10 steps of 0.025 s, 100 items each (the issue's ddp --fast)."""
+    t = Timings()
+    marks, now = [], 0.0
+    for step in range(11):
+        now += 6.8 if step == 0 else 0.025
+        marks.append((now, 100 * (step + 1)))
+    t.marks = marks
+    t.add(now, {})
+    got = headline(t, 1100)
+    assert got["time_to_train_s"] == pytest.approx(now)
+    assert got["steady"]["from_step"] == 2 and got["steady"]["basis"] == "steps"
+    assert got["steady_throughput"] == pytest.approx(100 / 0.025)
+    assert 1100 / now < got["steady_throughput"] / 20  # the whole-run rate understates it
+
+
+def test_steady_throughput_by_epochs_without_marks():
+    t = Timings()
+    for wall in (5.0, 1.0, 1.0):
+        t.add(wall, {})
+    got = headline(t, 300)
+    assert got["steady"]["from_epoch"] == 2 and got["steady_throughput"] == pytest.approx(100)
+
+
+# --- ceilings ------------------------------------------------------------------------------------
+def _ceilings(**over):
+    data = {
+        "device": "cpu",
+        "gemm_flops": {"fp64": 50e9, "fp32": 90e9, "detail": {"fp64": [1], "fp32": [2]}},
+        "cpu_gemm_flops": {"one_core": 30e9, "all_cores": 55e9, "cores": 2},
+        "cpu_mem_bw": {"one_core": 10e9, "all_cores": 15e9},
+    }
+    data.update(over)
+    return data
+
+
+def test_sane_ceilings_break_no_relation():
+    assert CC.violations(_ceilings()) == []
+    with open(FIXTURES / "ceilings_cpu.json") as f:
+        assert CC.violations(json.load(f)) == []
+
+
+def test_the_issues_ceilings_break_every_relation():
+    """fp32 GEMM 88 below fp64 149; NumPy fp64 on 2 cores 1.09 below one core 32.2; a copy
+    above a cited datasheet."""
+    bad = _ceilings(
+        gemm_flops={"fp64": 149e9, "fp32": 88e9},
+        cpu_gemm_flops={"one_core": 32.2e9, "all_cores": 1.09e9, "cores": 2},
+        mem_bw=5e12,
+        peaks={"mem_Bps": 3.35e12},
+    )
+    sections = sorted(s for s, _ in CC.violations(bad))
+    assert sections == ["datasheet", "gemm", "host"]
+
+
+def test_self_check_remeasures_and_keeps_the_best():
+    data = _ceilings(gemm_flops={"fp64": 149e9, "fp32": 88e9, "detail": {"fp32": [1]}})
+    calls = []
+
+    def gemm():
+        calls.append(1)
+        return {"gemm_flops": {"fp64": 140e9, "fp32": 290e9, "detail": {"fp32": [2]}}}
+
+    CC.self_check(data, {"gemm": gemm, "host": lambda: pytest.fail("host is sane")})
+    assert len(calls) == 1 and data["passes"] == {"gemm": 2, "host": 1}
+    assert data["gemm_flops"]["fp64"] == 149e9 and data["gemm_flops"]["fp32"] == 290e9
+    assert data["gemm_flops"]["detail"]["fp32"] == [1, 2] and data["warnings"] == []
+
+
+def test_self_check_never_hides_what_stays_broken():
+    data = _ceilings(gemm_flops={"fp64": 149e9, "fp32": 88e9})
+    same = lambda: {"gemm_flops": {"fp64": 149e9, "fp32": 88e9}}  # noqa: E731
+    CC.self_check(data, {"gemm": same})
+    assert data["passes"]["gemm"] == 1 + CC.RETRIES
+    assert data["warnings"] and "fp32 GEMM" in data["warnings"][0]
+
+
+# --- phases and roofline on recorded fixtures ----------------------------------------------------
+def _ok(name):
+    return [r for r in read_records(FIXTURES / name) if r.get("status") == "ok"]
+
+
+@pytest.mark.parametrize("name", ["scaling_strong.jsonl", "scaling_weak.jsonl", "layers.jsonl"])
+def test_recorded_phases_stay_inside_each_ranks_wall(name):
+    for rec in _ok(name):
+        acc = phases.phase_accounting(rec)
+        assert not acc["exceeds"].any(), rec["id"]
+        assert (acc["other_s"] >= -phases.PHASE_SLACK_S).all()
+        table = phases.rank_phase_table(rec)
+        ranks = [i for i in table.index if i.startswith("rank")]
+        tops = [c for c in table.columns if "/" not in c and c != "wall"]
+        assert table.loc[ranks, tops].sum(axis=1).to_numpy() == pytest.approx(
+            table.loc[ranks, "wall"].to_numpy()
+        )  # top-level phases + other = the wall, per rank
+
+
+def test_phase_bars_stack_to_the_ranks_mean_wall():
+    """Bars never stand above the measured iteration: self times + other = mean rank wall."""
+    rec = {
+        "id": "x",
+        "status": "ok",
+        "mode": "infer",
+        "workload": "mlp",
+        "strategy": "mpi",
+        "ranks": 2,
+        "wall_s": 0.010,
+        "rank_wall_s": [0.010, 0.012],
+        "rank_phases": [{"compute": 0.008, "compute/fwd": 0.005}, {"compute": 0.011}],
+    }
+    bars = phases.phase_breakdown([rec])
+    assert bars["seconds"].sum() == pytest.approx(0.011)
+    assert (bars["seconds"] >= 0).all()
+
+
+def test_the_issues_impossible_record_is_flagged():
+    """Rank 1's phases sum to 0.583 s in a run whose wall is 0.384 s."""
+    rec = {
+        "mode": "infer",
+        "wall_s": 0.384,
+        "rank_phases": [{"compute": 0.3, "allreduce": 0.05}, {"compute": 0.5, "wait": 0.083}],
+    }
+    acc = phases.phase_accounting(rec)
+    assert acc["exceeds"].tolist() == [False, True]
+    rec["rank_wall_s"] = [0.384, 0.6]  # each rank against its own wall
+    assert not phases.phase_accounting(rec)["exceeds"].any()
+
+
+def test_points_above_the_roof_are_flagged():
+    recs = _ok("layers.jsonl")
+    with open(FIXTURES / "ceilings_cpu.json") as f:
+        ceilings = json.load(f)
+    df = roofline.layer_roofline(recs, ceilings)
+    assert (df["fraction"] <= 1.0 + 1e-12).all() and (df["flag"] == "").all()
+    low = {**ceilings, "gemm_flops": {"fp32": 1e6, "fp64": 1e6}, "mem_bw": 1e6}
+    df = roofline.layer_roofline(recs, low)  # a ceiling measured 1000x too low
+    above = df["fraction"] > 1.0
+    assert above.any() and (df.loc[above, "flag"] == roofline.UNDER_MEASURED).all()
+    assert (df.loc[~above, "flag"] == "").all()
+
+
+# --- predict --validate --------------------------------------------------------------------------
+def test_validate_headline_leaves_calibration_points_out():
+    from scalelab.predict.validate import validate
+
+    v = validate(FIXTURES / "predict", None, None)
+    head = v.summary()
+    first = float(head.split()[1].rstrip("%"))
+    assert first == pytest.approx(v.mape(predicted_only=True), abs=0.05)
+    assert "not used for calibration" in head.split("(")[0]
+    assert (v.table["role"] == "predicted").any() and (v.table["warnings"] == "").all()
+
+
+# --- warned runs dropped on request ----------------------------------------------------------
+def _warn_first(src: Path, dst: Path) -> None:
+    """dst: src's records with a warning on the first ok one."""
+    lines = src.read_text().splitlines()
+    for i, line in enumerate(lines):
+        rec = json.loads(line)
+        if rec.get("status") == "ok":
+            rec["warnings"] = ["host busy: test"]
+            lines[i] = json.dumps(rec)
+            break
+    dst.write_text("\n".join(lines) + "\n")
+
+
+def test_report_lists_or_drops_warned_runs(cli, tmp_path):
+    results = tmp_path / "runs.jsonl"
+    _warn_first(FIXTURES / "scaling_strong.jsonl", results)
+    code, _, err = cli("report", results, "-o", tmp_path / "all", "--no-plots")
+    assert code == 0, err
+    page = (tmp_path / "all" / "index.html").read_text()
+    assert "host busy: test" in page and "1 with warnings" in page
+    code, out, err = cli("report", results, "-o", tmp_path / "kept", "--no-plots", "--drop-warned")
+    assert code == 0 and "left out 1 warned run" in out, err
+    assert "host busy: test" not in (tmp_path / "kept" / "index.html").read_text()
+
+
+def test_validate_drops_warned_points(tmp_path):
+    import shutil
+
+    from scalelab.predict.validate import validate
+
+    folder = tmp_path / "predict"
+    shutil.copytree(FIXTURES / "predict", folder)
+    target = next(p for p in sorted(folder.glob("*.jsonl")) if "mpi" in p.name)
+    _warn_first(FIXTURES / "predict" / target.name, target)
+    kept = validate(folder, None, None)
+    dropped = validate(folder, None, None, drop_warned=True)
+    assert (kept.table["warnings"] != "").sum() == 1 and "warned runs" in kept.summary()
+    assert len(dropped.table) == len(kept.table) - 1 and (dropped.table["warnings"] == "").all()
