@@ -49,7 +49,8 @@ def add_config_options(
         kind = _base_type(hints[f.name])
         help_text = f.metadata.get("help", "")
         if kind is bool:
-            parser.add_argument(flag, action="store_true", default=None, help=help_text)
+            flags = ("-q", flag) if f.name == "quiet" else (flag,)
+            parser.add_argument(*flags, action="store_true", default=None, help=help_text)
         else:
             numeric = lists and kind in (int, float)
             parser.add_argument(

@@ -48,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="time only communication; keep the other sections of an existing --out file",
     )  # fmt: skip
     p.add_argument("--peaks", action="store_true", help="print the datasheet peaks and exit")
-    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     p.add_argument("--comm-result", help=argparse.SUPPRESS)  # set by the relaunch, per rank
 
 
