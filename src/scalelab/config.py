@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import math
+import typing
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +12,44 @@ from scalelab.errors import UsageError
 from scalelab.precision import PRECISIONS
 
 DEVICES = ("cpu", "cuda")
+CHOICES = {
+    "split": ("broadcast", "batch", "spatial"),
+    "schedule": ("gpipe", "1f1b"),
+    "placement": ("pipeline", "manual"),
+}
+BIG = 2**31 - 1  # sizes beyond int32 are typos, and torch indexes with int32 in places
+# Inclusive ranges; None (unset) always passes. A seed is any 64-bit value torch accepts.
+INT_RANGES = {
+    "batch": (1, BIG),
+    "iters": (1, 10**7),
+    "warmup": (0, 10**7),
+    "seed": (0, 2**63 - 1),
+    "threads": (1, 4096),
+    "image_size": (1, 65536),
+    "num_classes": (1, 10**7),
+    "hidden": (1, 2**24),
+    "convs": (1, 10**4),
+    "fcs": (1, 10**4),
+    "epochs": (1, 10**6),
+    "steps": (1, BIG),
+    "train_size": (1, BIG),
+    "heldout_size": (1, BIG),
+    "ranks": (1, 2**20),
+    "chunks": (1, BIG),
+    "global_batch": (1, BIG),
+    "workers": (0, 1024),
+    "ckpt_every": (1, BIG),
+    "stages": (1, 4096),
+    "microbatches": (1, BIG),
+    "rebalance": (0, 100),
+}
+# (low, high, low end open): finite and inside, so inf/nan/1e300 never reach an optimizer.
+FLOAT_RANGES = {
+    "lr": (0.0, 1e3, True),
+    "momentum": (0.0, 0.999999, False),
+    "l2": (0.0, 1e3, False),
+    "bucket_mb": (0.0, 1e6, True),
+}
 
 
 def opt(default: Any, help: str) -> Any:
@@ -135,25 +175,17 @@ class RunConfig:
     """Strategy-specific options (ranks, split, ...), kept so records stay complete."""
 
     def __post_init__(self) -> None:
-        positive = {
-            "batch": self.batch,
-            "iters": self.iters,
-            "epochs": self.epochs,
-            "hidden": self.hidden,
-            "train_size": self.train_size,
-            "heldout_size": self.heldout_size,
-        }
-        for name, value in positive.items():
-            if value < 1:
-                raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-        if self.warmup < 0:
-            raise UsageError(f"--warmup must be >= 0, got {self.warmup}")
-        if self.steps is not None and self.steps < 1:
-            raise UsageError(f"--steps must be >= 1, got {self.steps}")
-        if self.threads is not None and self.threads < 1:
-            raise UsageError(f"--threads must be >= 1, got {self.threads}")
-        if self.ranks < 1 or self.chunks < 1:
-            raise UsageError("--ranks and --chunks must be >= 1")
+        _check_types(self)
+        for name, (lo, hi) in INT_RANGES.items():
+            value = getattr(self, name)
+            if value is not None and not lo <= value <= hi:
+                raise UsageError(f"--{_flag(name)} must be in [{lo}, {hi}], got {value}")
+        for name, (lo, hi, lo_open) in FLOAT_RANGES.items():
+            value = getattr(self, name)
+            inside = lo < value <= hi if lo_open else lo <= value <= hi
+            if not (math.isfinite(value) and inside):
+                span = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+                raise UsageError(f"--{_flag(name)} must be in {span}, got {value}")
         if self.amp not in (None, "bf16", "fp16"):
             raise UsageError(f"--amp must be bf16 or fp16, got {self.amp!r}")
         if self.grad_compress not in (None, "bf16", "fp16"):
@@ -162,14 +194,41 @@ class RunConfig:
             raise UsageError(f"unknown dtype {self.dtype!r} (known: {', '.join(PRECISIONS)})")
         if self.device not in DEVICES:
             raise UsageError(f"unknown device {self.device!r} (known: {', '.join(DEVICES)})")
-        if not self.lr > 0:
-            raise UsageError(f"--lr must be > 0, got {self.lr}")
-        if self.convs < 1 or self.fcs < 1:
-            raise UsageError("--convs and --fcs must be >= 1")
+        for name in ("split", "schedule", "placement"):
+            value, known = getattr(self, name), CHOICES[name]
+            if value not in known:
+                raise UsageError(f"--{name} must be one of {', '.join(known)}, got {value!r}")
         if self.data_dir is not None and not Path(self.data_dir).is_dir():
             raise UsageError(f"--data-dir {self.data_dir}: no such directory")
-        if self.weights is not None and not Path(self.weights).is_file():
-            raise UsageError(f"--weights {self.weights}: no such file")
+        for name in ("weights", "resume"):
+            value = getattr(self, name)
+            if value is not None and not Path(value).is_file():
+                raise UsageError(f"--{name} {value}: no such file")
+        if self.save_weights is not None and not self.train:
+            raise UsageError(
+                "--save-weights writes trained weights: add --train (inference "
+                "leaves the weights as they were loaded)"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _check_types(cfg: RunConfig) -> None:
+    """Values from TOML or Python must have the field's type (an int field given 2.5 or
+    True would pass the range checks and fail deep inside a strategy)."""
+    hints = typing.get_type_hints(RunConfig)
+    for f in fields(RunConfig):
+        value, hint = getattr(cfg, f.name), hints[f.name]
+        if value is None or f.name == "extra":
+            continue
+        kinds = tuple(a for a in typing.get_args(hint) if a is not type(None)) or (hint,)
+        ok = isinstance(value, kinds) and not (bool not in kinds and isinstance(value, bool))
+        if float in kinds and isinstance(value, int) and not isinstance(value, bool):
+            ok = True
+        if not ok:
+            raise UsageError(f"--{_flag(f.name)}: {value!r} is not {kinds[0].__name__}")

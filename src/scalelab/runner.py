@@ -11,9 +11,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
+
 from scalelab import environment
 from scalelab.config import RunConfig
-from scalelab.errors import UsageError
+from scalelab.errors import RunFailed, UsageError
 from scalelab.instrument.session import instrumented
 from scalelab.oracle.check import CheckResult, check_output
 from scalelab.precision import PRECISIONS, Precision
@@ -48,7 +51,7 @@ def execute(cfg: RunConfig, results: Path | None) -> RunReport:
     try:
         return _execute(cfg, workload, strategy, results)
     except BaseException as exc:
-        if strategy.comm.size > 1 and not isinstance(exc, SystemExit):
+        if strategy.comm.size > 1 and not isinstance(exc, (SystemExit, RunFailed)):
             # One rank failing alone would leave the others blocked in a collective.
             sys.stderr.write(
                 f"scalelab: rank {strategy.comm.rank}: {type(exc).__name__}: "
@@ -107,6 +110,10 @@ def _execute(
         raise
     if not strategy.is_root:
         return RunReport(None, None)
+    bad = nonfinite(output)
+    if bad is not None:  # a diverged or poisoned run: failed, and its weights are not kept
+        _record_failure(strategy, cfg, results, RunFailed(bad))
+        raise RunFailed(bad)
     check = None
     if cfg.check:
         ref = workload.reference_forward(reference_params, inputs.x.numpy())
@@ -119,6 +126,17 @@ def _execute(
     if results is not None:
         append_record(results, record)
     return RunReport(record, check)
+
+
+def nonfinite(output: RunOutput) -> str | None:
+    """What is NaN or inf in the run's final weights or gathered output (root), else None."""
+    if output.output is not None and not np.isfinite(output.output).all():
+        return "the output holds NaN or inf; no weights written"
+    if output.model is not None:
+        for name, tensor in output.model.state_dict().items():
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                return f"the final weights hold NaN or inf ({name}); no weights written"
+    return None
 
 
 def digest_tolerance(precision: Precision) -> float:
@@ -144,7 +162,7 @@ def _record_failure(
 ) -> None:
     if results is None or not strategy.is_root:
         return
-    error = f"{type(exc).__name__}: {exc}"
+    error = str(exc) if isinstance(exc, RunFailed) else f"{type(exc).__name__}: {exc}"
     tb = traceback.format_exc(limit=8)
     append_record(results, failed_record(cfg, error, strategy.comm.size, traceback=tb))
 

@@ -54,7 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name in COMMANDS:
         cmd = COMMANDS.get(name)
         p = sub.add_parser(
-            name, help=COMMANDS.describe(name), description=COMMANDS.describe(name),
+            name,
+            help=COMMANDS.describe(name),
+            description=COMMANDS.describe(name),
             parents=[common],
         )
         cmd.add_arguments(p)
