@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from scalelab import environment
+from scalelab.comm import job_report
 from scalelab.config import RunConfig
 from scalelab.errors import RunFailed, UsageError
 from scalelab.instrument.session import instrumented
@@ -53,15 +54,23 @@ def execute(cfg: RunConfig, results: Path | None) -> RunReport:
     except BaseException as exc:
         if strategy.comm.size > 1 and not isinstance(exc, (SystemExit, RunFailed)):
             # One rank failing alone would leave the others blocked in a collective.
-            sys.stderr.write(
-                f"scalelab: rank {strategy.comm.rank}: {type(exc).__name__}: "
-                f"{exc}; aborting all ranks\n"
-            )
-            sys.stderr.flush()
-            strategy.comm.abort(exc.exit_code if isinstance(exc, UsageError) else 1)
+            code, line = rank_failure_line(strategy.comm.rank, exc)
+            if not job_report.report(line, code):
+                sys.stderr.write(f"{line}; aborting all ranks\n")
+                sys.stderr.flush()
+            strategy.comm.abort(code)
         raise
     finally:
         strategy.close()
+
+
+def rank_failure_line(rank: int, exc: BaseException) -> tuple[int, str]:
+    """(exit code, one line) for a rank that fails alone: a refusal stays a refusal (2)."""
+    if isinstance(exc, UsageError):
+        return exc.exit_code, f"scalelab run: error: {exc}"
+    oom = isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
+    code = 1 if oom or getattr(exc, "exit_code", None) == 1 else 3
+    return code, f"scalelab run: rank {rank} failed: {type(exc).__name__}: {exc}"
 
 
 def _check(cfg: RunConfig, workload: Workload, strategy: Strategy) -> None:

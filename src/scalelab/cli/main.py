@@ -16,6 +16,7 @@ import typing
 
 from scalelab import __version__
 from scalelab.cli.base import COMMANDS
+from scalelab.comm import job_report
 from scalelab.errors import EXIT_FAILED, EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, CheckFailed, UsageError
 
 log = logging.getLogger("scalelab")
@@ -97,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(argv)  # a launcher re-runs exactly this command line on every rank
     setup_logging(args)
+    job_report.start_beacon()  # a rank of a job scalelab launched: report phases
     try:
         return args.handler(args)
     except UsageError as exc:
@@ -112,9 +114,13 @@ def main(argv: list[str] | None = None) -> int:
         return _failure(args, exc)
 
 
-def _one_line(args: argparse.Namespace, kind: str, exc: BaseException, code: int) -> int:
-    text = " ".join(str(exc).split("\n"))  # the contract: one line
-    sys.stderr.write(f"scalelab {args.command}: {kind}: {text}\n")
+def _one_line(args: argparse.Namespace, kind: str, exc: BaseException | str, code: int) -> int:
+    """The contract's one line; a rank of a job scalelab launched hands it to the launching
+    process instead, which prints the first rank's line once."""
+    text = " ".join(str(exc).split("\n"))
+    line = f"scalelab {args.command}: {kind}: {text}"
+    if not job_report.report(line, code):
+        sys.stderr.write(line + "\n")
     return code
 
 
@@ -141,9 +147,5 @@ def _failure(args: argparse.Namespace, exc: Exception) -> int:
         return _one_line(args, "failed", exc, EXIT_FAILED)
     if isinstance(exc, UnicodeDecodeError):  # a user's file: only readers decode bytes
         return _one_line(args, "error", f"a file is not UTF-8 text ({exc.reason})", EXIT_USAGE)
-    text = " ".join(f"{type(exc).__name__}: {exc}".split("\n"))
-    sys.stderr.write(
-        f"scalelab {args.command}: internal error: {text} "
-        "(a bug: please report it; SCALELAB_DEBUG=1 shows the traceback)\n"
-    )
-    return EXIT_INTERNAL
+    text = f"{type(exc).__name__}: {exc} (a bug: please report it; SCALELAB_DEBUG=1: traceback)"
+    return _one_line(args, "internal error", text, EXIT_INTERNAL)

@@ -9,14 +9,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 from scalelab.cli.base import COMMANDS, Command
 from scalelab.cli.options import add_config_options, config_from_args, expand_lists, flag_of
-from scalelab.comm.launch import inside_launcher, relaunch, torchrun_command
+from scalelab.comm.job_report import JobOutcome, run_job
+from scalelab.comm.launch import inside_launcher, relaunch_job, torchrun_command
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
 from scalelab.outputs import check_run_outputs
@@ -138,9 +138,10 @@ def run_one(args: argparse.Namespace) -> tuple[int, dict[str, Any] | None]:
         before = _lines(results)
         if results is not None and args.json:  # this process prints the record it reads back
             args = argparse.Namespace(**{**vars(args), "argv": _without(args.argv, "--json")})
-        code = launch(strategy.launcher, cfg, args)
+        outcome = launch(strategy.launcher, cfg, args)
+        code = outcome.code
         if code not in (0, 2) and results is not None and _lines(results) == before:
-            _record_lost_job(cfg, results, strategy.launcher, code)
+            _record_lost_job(cfg, results, outcome.message or f"{strategy.launcher} failed")
         return code, _last_new_record(results, before)
     try:
         report = execute(cfg, None if args.no_record else Path(args.out))
@@ -177,14 +178,10 @@ def _lines(path: Path | None) -> int:
     return len(path.read_bytes().splitlines()) if path is not None and path.exists() else 0
 
 
-def _record_lost_job(cfg: RunConfig, results: Path, launcher: str, code: int) -> None:
+def _record_lost_job(cfg: RunConfig, results: Path, error: str) -> None:
     """A launched job failed and no rank wrote a record (a rank died or was killed, taking
-    the root with it): the launching process records the failure."""
-    error = (
-        f"{launcher} exited with code {code}: a rank died or was killed before the root "
-        "could record the run"
-    )
-    append_record(results, failed_record(cfg, error))
+    the root with it): the launching process records the failure, in the line it printed."""
+    append_record(results, failed_record(cfg, error.removeprefix("scalelab: ")))
 
 
 def _defaults(args: argparse.Namespace) -> dict[str, Any]:
@@ -203,9 +200,9 @@ def preflight(strategy: type, cfg: RunConfig) -> None:
         checkpoint.preflight(cfg, cfg.ranks, global_batch)
 
 
-def launch(launcher: str, cfg: RunConfig, args: argparse.Namespace) -> int:
+def launch(launcher: str, cfg: RunConfig, args: argparse.Namespace) -> JobOutcome:
     if launcher != "torchrun" or (args.nnodes == 1 and args.rdzv_endpoint is None):
-        return relaunch(launcher, cfg.ranks, args.argv)
+        return relaunch_job(launcher, cfg.ranks, args.argv)
     if args.rdzv_endpoint is None or cfg.ranks % args.nnodes:
         raise UsageError(
             f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT and --ranks (all ranks, "
@@ -220,7 +217,7 @@ def launch(launcher: str, cfg: RunConfig, args: argparse.Namespace) -> int:
     ]
     env = {**os.environ, "SCALELAB_LAUNCHED": "1"}
     env.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (shared hosts)
-    return subprocess.call([*cmd, "-m", "scalelab", *args.argv], env=env)
+    return run_job([*cmd, "-m", "scalelab", *args.argv], env, launcher)
 
 
 def _compare_devices(cfg: RunConfig, args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
