@@ -43,11 +43,12 @@ INT_RANGES = {
     "microbatches": (1, BIG),
     "rebalance": (0, 100),
 }
-# (low, high, low end open): finite and inside, so inf/nan/1e300 never reach an optimizer.
+# (low, high, low end open): finite and inside, so inf/nan/1e300 never reach an optimizer
+# (lr's bound: finite in float32 with margin; a huge lr then diverges and is caught by name).
 FLOAT_RANGES = {
-    "lr": (0.0, 1e3, True),
+    "lr": (0.0, 1e30, True),
     "momentum": (0.0, 0.999999, False),
-    "l2": (0.0, 1e3, False),
+    "l2": (0.0, 1e6, False),
     "bucket_mb": (0.0, 1e6, True),
 }
 
@@ -179,7 +180,8 @@ class RunConfig:
         for name, (lo, hi) in INT_RANGES.items():
             value = getattr(self, name)
             if value is not None and not lo <= value <= hi:
-                raise UsageError(f"--{_flag(name)} must be in [{lo}, {hi}], got {value}")
+                bound = f">= {lo}" if value < lo else f"<= {hi}"
+                raise UsageError(f"--{_flag(name)} must be {bound}, got {value}")
         for name, (lo, hi, lo_open) in FLOAT_RANGES.items():
             value = getattr(self, name)
             inside = lo < value <= hi if lo_open else lo <= value <= hi
