@@ -87,3 +87,44 @@ def _is(value: Any, kinds: tuple[type, ...]) -> bool:
 
 def _kind(value: Any) -> str:
     return "null" if value is None else type(value).__name__
+
+
+# --- ceilings files -----------------------------------------------------------------------
+RATE_TABLES = ("gemm_flops", "cpu_gemm_flops", "cpu_mem_bw", "h2d", "d2h", "peaks")
+
+
+def ceilings_problem(data: dict[str, Any]) -> str | None:
+    """What is wrong with a ceilings file's shape (rates are positive numbers), or None."""
+    for name in ("machine", "comm", *RATE_TABLES):
+        if data.get(name) is not None and not isinstance(data[name], dict):
+            return f"{name!r} holds {_kind(data[name])}, expected an object"
+    if data.get("mem_bw") is not None and not _positive(data["mem_bw"]):
+        return "'mem_bw' is not a positive number"
+    for name in RATE_TABLES:
+        for key, value in (data.get(name) or {}).items():
+            if key in ("detail", "dtype", "match", "name", "source", "cores"):
+                continue
+            if value is not None and not _positive(value):
+                return f"{name}.{key} is not a positive number"
+    for backend, ops in (data.get("comm") or {}).items():
+        if not isinstance(ops, dict):
+            return f"comm.{backend} is not an object"
+        for op, fit in ops.items():
+            if op in ("device", "ranks"):
+                continue
+            if not isinstance(fit, dict) or not all(
+                _is(fit.get(k), NUMBER) and math.isfinite(fit[k]) and fit[k] >= 0
+                for k in ("alpha_s", "beta_Bps")
+            ):
+                return f"comm.{backend}.{op} lacks numeric alpha_s and beta_Bps"
+            points = fit.get("points", [])
+            if not isinstance(points, list) or not all(
+                isinstance(p, list) and len(p) == 2 and all(_is(v, NUMBER) for v in p)
+                for p in points
+            ):
+                return f"comm.{backend}.{op}.points is not a list of [bytes, seconds]"
+    return None
+
+
+def _positive(value: Any) -> bool:
+    return _is(value, NUMBER) and math.isfinite(value) and value > 0
