@@ -227,3 +227,19 @@ def test_predict(ranks, ceilings, calibrate, validate):
 def test_slurm(study, nodes, gpus):
     argv = ["slurm", "study.toml", "--nodes", nodes, "--gpus-per-node", gpus, "-o", "jobs"]
     contract(argv, {"study.toml": study})
+
+
+@SETTINGS
+@given(contents=st.dictionaries(st.sampled_from(["workload", "model", "optimizer", "position",
+                                                 "schedule", "history", "rng", "world_size"]),
+                                JSONISH, max_size=6))  # fmt: skip
+def test_resume_from_a_checkpoint_with_the_right_tag_and_wrong_contents(contents):
+    import torch
+
+    from scalelab.train.checkpoint import FORMAT
+
+    buf = io.BytesIO()
+    torch.save({"format": FORMAT, **contents}, buf)
+    argv = ["run", "mlp", *SMALL_RUN, "--train", "--steps", "2", "--resume", "c.pt"]
+    code, text = contract(argv, {"c.pt": buf.getvalue()})
+    assert code == 2 and "--resume c.pt" in text
