@@ -15,6 +15,7 @@ from pathlib import Path
 from scalelab.cli.base import COMMANDS, Command
 from scalelab.cli.options import add_config_options, config_from_args
 from scalelab.errors import UsageError
+from scalelab.outputs import check_dir
 
 GPU_FIRST = {"ddp", "mpi-gpu", "nccl", "pipeline"}  # --device defaults to cuda for these
 TRAINING = {"ddp", "mpi-dp", "tensor"}  # these strategies only train
@@ -62,6 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.out is not None:
+        check_dir(args.out, "-o")  # before any work
     from scalelab.analysis import require
 
     require("pandas", "scalelab predict")

@@ -8,6 +8,7 @@ from pathlib import Path
 from scalelab.analysis.slurm import SlurmOptions, write_scripts
 from scalelab.analysis.sweep import load_study
 from scalelab.cli.base import COMMANDS, Command
+from scalelab.outputs import check_dir
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -47,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
         setup=tuple(args.setup),
         workdir=Path.cwd(),
     )
-    out_dir = Path(args.out_dir or f"slurm-{study.name}")
+    out_dir = check_dir(args.out_dir or Path("scalelab-results") / f"slurm-{study.name}", "-o")
     scripts = write_scripts(study, opts, out_dir, args.array)
     if args.array:
         print(f"wrote {scripts[0]}: submit with `sbatch {scripts[0]}`")
