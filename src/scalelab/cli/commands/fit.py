@@ -28,7 +28,7 @@ import torch
 
 from scalelab import environment
 from scalelab.cli.base import COMMANDS, Command
-from scalelab.cli.options import SKIP, add_config_options, config_from_args
+from scalelab.cli.options import RUN_ONLY, SKIP, add_config_options, config_from_args
 from scalelab.comm.base import even_counts
 from scalelab.comm.launch import relaunch
 from scalelab.config import RunConfig
@@ -57,7 +57,9 @@ def parse_size(text: str | None) -> float | None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("workload", help="workload name (scalelab list)")
-    add_config_options(p)
+    # What a try reads: the model's shape and one training step (run-only fields hidden,
+    # iters/warmup kept: a try times warm-up + iters steps).
+    add_config_options(p, skip=(RUN_ONLY - {"iters", "warmup", "steps"}) | {"ranks", "split"})
     p.add_argument("--find", choices=("stack", "batch", "stages"), default=None)
     p.add_argument(
         "--mem-limit",

@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 
 from scalelab.cli.base import COMMANDS, Command
-from scalelab.cli.options import add_config_options, config_from_args
+from scalelab.cli.options import RUN_ONLY, add_config_options, config_from_args
 from scalelab.errors import UsageError
 from scalelab.outputs import check_dir
 
@@ -59,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("-o", "--out", default=None, help="folder for predict.csv/.json and the plot")
     p.add_argument("--no-plots", action="store_true", help="table and files only")
-    add_config_options(p, skip={"ranks"})
+    add_config_options(p, skip={"ranks", "quiet"} | RUN_ONLY)
 
 
 def run(args: argparse.Namespace) -> int:
