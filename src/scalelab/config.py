@@ -66,7 +66,8 @@ class RunConfig:
     strategy: str = opt("local", "Registered strategy name.")
     batch: int = opt(
         8,
-        "Items per forward pass (inference) or per optimizer step, all ranks together (training).",
+        "Global batch: items per forward pass (inference) or per optimizer step, all ranks "
+        "together; ddp alone reads it per rank (--global-batch gives ddp a global one).",
     )
     device: str = opt("cpu", "Where the `local` strategy computes: cpu or cuda.")
     dtype: str = opt(
