@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from scalelab.comm.job_report import NOISE
 from scalelab.comm.launch import mpiexec_command, torchrun_command
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
@@ -309,8 +310,14 @@ def _run_process(
 
 
 def _last_line(text: str) -> str:
+    """The point's own last line: scalelab's line when there is one, never a launcher's
+    banner (torchrun's ChildFailedError box, MPICH's BAD TERMINATION lines)."""
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    return lines[-1] if lines else "no output"
+    ours = [ln for ln in lines if ln.startswith("scalelab")]
+    if ours:
+        return ours[-1]
+    plain = [ln for ln in lines if not any(p.search(ln) for p in NOISE)]
+    return (plain or lines or ["no output"])[-1]
 
 
 def run_point(point: Point, results: Path, timeout: float | None = None) -> Outcome:
