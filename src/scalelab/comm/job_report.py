@@ -164,21 +164,40 @@ def _torch_failed(captured: list[str]) -> bool:
 def explain(
     folder: Path, captured: list[str], code: int, ended: float, launcher: str
 ) -> JobOutcome:
-    notes = sorted(folder.glob("note.rank*"), key=lambda p: int(p.name[len("note.rank") :]))
-    if notes:
-        first_code, line = notes[0].read_text().split("\n", 1)
-        return JobOutcome(int(first_code), line, captured)
+    """The one line: a rank's refusal first (exit 2: every rank refused alike), then a rank
+    killed by a signal (the others' failures follow from it), then a rank's own failure line,
+    then the rank the launcher saw exit, else the launcher's code."""
+    notes = _notes(folder)
+    refusals = [n for n in notes if n[0] == 2]
     status = _statuses(folder)
     dead = _dead_rank(captured, status)
-    if dead is None:
-        name = "mpiexec" if launcher == "mpi" else launcher
-        return JobOutcome(1, f"scalelab: job failed: {name} exited with code {code}", captured)
+    if refusals:
+        return JobOutcome(2, refusals[0][1], captured)
+    if dead is not None and dead[2] is not None:
+        return JobOutcome(1, _dead_line(dead, status, ended), captured)
+    if notes:
+        return JobOutcome(notes[0][0], notes[0][1], captured)
+    if dead is not None:
+        return JobOutcome(1, _dead_line(dead, status, ended), captured)
+    name = "mpiexec" if launcher == "mpi" else launcher
+    return JobOutcome(1, f"scalelab: job failed: {name} exited with code {code}", captured)
+
+
+def _notes(folder: Path) -> list[tuple[int, str]]:
+    """(exit code, line) the ranks handed over, lowest rank first."""
+    out = []
+    for path in sorted(folder.glob("note.rank*"), key=lambda p: int(p.name[len("note.rank") :])):
+        first, _, line = path.read_text().partition("\n")
+        out.append((int(first), line))
+    return out
+
+
+def _dead_line(dead: tuple[int, str, int | None], status: dict, ended: float) -> str:
     rank, host, signal = dead
-    pid, st_host, beat, phase = status.get(rank, (None, host, None, "setup"))
+    _, st_host, beat, phase = status.get(rank, (None, host, None, "setup"))
     after = f"; job aborted after {max(0.0, ended - beat):.1f} s" if beat else ""
     how = f"died (signal {signal})" if signal else "exited"
-    line = f"scalelab: rank {rank} on {host or st_host} {how} during {phase}{after}"
-    return JobOutcome(1, line, captured)
+    return f"scalelab: rank {rank} on {host or st_host} {how} during {phase}{after}"
 
 
 def _statuses(folder: Path) -> dict[int, tuple[int, str, float, str]]:
@@ -207,15 +226,12 @@ def _dead_rank(captured: list[str], status: dict) -> tuple[int, str, int | None]
     m = re.search(r"process rank (\d+) with PID \d+ on node (\S+) exited on signal (\d+)", text)
     if m:
         return int(m.group(1)), m.group(2), int(m.group(3))
-    # MPICH: "PID 123 RUNNING AT host" / "EXIT CODE: 9" (a signal number when killed).
-    pid, host, exit_code = (
-        re.search(p, text)
-        for p in (r"PID (\d+) RUNNING AT (\S+)", r"PID \d+ RUNNING AT (\S+)", r"EXIT CODE: (\d+)")
-    )
+    # MPICH: "PID 123 RUNNING AT host" and, when killed, "EXIT STRING: Killed (signal 9)".
+    pid = re.search(r"PID (\d+) RUNNING AT (\S+)", text)
     if pid:
         by_pid = {s[0]: r for r, s in status.items()}
         rank_of = by_pid.get(int(pid.group(1)))
-        sig = re.search(r"signal (\d+)", text)
-        signal = int(sig.group(1)) if sig else (int(exit_code.group(1)) if exit_code else None)
+        sig = re.search(r"signal (\d+)", text)  # "EXIT CODE: 9" alone may be exit(9)
+        signal = int(sig.group(1)) if sig else None
         return (rank_of if rank_of is not None else -1), pid.group(2), signal
     return None
