@@ -114,6 +114,5 @@ def test_a_killed_rank_is_named_with_host_signal_and_phase(tmp_path, args):
     assert match, stderr
     assert match.group(1) in (socket.gethostname(), "localhost", socket.getfqdn())
     assert "Traceback" not in stderr and "BAD TERMINATION" not in stderr
-    print(last)
     (rec,) = read_records(out)
     assert rec["status"] == "failed"
