@@ -12,11 +12,6 @@ from scalelab.errors import UsageError
 from scalelab.precision import PRECISIONS
 
 DEVICES = ("cpu", "cuda")
-CHOICES = {
-    "split": ("broadcast", "batch", "spatial"),
-    "schedule": ("gpipe", "1f1b"),
-    "placement": ("pipeline", "manual"),
-}
 BIG = 2**31 - 1  # sizes beyond int32 are typos, and torch indexes with int32 in places
 # Inclusive ranges; None (unset) always passes. A seed is any 64-bit value torch accepts.
 INT_RANGES = {
@@ -197,10 +192,6 @@ class RunConfig:
             raise UsageError(f"unknown dtype {self.dtype!r} (known: {', '.join(PRECISIONS)})")
         if self.device not in DEVICES:
             raise UsageError(f"unknown device {self.device!r} (known: {', '.join(DEVICES)})")
-        for name in ("split", "schedule", "placement"):
-            value, known = getattr(self, name), CHOICES[name]
-            if value not in known:
-                raise UsageError(f"--{name} must be one of {', '.join(known)}, got {value!r}")
         if self.data_dir is not None and not Path(self.data_dir).is_dir():
             raise UsageError(f"--data-dir {self.data_dir}: no such directory")
         for name in ("weights", "resume"):
