@@ -54,10 +54,18 @@ def test_non_finite_training_writes_no_weights(cli, tmp_path):
     assert all(r["status"] == "failed" for r in read_records(tmp_path / "r.jsonl"))
 
 
+def test_save_weights_on_inference_writes_the_weights_it_ran(cli, tmp_path):
+    code, _, err = cli(*MLP, "--save-weights", tmp_path / "w.pt", "--no-record")
+    assert code == 0, err
+    built = WORKLOADS.get("mlp")(RunConfig(workload="mlp", hidden=4)).build_model().state_dict()
+    saved = torch.load(tmp_path / "w.pt")
+    assert saved.keys() == built.keys()
+    assert all(torch.equal(saved[k], built[k]) for k in built)
+
+
 def test_refusals_are_one_line_exit_2_and_write_nothing(cli, tmp_path):
     (tmp_path / "file").write_text("x")
     cases = [
-        [*MLP, "--save-weights", tmp_path / "w.pt"],  # inference changes no weights
         [*MLP, "--momentum", "nan"],
         [*MLP, "--lr", "1e300"],
         [*MLP, "--seed", str(2**64)],

@@ -89,7 +89,9 @@ class RunConfig:
     weights: str | None = opt(
         None, "state_dict (.pt) or safetensors file to load instead of seeded random weights."
     )
-    save_weights: str | None = opt(None, "Write the (trained) weights here after the run.")
+    save_weights: str | None = opt(
+        None, "Write the weights here after the run (trained; inference: the weights it ran)."
+    )
 
     # Training.
     train: bool = opt(False, "Train instead of inference.")
@@ -198,11 +200,6 @@ class RunConfig:
             value = getattr(self, name)
             if value is not None and not Path(value).is_file():
                 raise UsageError(f"--{name} {value}: no such file")
-        if self.save_weights is not None and not self.train:
-            raise UsageError(
-                "--save-weights writes trained weights: add --train (inference "
-                "leaves the weights as they were loaded)"
-            )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

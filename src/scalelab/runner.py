@@ -129,8 +129,8 @@ def _execute(
         check = check_output(
             output.output, ref, strategy.precision.tolerance, digest_tolerance(strategy.precision)
         )
-    if cfg.save_weights is not None and output.model is not None:
-        save_weights(output.model, cfg.save_weights)
+    if cfg.save_weights is not None:  # inference: the weights it ran (they are unchanged)
+        save_weights(output.model if output.model is not None else model, cfg.save_weights)
     record = build_record(cfg, workload, strategy, output, check)
     if results is not None:
         append_record(results, record)
