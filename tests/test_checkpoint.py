@@ -153,7 +153,9 @@ def test_comma_lists_run_the_product_one_record_each(cli, tmp_path):
     got = sorted((r["config"]["lr"], r["config"]["hidden"]) for r in recs)
     assert got == [(0.1, 4), (0.1, 8), (0.5, 4), (0.5, 8)]
     assert all(len(r["loss"]) == len(r["accuracy"]) == 2 for r in recs)
-    assert "[4/4] --hidden 8 --lr 0.5" in err
+    assert "[4/4] --hidden 8 --lr 0.5" in out  # each result labelled, then one table
+    table = out.split("\nrun ", 1)[1].splitlines()
+    assert len(table) == 5 and table[4].startswith("--hidden 8 --lr 0.5  ok")
     single = execute(RunConfig(**{**SMALL, "lr": 0.1, "hidden": 4}), None).record
     assert next(r for r in recs if r["config"]["hidden"] == 4)["loss"] == single["loss"]
 

@@ -2,8 +2,11 @@
 reproduce the config exactly, failure records, resumability, and a grid with real MPI ranks."""
 
 import json
+import shlex
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -103,10 +106,14 @@ def test_dry_run_lists_points(cli, tmp_path):
     code, out, _ = cli("sweep", _study(tmp_path, GOOD), "--dry-run", "--out", tmp_path / "r.jsonl")
     lines = out.strip().splitlines()
     assert code == 0 and len(lines) == 5 and "4 points" in lines[0]
-    assert lines[1].startswith("[1/4] todo  python")
-    assert "-m scalelab run alexnet --strategy mpi --batch 4" in lines[1]
-    assert "mpiexec -n 2 python" in lines[4]  # the sweep starts the launcher itself
+    assert lines[1].startswith("[1/4] todo  ")
+    assert "scalelab run alexnet --strategy mpi --batch 4" in lines[1]
+    # Printed commands run as printed: `scalelab ... --ranks 2` starts its launcher itself.
     assert "--split spatial" in lines[4] and "--ranks 2" in lines[4]
+    exe = shlex.split(lines[1].split("todo  ", 1)[1])[0]
+    assert Path(exe).name == "scalelab"
+    done = subprocess.run([exe, "--version"], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.startswith("scalelab ")
     assert "--batch" not in lines[4]  # 8 is the default: only non-default flags are passed
     assert not (tmp_path / "r.jsonl").exists()
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import math
+import typing
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +13,43 @@ from scalelab.precision import PRECISIONS
 
 DEVICES = ("cpu", "cuda")
 ENGINES = ("scalelab", "torch")
+BIG = 2**31 - 1  # sizes beyond int32 are typos, and torch indexes with int32 in places
+# Inclusive ranges; None (unset) always passes. A seed is any 64-bit value torch accepts.
+INT_RANGES = {
+    "batch": (1, BIG),
+    "iters": (1, 10**7),
+    "warmup": (0, 10**7),
+    "seed": (0, 2**63 - 1),
+    "threads": (1, 4096),
+    "image_size": (1, 65536),
+    "num_classes": (1, 10**7),
+    "hidden": (1, 2**24),
+    "convs": (1, 10**4),
+    "fcs": (1, 10**4),
+    "epochs": (1, 10**6),
+    "steps": (1, BIG),
+    "train_size": (1, BIG),
+    "heldout_size": (1, BIG),
+    "ranks": (1, 2**20),
+    "chunks": (1, BIG),
+    "global_batch": (1, BIG),
+    "workers": (0, 1024),
+    "ckpt_every": (1, BIG),
+    "stages": (1, 4096),
+    "microbatches": (1, BIG),
+    "rebalance": (0, 100),
+    "virtual_stages": (1, 64),
+    "dp": (1, 2**20),
+    "tp": (1, 2**20),
+}
+# (low, high, low end open): finite and inside, so inf/nan/1e300 never reach an optimizer
+# (lr's bound: finite in float32 with margin; a huge lr then diverges and is caught by name).
+FLOAT_RANGES = {
+    "lr": (0.0, 1e30, True),
+    "momentum": (0.0, 0.999999, False),
+    "l2": (0.0, 1e6, False),
+    "bucket_mb": (0.0, 1e6, True),
+}
 
 
 def opt(default: Any, help: str) -> Any:
@@ -26,7 +65,8 @@ class RunConfig:
     strategy: str = opt("local", "Registered strategy name.")
     batch: int = opt(
         8,
-        "Items per forward pass (inference) or per optimizer step, all ranks together (training).",
+        "Global batch: items per forward pass (inference) or per optimizer step, all ranks "
+        "together; ddp alone reads it per rank (--global-batch gives ddp a global one).",
     )
     device: str = opt("cpu", "Where the `local` strategy computes: cpu or cuda.")
     dtype: str = opt(
@@ -53,7 +93,9 @@ class RunConfig:
     weights: str | None = opt(
         None, "state_dict (.pt) or safetensors file to load instead of seeded random weights."
     )
-    save_weights: str | None = opt(None, "Write the (trained) weights here after the run.")
+    save_weights: str | None = opt(
+        None, "Write the weights here after the run (trained; inference: the weights it ran)."
+    )
 
     # Training.
     train: bool = opt(False, "Train instead of inference.")
@@ -161,25 +203,18 @@ class RunConfig:
     """Strategy-specific options (ranks, split, ...), kept so records stay complete."""
 
     def __post_init__(self) -> None:
-        positive = {
-            "batch": self.batch,
-            "iters": self.iters,
-            "epochs": self.epochs,
-            "hidden": self.hidden,
-            "train_size": self.train_size,
-            "heldout_size": self.heldout_size,
-        }
-        for name, value in positive.items():
-            if value < 1:
-                raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-        if self.warmup < 0:
-            raise UsageError(f"--warmup must be >= 0, got {self.warmup}")
-        if self.steps is not None and self.steps < 1:
-            raise UsageError(f"--steps must be >= 1, got {self.steps}")
-        if self.threads is not None and self.threads < 1:
-            raise UsageError(f"--threads must be >= 1, got {self.threads}")
-        if self.ranks < 1 or self.chunks < 1:
-            raise UsageError("--ranks and --chunks must be >= 1")
+        _check_types(self)
+        for name, (lo, hi) in INT_RANGES.items():
+            value = getattr(self, name)
+            if value is not None and not lo <= value <= hi:
+                bound = f">= {lo}" if value < lo else f"<= {hi}"
+                raise UsageError(f"--{_flag(name)} must be {bound}, got {value}")
+        for name, (lo, hi, lo_open) in FLOAT_RANGES.items():
+            value = getattr(self, name)
+            inside = lo < value <= hi if lo_open else lo <= value <= hi
+            if not (math.isfinite(value) and inside):
+                span = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+                raise UsageError(f"--{_flag(name)} must be in {span}, got {value}")
         if self.amp not in (None, "bf16", "fp16"):
             raise UsageError(f"--amp must be bf16 or fp16, got {self.amp!r}")
         if self.grad_compress not in (None, "bf16", "fp16"):
@@ -188,14 +223,12 @@ class RunConfig:
             raise UsageError(f"unknown dtype {self.dtype!r} (known: {', '.join(PRECISIONS)})")
         if self.device not in DEVICES:
             raise UsageError(f"unknown device {self.device!r} (known: {', '.join(DEVICES)})")
-        if not self.lr > 0:
-            raise UsageError(f"--lr must be > 0, got {self.lr}")
-        if self.convs < 1 or self.fcs < 1:
-            raise UsageError("--convs and --fcs must be >= 1")
         if self.data_dir is not None and not Path(self.data_dir).is_dir():
             raise UsageError(f"--data-dir {self.data_dir}: no such directory")
-        if self.weights is not None and not Path(self.weights).is_file():
-            raise UsageError(f"--weights {self.weights}: no such file")
+        for name in ("weights", "resume"):
+            value = getattr(self, name)
+            if value is not None and not Path(value).is_file():
+                raise UsageError(f"--{name} {value}: no such file")
         self._check_torch_engines()
 
     def _check_torch_engines(self) -> None:
@@ -212,3 +245,23 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _check_types(cfg: RunConfig) -> None:
+    """Values from TOML or Python must have the field's type (an int field given 2.5 or
+    True would pass the range checks and fail deep inside a strategy)."""
+    hints = typing.get_type_hints(RunConfig)
+    for f in fields(RunConfig):
+        value, hint = getattr(cfg, f.name), hints[f.name]
+        if value is None or f.name == "extra":
+            continue
+        kinds = tuple(a for a in typing.get_args(hint) if a is not type(None)) or (hint,)
+        ok = isinstance(value, kinds) and not (bool not in kinds and isinstance(value, bool))
+        if float in kinds and isinstance(value, int) and not isinstance(value, bool):
+            ok = True
+        if not ok:
+            raise UsageError(f"--{_flag(f.name)}: {value!r} is not {kinds[0].__name__}")

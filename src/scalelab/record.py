@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from scalelab.errors import UsageError
+from scalelab.record_schema import problem
 
 if TYPE_CHECKING:
     from scalelab.config import RunConfig
@@ -122,7 +123,12 @@ def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 def _read_file(path: Path) -> list[dict[str, Any]]:
-    text = path.read_text()
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        raise UsageError(f"{path}: not UTF-8 text (is this a scalelab results file?)") from None
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot read ({exc.strerror})") from None
     if path.suffix == ".json":
         lines = [text]
     else:  # an unterminated last line that is not JSON is a killed writer's torn record
@@ -143,6 +149,9 @@ def _read_file(path: Path) -> list[dict[str, Any]]:
                 "scalelab."
             ):
                 raise UsageError(f"{path}:{n}: not a scalelab record (no scalelab schema field)")
+            wrong = problem(item) if item.get("schema") == SCHEMA else None
+            if wrong is not None:
+                raise UsageError(f"{path}:{n}: malformed record: {wrong}")
             out.append(item)
     return out
 

@@ -11,9 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
+
 from scalelab import environment
+from scalelab.comm import job_report
 from scalelab.config import RunConfig
-from scalelab.errors import UsageError
+from scalelab.errors import RunFailed, UsageError
 from scalelab.instrument import host_checks
 from scalelab.instrument.numbers import numbers_lines
 from scalelab.instrument.session import instrumented
@@ -51,17 +55,25 @@ def execute(cfg: RunConfig, results: Path | None) -> RunReport:
     try:
         return _execute(cfg, workload, strategy, results)
     except BaseException as exc:
-        if strategy.comm.size > 1 and not isinstance(exc, SystemExit):
+        if strategy.comm.size > 1 and not isinstance(exc, (SystemExit, RunFailed)):
             # One rank failing alone would leave the others blocked in a collective.
-            sys.stderr.write(
-                f"scalelab: rank {strategy.comm.rank}: {type(exc).__name__}: "
-                f"{exc}; aborting all ranks\n"
-            )
-            sys.stderr.flush()
-            strategy.comm.abort(exc.exit_code if isinstance(exc, UsageError) else 1)
+            code, line = rank_failure_line(strategy.comm.rank, exc)
+            if not job_report.report(line, code):
+                sys.stderr.write(f"{line}; aborting all ranks\n")
+                sys.stderr.flush()
+            strategy.comm.abort(code)
         raise
     finally:
         strategy.close()
+
+
+def rank_failure_line(rank: int, exc: BaseException) -> tuple[int, str]:
+    """(exit code, one line) for a rank that fails alone: a refusal stays a refusal (2)."""
+    if isinstance(exc, UsageError):
+        return exc.exit_code, f"scalelab run: error: {exc}"
+    oom = isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError"
+    code = 1 if oom or getattr(exc, "exit_code", None) == 1 else 3
+    return code, f"scalelab run: rank {rank} failed: {type(exc).__name__}: {exc}"
 
 
 def _check(cfg: RunConfig, workload: Workload, strategy: Strategy) -> None:
@@ -112,14 +124,18 @@ def _execute(
         raise
     if not strategy.is_root:
         return RunReport(None, None)
+    bad = nonfinite(output)
+    if bad is not None:  # a diverged or poisoned run: failed, and its weights are not kept
+        _record_failure(strategy, cfg, results, RunFailed(bad))
+        raise RunFailed(bad)
     check = None
     if cfg.check:
         ref = workload.reference_forward(reference_params, inputs.x.numpy())
         check = check_output(
             output.output, ref, strategy.precision.tolerance, digest_tolerance(strategy.precision)
         )
-    if cfg.save_weights is not None and output.model is not None:
-        save_weights(output.model, cfg.save_weights)
+    if cfg.save_weights is not None:  # inference: the weights it ran (they are unchanged)
+        save_weights(output.model if output.model is not None else model, cfg.save_weights)
     record = build_record(cfg, workload, strategy, output, check)
     _add_checks(record, strategy, output, load)
     record["rank_wall_s"] = rank_walls
@@ -164,6 +180,17 @@ def _add_checks(
     record["host"] = host
 
 
+def nonfinite(output: RunOutput) -> str | None:
+    """What is NaN or inf in the run's final weights or gathered output (root), else None."""
+    if output.output is not None and not np.isfinite(output.output).all():
+        return "the output holds NaN or inf; no weights written"
+    if output.model is not None:
+        for name, tensor in output.model.state_dict().items():
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                return f"the final weights hold NaN or inf ({name}); no weights written"
+    return None
+
+
 def digest_tolerance(precision: Precision) -> float:
     """fp64 and fp32 runs share the fp32 digest grid, so serial and local digests compare."""
     return max(precision.tolerance, PRECISIONS["fp32"].tolerance)
@@ -187,7 +214,7 @@ def _record_failure(
 ) -> None:
     if results is None or not strategy.is_root:
         return
-    error = f"{type(exc).__name__}: {exc}"
+    error = str(exc) if isinstance(exc, RunFailed) else f"{type(exc).__name__}: {exc}"
     tb = traceback.format_exc(limit=8)
     append_record(results, failed_record(cfg, error, strategy.comm.size, traceback=tb))
 

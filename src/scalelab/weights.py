@@ -40,6 +40,8 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     try:
         (size,) = struct.unpack("<Q", data[:8])
         header = json.loads(data[8 : 8 + size])
+        if not isinstance(header, dict):
+            raise TypeError(f"header is a JSON {type(header).__name__}, not an object")
         base = 8 + size
         tensors = {}
         for name, info in header.items():
@@ -50,7 +52,7 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
             buf = bytearray(data[base + begin : base + end])
             t = torch.frombuffer(buf, dtype=dtype) if buf else torch.empty(0, dtype=dtype)
             tensors[name] = t.reshape(info["shape"])
-    except (struct.error, ValueError, KeyError, RuntimeError) as exc:
+    except (struct.error, ValueError, KeyError, RuntimeError, TypeError, AttributeError) as exc:
         raise UsageError(f"--weights {path}: not a readable safetensors file ({exc})") from None
     return tensors
 

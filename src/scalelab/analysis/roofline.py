@@ -20,6 +20,7 @@ import pandas as pd
 from scalelab.analysis.frame import label, layer_rows, ok_records, per_iteration, run_config
 from scalelab.errors import UsageError
 from scalelab.precision import get_precision
+from scalelab.record_schema import ceilings_problem
 from scalelab.workloads import WORKLOADS
 
 CEILINGS_SCHEMA = "scalelab.ceilings/1"
@@ -51,12 +52,15 @@ def read_ceilings(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise UsageError(f"{path}: no such ceilings file (write one with `scalelab ceilings`)")
     try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError:
+        data = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError):
         raise UsageError(f"{path}: not JSON (is this a ceilings file?)") from None
     schema = data.get("schema") if isinstance(data, dict) else None
     if schema != CEILINGS_SCHEMA:
         raise UsageError(f"{path}: schema {schema!r}, expected {CEILINGS_SCHEMA!r}")
+    wrong = ceilings_problem(data)
+    if wrong is not None:
+        raise UsageError(f"{path}: malformed ceilings file: {wrong}")
     return data
 
 

@@ -38,9 +38,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from scalelab.comm.job_report import NOISE
 from scalelab.comm.launch import mpiexec_command, torchrun_command
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
+from scalelab.outputs import inside
 from scalelab.record import append_record, failed_record, read_records
 from scalelab.strategies import STRATEGIES
 from scalelab.workloads import WORKLOADS
@@ -50,6 +52,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
+DEFAULT_FOLDER = Path("scalelab-results")
 STUDY_KEYS = {"name", "description", "results", "timeout_s"}
 TABLES = {"study", "grid", "fixed"}
 DERIVED = {"batch_per_rank"}
@@ -106,16 +109,26 @@ def config_key(config: dict[str, Any]) -> str:
 
 
 # --- reading a study -----------------------------------------------------------------------
-def load_study(path: str | Path, results: str | Path | None = None) -> Study:
-    """Parse and validate a study file; UsageError names the first problem."""
+def load_study(
+    path: str | Path, results: str | Path | None = None, overrides: list[str] = ()
+) -> Study:
+    """Parse and validate a study file; UsageError names the first problem. overrides are
+    `KEY=VALUE` (a TOML value; a bare word is a string) replacing a field of [fixed] or
+    [grid] (a list value becomes that key's list)."""
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"{path}: no such study file")
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        raise UsageError(f"{path}: not UTF-8 text (is this a study TOML?)") from None
     except tomllib.TOMLDecodeError as exc:
         raise UsageError(f"{path}: invalid TOML: {exc}") from None
     _only(data, TABLES, f"{path}: unknown table")
+    for table in ("grid", "fixed"):
+        _only(data.get(table, {}), set(data.get(table, {})), f"{path}: [{table}]")
+    for item in overrides:
+        _override(data, item)
     study = data.get("study", {})
     _only(study, STUDY_KEYS, f"{path}: unknown key in [study]")
     grid, fixed = data.get("grid", {}), data.get("fixed", {})
@@ -125,10 +138,32 @@ def load_study(path: str | Path, results: str | Path | None = None) -> Study:
         isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0
     ):
         raise UsageError(f"{path}: [study] timeout_s must be a positive number of seconds")
-    name = str(study.get("name", path.stem))
-    default_results = Path("scalelab-results") / f"{name}.jsonl"
+    name = study.get("name", path.stem)
+    if not isinstance(name, str):
+        raise UsageError(f"{path}: [study] name must be a string")
+    default_results = inside(DEFAULT_FOLDER, name, f"{path}: [study] name").with_suffix(".jsonl")
     out = Path(results or study.get("results") or default_results)
+    if not isinstance(study.get("results", ""), str):
+        raise UsageError(f"{path}: [study] results must be a file name")
     return Study(name, grid, fixed, path, out, timeout)
+
+
+def _override(data: dict[str, Any], item: str) -> None:
+    """--set KEY=VALUE into the study's tables: grid if the key varies there, else fixed."""
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise UsageError(f"--set {item!r}: expected KEY=VALUE, e.g. --set data_dir=data/mnist")
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text  # a bare word or path: a string
+    grid, fixed = data.setdefault("grid", {}), data.setdefault("fixed", {})
+    if key in grid or isinstance(value, list):
+        fixed.pop(key, None)
+        grid[key] = value if isinstance(value, list) else [value]
+    else:
+        fixed[key] = value
 
 
 def _only(table: Any, allowed: set[str], what: str) -> None:
@@ -275,8 +310,14 @@ def _run_process(
 
 
 def _last_line(text: str) -> str:
+    """The point's own last line: scalelab's line when there is one, never a launcher's
+    banner (torchrun's ChildFailedError box, MPICH's BAD TERMINATION lines)."""
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    return lines[-1] if lines else "no output"
+    ours = [ln for ln in lines if ln.startswith("scalelab")]
+    if ours:
+        return ours[-1]
+    plain = [ln for ln in lines if not any(p.search(ln) for p in NOISE)]
+    return (plain or lines or ["no output"])[-1]
 
 
 def run_point(point: Point, results: Path, timeout: float | None = None) -> Outcome:

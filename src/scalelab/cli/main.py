@@ -1,16 +1,25 @@
-"""`scalelab` entry point: subcommands, and the one place errors become exit codes."""
+"""`scalelab` entry point: subcommands, and the one place errors become exit codes.
+
+The contract (README "Exit codes"): 0 ok; 1 the check failed or the run failed after work
+started (one line, a `failed` record); 2 bad input or a refused configuration (one line on
+stderr, nothing written); 3 internal error (a bug: one line, SCALELAB_DEBUG=1 for the traceback).
+"""
 
 from __future__ import annotations
 
 import argparse
 import faulthandler
+import logging
 import os
 import sys
 import typing
 
 from scalelab import __version__
 from scalelab.cli.base import COMMANDS
-from scalelab.errors import CheckFailed, UsageError
+from scalelab.comm import job_report
+from scalelab.errors import EXIT_FAILED, EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, CheckFailed, UsageError
+
+log = logging.getLogger("scalelab")
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -18,7 +27,16 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> typing.NoReturn:
         sys.stderr.write(f"{self.prog}: error: {message}\n")
-        raise SystemExit(2)
+        raise SystemExit(EXIT_USAGE)
+
+
+def verbosity_options() -> argparse.ArgumentParser:
+    """-v/-q for every subcommand (stdlib logging levels; `run` maps -q to its --quiet)."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "-v", "--verbose", action="count", default=0, help="more log lines on stderr (-vv: debug)"
+    )
+    return common
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,15 +45,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog="scalelab",
         description="Run a network under one execution strategy after another, check that "
-        "they compute the same function, and explain where the time goes.",
+        "they compute the same function, and explain where the time goes. Exit codes: 0 ok, "
+        "1 check failed or run failed, 2 bad input (one line, nothing written), 3 internal error.",
     )
     parser.add_argument("--version", action="version", version=f"scalelab {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
     sub.required = True
+    common = verbosity_options()
     for name in COMMANDS:
         cmd = COMMANDS.get(name)
-        p = sub.add_parser(name, help=COMMANDS.describe(name), description=COMMANDS.describe(name))
+        p = sub.add_parser(
+            name,
+            help=COMMANDS.describe(name),
+            description=COMMANDS.describe(name),
+            parents=[common],
+        )
         cmd.add_arguments(p)
+        if not any("--quiet" in a.option_strings for a in p._actions):
+            p.add_argument("-q", "--quiet", action="store_true", default=None, help="warnings only")
         p.set_defaults(handler=cmd.run)
     return parser
 
@@ -49,27 +76,76 @@ def watch_for_hangs() -> None:
         faulthandler.dump_traceback_later(float(after), repeat=True, file=sys.stderr)
 
 
+def setup_logging(args: argparse.Namespace) -> None:
+    """Progress and notes are INFO on stderr; -q keeps warnings, -v adds debug lines."""
+    level = logging.INFO
+    if getattr(args, "quiet", None):
+        level = logging.WARNING
+    elif getattr(args, "verbose", 0):
+        level = logging.DEBUG
+    log.setLevel(level)
+    log.propagate = False
+    for handler in list(log.handlers):
+        log.removeHandler(handler)
+    handler = logging.StreamHandler(sys.stderr)  # the current stderr (tests capture it)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    log.addHandler(handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     watch_for_hangs()
     args = build_parser().parse_args(argv)
     args.argv = list(argv)  # a launcher re-runs exactly this command line on every rank
+    setup_logging(args)
+    job_report.start_beacon()  # a rank of a job scalelab launched: report phases
     try:
         return args.handler(args)
     except UsageError as exc:
-        sys.stderr.write(f"scalelab {args.command}: error: {exc}\n")
-        return exc.exit_code
+        return _one_line(args, "error", exc, exc.exit_code)
     except CheckFailed as exc:
-        sys.stderr.write(f"scalelab {args.command}: check failed: {exc}\n")
-        return exc.exit_code
+        return _one_line(args, "check failed", exc, exc.exit_code)
+    except BrokenPipeError:
+        return _reader_gone()
     except KeyboardInterrupt:
         sys.stderr.write("scalelab: interrupted\n")
         return 130
     except Exception as exc:
-        if os.environ.get("SCALELAB_DEBUG"):
-            raise
-        sys.stderr.write(
-            f"scalelab {args.command}: internal error: {type(exc).__name__}: {exc} "
-            "(set SCALELAB_DEBUG=1 for the traceback)\n"
-        )
-        return 1
+        return _failure(args, exc)
+
+
+def _one_line(args: argparse.Namespace, kind: str, exc: BaseException | str, code: int) -> int:
+    """The contract's one line; a rank of a job scalelab launched hands it to the launching
+    process instead, which prints the first rank's line once."""
+    text = " ".join(str(exc).split("\n"))
+    line = f"scalelab {args.command}: {kind}: {text}"
+    if not job_report.report(line, code):
+        sys.stderr.write(line + "\n")
+    return code
+
+
+def _reader_gone() -> int:
+    """`scalelab layers vgg16 | head -2`: the reader left; end quietly, as `cat` would.
+    stdout goes to /dev/null so the interpreter's final flush cannot fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    return EXIT_OK
+
+
+def _failure(args: argparse.Namespace, exc: Exception) -> int:
+    """Exceptions no layer turned into a UsageError: a failed run (1) when the failure is
+    the run's own (out of memory, a failed run), else a bug (3)."""
+    if os.environ.get("SCALELAB_DEBUG"):
+        raise exc
+    code = getattr(exc, "exit_code", None)
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+        return _one_line(args, "failed", f"out of memory: {exc}", EXIT_FAILED)
+    if code == EXIT_FAILED:
+        return _one_line(args, "failed", exc, EXIT_FAILED)
+    if isinstance(exc, UnicodeDecodeError):  # a user's file: only readers decode bytes
+        return _one_line(args, "error", f"a file is not UTF-8 text ({exc.reason})", EXIT_USAGE)
+    text = f"{type(exc).__name__}: {exc} (a bug: please report it; SCALELAB_DEBUG=1: traceback)"
+    return _one_line(args, "internal error", text, EXIT_INTERNAL)

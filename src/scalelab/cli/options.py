@@ -18,6 +18,17 @@ from typing import Any
 from scalelab.config import RunConfig
 
 SKIP = {"workload", "extra"}
+# Fields only a real run reads (records, checkpoints, instrumentation, data): commands that
+# plan, predict or list do not show them in --help.
+RUN_ONLY = frozenset(
+    {"check", "weights", "save_weights", "ckpt_every", "ckpt_dir", "resume", "compare_devices",
+     "trace", "nvml", "per_layer", "workers", "oversubscribe_gpus", "data_dir", "iters",
+     "warmup", "train_size", "heldout_size", "epochs", "steps"}
+)  # fmt: skip
+# What sizes a model: the analytic layer table reads only these.
+SHAPE = frozenset(
+    {"batch", "dtype", "image_size", "num_classes", "hidden", "convs", "fcs", "swap_relu_pool"}
+)
 
 
 def _base_type(hint: Any) -> type:
@@ -39,17 +50,22 @@ def _value_or_list(kind: type) -> Callable[[str], Any]:
 
 
 def add_config_options(
-    parser: argparse.ArgumentParser, skip: set[str] = frozenset(), lists: bool = False
+    parser: argparse.ArgumentParser,
+    skip: set[str] = frozenset(),
+    lists: bool = False,
+    only: set[str] | None = None,
 ) -> None:
+    """A flag per RunConfig field; only: just these (help shows what the command reads)."""
     hints = typing.get_type_hints(RunConfig)
     for f in dataclasses.fields(RunConfig):
-        if f.name in SKIP or f.name in skip:
+        if f.name in SKIP or f.name in skip or (only is not None and f.name not in only):
             continue
         flag = "--" + f.name.replace("_", "-")
         kind = _base_type(hints[f.name])
         help_text = f.metadata.get("help", "")
         if kind is bool:
-            parser.add_argument(flag, action="store_true", default=None, help=help_text)
+            flags = ("-q", flag) if f.name == "quiet" else (flag,)
+            parser.add_argument(*flags, action="store_true", default=None, help=help_text)
         else:
             numeric = lists and kind in (int, float)
             parser.add_argument(

@@ -90,6 +90,7 @@ from scalelab.instrument.comm_bench import fit_alpha_beta  # noqa: F401  (part o
 from scalelab.instrument.peaks import datasheet_peak
 from scalelab.instrument.progress import Progress
 from scalelab.instrument.timer import PhaseTimer, device_sync, timed_iterations
+from scalelab.record_schema import ceilings_problem
 
 SCHEMA = "scalelab.ceilings/1"
 DEFAULT_PATH = Path("scalelab-results") / "ceilings.json"
@@ -382,6 +383,9 @@ def read_ceilings(path: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
         found = data.get("schema") if isinstance(data, dict) else type(data).__name__
         raise UsageError(f"{path}: not a ceilings file (schema {found!r}, expected {SCHEMA!r})")
+    wrong = ceilings_problem(data)
+    if wrong is not None:
+        raise UsageError(f"{path}: malformed ceilings file: {wrong}")
     return data
 
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
+
+log = logging.getLogger("scalelab.progress")
 
 
 class Progress:
@@ -18,7 +21,7 @@ class Progress:
         self._last = 0.0
 
     def update(self, done: int, **fields: float) -> None:
-        if not (self.enabled and self.tty):
+        if not (self.enabled and self.tty and log.isEnabledFor(logging.INFO)):
             return
         now = time.perf_counter()
         if now - self._last < 0.2 and done < self.total:
@@ -29,7 +32,7 @@ class Progress:
 
     def milestone(self, done: int, **fields: float) -> None:
         """Always printed (e.g. once per epoch), so logs of non-interactive runs show progress."""
-        if not self.enabled:
+        if not (self.enabled and log.isEnabledFor(logging.INFO)):  # -q: warnings only
             return
         line = self._line(done, fields)
         sys.stderr.write(f"\r{line}\033[K\n" if self.tty else f"{line}\n")

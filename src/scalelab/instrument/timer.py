@@ -35,6 +35,7 @@ class InstrumentHub:
     """
 
     labels: bool = False
+    beacon: Callable[[str], None] | None = None  # a launched rank's "now in phase X" report
     intervals: list[tuple[str, float, float]] | None = None
     step_hooks: list[Callable[[], None]] = field(default_factory=list)
 
@@ -117,6 +118,8 @@ class PhaseTimer:
             yield
             return
         path = "/".join([*self._stack, name])
+        if HUB.beacon is not None:
+            HUB.beacon(path)
         self.sync()
         if self.nvtx:
             torch.cuda.nvtx.range_push(path)

@@ -102,10 +102,51 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     return state
 
 
+# key -> (kind, required sub-keys): the contents a resume reads, checked before it reads them.
+CONTENTS = {
+    "workload": (str, ()),
+    "strategy": (str, ()),
+    "world_size": (int, ()),
+    "schedule": (dict, ("seed", "n_train", "global_batch")),
+    "model": (dict, ()),
+    "optimizer": (dict, ("state", "param_groups")),
+    "scaler": (dict, ()),
+    "position": (dict, ("epoch", "step", "steps", "items")),
+    "epoch_loss_sums": (list, ()),
+    "epoch_loss_total": (float, ()),
+    "history": (dict, ("loss", "accuracy")),
+    "rng": (torch.Tensor, ()),
+}
+
+
+def _shape_problem(state: dict[str, Any]) -> str | None:
+    for key, (kind, inner) in CONTENTS.items():
+        value = state.get(key)
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            continue
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            return f"{key!r} is {type(value).__name__}, expected {kind.__name__}"
+        missing = [k for k in inner if k not in value]
+        if missing:
+            return f"{key!r} lacks {missing[0]!r}"
+    if not all(isinstance(v, torch.Tensor) for v in state["model"].values()):
+        return "'model' holds values that are not tensors"
+    ints = [state["position"][k] for k in ("epoch", "step", "steps", "items")]
+    ints += [state["schedule"][k] for k in ("seed", "n_train", "global_batch")]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ints):
+        return "position and schedule must hold non-negative integers"
+    return None
+
+
 def check_model(state: dict[str, Any], cfg: RunConfig) -> None:
     """Same workload and the same tensor shapes as the model this run builds."""
     from scalelab.workloads import WORKLOADS
 
+    wrong = _shape_problem(state)
+    if wrong is not None:
+        raise UsageError(
+            f"--resume {cfg.resume}: a scalelab checkpoint with wrong contents: {wrong}"
+        )
     if state["workload"] != cfg.workload:
         raise UsageError(
             f"--resume {cfg.resume}: the checkpoint trains {state['workload']}, "

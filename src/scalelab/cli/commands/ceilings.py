@@ -57,7 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     coll.add_arguments(p)
     p.add_argument("--peaks", action="store_true", help="print the datasheet peaks and exit")
-    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     p.add_argument("--comm-result", help=argparse.SUPPRESS)  # set by the relaunch, per rank
 
 

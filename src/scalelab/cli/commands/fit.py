@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import logging
 import os
 import re
 import sys
@@ -27,7 +28,7 @@ import torch
 
 from scalelab import environment
 from scalelab.cli.base import COMMANDS, Command
-from scalelab.cli.options import SKIP, add_config_options, config_from_args
+from scalelab.cli.options import RUN_ONLY, SKIP, add_config_options, config_from_args
 from scalelab.comm.base import even_counts
 from scalelab.comm.launch import relaunch
 from scalelab.config import RunConfig
@@ -38,6 +39,8 @@ from scalelab.record import append_record, new_record
 from scalelab.strategies import partition as part
 from scalelab.strategies.torch_base import resolve_device
 from scalelab.workloads import WORKLOADS
+
+log = logging.getLogger("scalelab.fit")
 
 UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -54,13 +57,31 @@ def parse_size(text: str | None) -> float | None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("workload", help="workload name (scalelab list)")
-    add_config_options(p)
+    # What a try reads: the model's shape and one training step (run-only fields hidden,
+    # iters/warmup kept: a try times warm-up + iters steps).
+    add_config_options(p, skip=(RUN_ONLY - {"iters", "warmup", "steps"}) | {"ranks", "split"})
     p.add_argument("--find", choices=("stack", "batch", "stages"), default=None)
-    p.add_argument("--mem-limit", default=None, help="bytes per device, e.g. 10.91GiB")
+    p.add_argument(
+        "--mem-limit",
+        default=None,
+        help="bytes per device, e.g. 10.91GiB (default: the GPU's memory; on CPU the memory "
+        "available now)",
+    )
     p.add_argument("--most", type=int, default=None, help="largest size to try")
     p.add_argument("--max-stages", type=int, default=8, help="--find stages: most stages")
     p.add_argument("--run", action="store_true", help="--find stages: train the proposal")
     p.add_argument("--out", default=None, help="append a fit record to this results file")
+
+
+def available_memory() -> int:
+    """Bytes of memory available to a new allocation now (Linux MemAvailable; else free pages)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -72,13 +93,16 @@ def run(args: argparse.Namespace) -> int:
     device = resolve_device(cfg.device)
     limit = parse_size(args.mem_limit)
     if device.type == "cpu" and limit is None:
-        raise UsageError(
-            "fit on cpu needs --mem-limit: a CPU has no allocator to run out of, so each try's "
-            "estimated bytes are charged against the limit"
+        # A CPU has no allocator to run out of: each try's estimated bytes are charged
+        # against the memory this machine has available now.
+        limit = available_memory()
+        log.info(
+            f"fit: no --mem-limit: charging estimates against this machine's available memory "
+            f"({limit / 2**30:.2f} GiB), without running the tries (seconds: nan)"
         )
     trial = DeviceTrial(device, limit)
-    if device.type == "cpu":
-        trial = EstimatedLimit(limit, trial)
+    if device.type == "cpu":  # from the machine: a try at many GiB would run for hours
+        trial = EstimatedLimit(limit, trial if args.mem_limit is not None else None)
     search = Search(trial, cfg, report=_progress(cfg.quiet))
     answer = FINDERS[find](search, cfg, args, device, limit)
     print(format_table(search.points, find))

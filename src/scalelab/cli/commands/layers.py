@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 
 from scalelab.cli.base import COMMANDS, Command
-from scalelab.cli.options import add_config_options, config_from_args
+from scalelab.cli.options import SHAPE, add_config_options, config_from_args
 from scalelab.precision import get_precision
 from scalelab.workloads import WORKLOADS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("workload", help="workload name (scalelab list)")
-    add_config_options(p)
+    add_config_options(p, only=SHAPE)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -13,8 +13,9 @@ import math
 from pathlib import Path
 
 from scalelab.cli.base import COMMANDS, Command
-from scalelab.cli.options import add_config_options, config_from_args
+from scalelab.cli.options import RUN_ONLY, add_config_options, config_from_args
 from scalelab.errors import UsageError
+from scalelab.outputs import check_dir
 
 GPU_FIRST = {"ddp", "mpi-gpu", "nccl", "pipeline"}  # --device defaults to cuda for these
 TRAINING = {"ddp", "mpi-dp", "tensor"}  # these strategies only train
@@ -62,10 +63,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument("-o", "--out", default=None, help="folder for predict.csv/.json and the plot")
     p.add_argument("--no-plots", action="store_true", help="table and files only")
-    add_config_options(p, skip={"ranks"})
+    add_config_options(p, skip={"ranks", "quiet"} | RUN_ONLY)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.out is not None:
+        check_dir(args.out, "-o")  # before any work
     from scalelab.analysis import require
 
     require("pandas", "scalelab predict")

@@ -7,11 +7,17 @@ import argparse
 from scalelab.analysis import load_for_roofline
 from scalelab.cli.base import COMMANDS, Command
 from scalelab.errors import UsageError
+from scalelab.outputs import check_dir
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("results", help="results file (.jsonl) or folder of them")
-    p.add_argument("-o", "--out-dir", default="report", help="output folder (default: report/)")
+    p.add_argument(
+        "-o",
+        "--out-dir",
+        default="scalelab-results/report",
+        help="output folder (default: scalelab-results/report/)",
+    )
     p.add_argument(
         "--ceilings", default=None, help="ceilings.json (default: one beside the results)"
     )
@@ -25,6 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_dir(args.out_dir, "-o")  # before any work: a bad folder fails first
     records, ceilings = load_for_roofline(args.results, args.ceilings, not args.no_plots)
     from scalelab.analysis.report import write_report
 

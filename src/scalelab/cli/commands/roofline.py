@@ -9,6 +9,7 @@ from pathlib import Path
 from scalelab.analysis import load_for_roofline
 from scalelab.cli.base import COMMANDS, Command
 from scalelab.errors import UsageError
+from scalelab.outputs import check_dir
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,11 +32,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="ID",
         help="per-layer points of this run only (default: every --per-layer run)",
     )
-    p.add_argument("-o", "--out-dir", default="roofline", help="folder for CSVs and plots")
+    p.add_argument(
+        "-o",
+        "--out-dir",
+        default="scalelab-results/roofline",
+        help="folder for CSVs and plots",
+    )
     p.add_argument("--no-plots", action="store_true", help="tables and CSVs only")
 
 
 def run(args: argparse.Namespace) -> int:
+    check_dir(args.out_dir, "-o")  # before any work: a bad folder fails first
     records, ceilings = load_for_roofline(args.results, args.ceilings, not args.no_plots)
     from scalelab.analysis import roofline, system_roofline
 

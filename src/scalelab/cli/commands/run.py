@@ -9,16 +9,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 from scalelab.cli.base import COMMANDS, Command
 from scalelab.cli.options import add_config_options, config_from_args, expand_lists, flag_of
-from scalelab.comm.launch import inside_launcher, relaunch, settle_config, torchrun_command
+from scalelab.comm.job_report import JobOutcome, run_job
+from scalelab.comm.launch import (
+    inside_launcher,
+    relaunch_job,
+    settle_config,
+    torchrun_command,
+)
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
+from scalelab.outputs import check_run_outputs
 from scalelab.record import DEFAULT_RESULTS, append_record, failed_record
 from scalelab.runner import execute, format_summary
 from scalelab.strategies import STRATEGIES
@@ -42,7 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--json",
         action="store_true",
-        help="print the record as one line of JSON, the last line printed",
+        help="stdout is exactly one JSON document: the record (a list of them for comma-list "
+        "runs); the human summary goes to stderr",
     )
     rdzv = p.add_argument_group("torchrun (ddp) across nodes; run the same command on each node")
     rdzv.add_argument("--nnodes", type=int, default=1, help="nodes (--ranks counts all ranks)")
@@ -54,16 +61,49 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     combos = expand_lists(args)
     if len(combos) == 1:
-        return run_one(args)
+        code, record = run_one(args)
+        if args.json and record is not None:
+            print(json.dumps(record))
+        return code
     runs = [single_run(args, combo) for combo in combos]
     for one in runs:  # bad values fail before anything runs
         config_from_args(one, workload=one.workload)
-    codes = []
+    rows = []
     for i, (one, combo) in enumerate(zip(runs, combos), 1):
         label = " ".join(f"{flag_of(k)} {v}" for k, v in combo.items())
-        print(f"[{i}/{len(runs)}] {label}", file=sys.stderr, flush=True)
-        codes.append(run_one(one))
-    return max(codes)
+        print(f"[{i}/{len(runs)}] {label}", file=_human(args), flush=True)
+        code, record = run_one(one)
+        rows.append((label, code, record))
+    print(comparison_table(rows), file=_human(args), flush=True)
+    if args.json:
+        print(json.dumps([r for _, _, r in rows if r is not None]))
+    return max(code for _, code, _ in rows)
+
+
+def _human(args: argparse.Namespace):
+    """Where the human summary goes: stderr under --json, so stdout is one JSON document."""
+    return sys.stderr if getattr(args, "json", False) else sys.stdout
+
+
+def comparison_table(rows: list[tuple[str, int, dict[str, Any] | None]]) -> str:
+    """One line per run of a comma-list command, labelled by the values that differ."""
+    width = max(len(label) for label, _, _ in rows)
+    lines = [f"{'run':<{width}}  status        wall s   throughput   result"]
+    for label, code, rec in rows:
+        if rec is None:
+            lines.append(f"{label:<{width}}  exit {code}")
+            continue
+        status = "check failed" if rec.get("check_passed") is False else rec.get("status", "?")
+        result = ""
+        if rec.get("accuracy"):
+            result = f"loss {rec['loss'][-1]:.4f} acc {rec['accuracy'][-1]:.4f}"
+        elif "relerr" in rec:
+            result = f"relerr {rec['relerr']:.2e}"
+        lines.append(
+            f"{label:<{width}}  {status:<12} {rec.get('wall_s', float('nan')):8.3f} "
+            f"{rec.get('throughput', float('nan')):12.1f}   {result}"
+        )
+    return "\n".join(lines)
 
 
 def single_run(args: argparse.Namespace, combo: dict[str, Any]) -> argparse.Namespace:
@@ -90,35 +130,55 @@ def substitute(argv: list[str], flag: str, value: Any) -> list[str]:
     raise UsageError(f"spell out {flag} in full to give it a list of values")
 
 
-def run_one(args: argparse.Namespace) -> int:
+def run_one(args: argparse.Namespace) -> tuple[int, dict[str, Any] | None]:
+    """(exit code, the record this process printed or None: launched jobs print their own)."""
     cfg = config_from_args(args, workload=args.workload, **_defaults(args))
     strategy = STRATEGIES.get(cfg.strategy)
     cfg = settle_config(cfg, strategy.launcher)
     preflight(strategy, cfg)
+    check_run_outputs(cfg, None if args.no_record else Path(args.out))
     if cfg.compare_devices:
         return _compare_devices(cfg, args)
     launcher = _launcher(strategy, cfg)
     if launcher is not None and cfg.ranks > 1 and not inside_launcher(launcher):
         results = None if args.no_record else Path(args.out)
         before = _lines(results)
-        code = launch(launcher, cfg, args)
+        if results is not None and args.json:  # this process prints the record it reads back
+            args = argparse.Namespace(**{**vars(args), "argv": _without(args.argv, "--json")})
+        outcome = launch(launcher, cfg, args)
+        code = outcome.code
         if code not in (0, 2) and results is not None and _lines(results) == before:
-            _record_lost_job(cfg, results, launcher, code)
-        return code
+            _record_lost_job(cfg, results, outcome.message or f"{launcher} failed")
+        return code, _last_new_record(results, before)
     try:
         report = execute(cfg, None if args.no_record else Path(args.out))
     except TrainingDiverged as exc:
         sys.stderr.write(f"scalelab run: error: {exc}\n")
-        return exc.exit_code
+        return exc.exit_code, None
     if report.record is None:  # not the root rank
-        return report.exit_code
-    print(format_summary(report.record))
+        return report.exit_code, None
+    print(format_summary(report.record), file=_human(args))
     if not args.no_record:
-        print(f"  record appended to {args.out}")
-    if args.json:
-        sys.stdout.flush()
-        print(json.dumps(report.record))
-    return report.exit_code
+        print(f"  record appended to {args.out}", file=_human(args))
+    sys.stdout.flush()
+    return report.exit_code, report.record
+
+
+def _without(argv: list[str], flag: str) -> list[str]:
+    return [a for a in argv if a != flag]
+
+
+def _last_new_record(results: Path | None, before: int) -> dict[str, Any] | None:
+    """The record a launched job appended (None: it wrote none, or records are off)."""
+    if results is None or not results.exists():
+        return None
+    lines = results.read_bytes().splitlines()[before:]
+    for line in reversed(lines):
+        try:
+            return json.loads(line)
+        except ValueError:
+            continue
+    return None
 
 
 def _lines(path: Path | None) -> int:
@@ -131,14 +191,10 @@ def _launcher(strategy: type, cfg: RunConfig) -> str | None:
     return pick(cfg) if pick is not None else strategy.launcher
 
 
-def _record_lost_job(cfg: RunConfig, results: Path, launcher: str, code: int) -> None:
+def _record_lost_job(cfg: RunConfig, results: Path, error: str) -> None:
     """A launched job failed and no rank wrote a record (a rank died or was killed, taking
-    the root with it): the launching process records the failure."""
-    error = (
-        f"{launcher} exited with code {code}: a rank died or was killed before the root "
-        "could record the run"
-    )
-    append_record(results, failed_record(cfg, error))
+    the root with it): the launching process records the failure, in the line it printed."""
+    append_record(results, failed_record(cfg, error.removeprefix("scalelab: ")))
 
 
 def _defaults(args: argparse.Namespace) -> dict[str, Any]:
@@ -157,9 +213,9 @@ def preflight(strategy: type, cfg: RunConfig) -> None:
         checkpoint.preflight(cfg, cfg.ranks, global_batch)
 
 
-def launch(launcher: str, cfg: RunConfig, args: argparse.Namespace) -> int:
+def launch(launcher: str, cfg: RunConfig, args: argparse.Namespace) -> JobOutcome:
     if launcher != "torchrun" or (args.nnodes == 1 and args.rdzv_endpoint is None):
-        return relaunch(launcher, cfg.ranks, args.argv)
+        return relaunch_job(launcher, cfg.ranks, args.argv)
     if args.rdzv_endpoint is None or cfg.ranks % args.nnodes:
         raise UsageError(
             f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT and --ranks (all ranks, "
@@ -174,21 +230,18 @@ def launch(launcher: str, cfg: RunConfig, args: argparse.Namespace) -> int:
     ]
     env = {**os.environ, "SCALELAB_LAUNCHED": "1"}
     env.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (shared hosts)
-    return subprocess.call([*cmd, "-m", "scalelab", *args.argv], env=env)
+    return run_job([*cmd, "-m", "scalelab", *args.argv], env, launcher)
 
 
-def _compare_devices(cfg: RunConfig, args: argparse.Namespace) -> int:
+def _compare_devices(cfg: RunConfig, args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
     from scalelab.train.compare_devices import compare_devices
 
     report = compare_devices(cfg)
-    print(report.table())
+    print(report.table(), file=_human(args))
     if not args.no_record:
         append_record(args.out, report.record)
-        print(f"  record appended to {args.out}")
-    if args.json:
-        sys.stdout.flush()
-        print(json.dumps(report.record))
-    return 0
+        print(f"  record appended to {args.out}", file=_human(args))
+    return 0, report.record
 
 
 COMMANDS.register("run", "run one workload under one strategy and append a record")(

@@ -8,6 +8,7 @@ from pathlib import Path
 from scalelab.analysis import load_records, require, require_plotting
 from scalelab.cli.base import COMMANDS, Command
 from scalelab.errors import UsageError
+from scalelab.outputs import check_dir
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -19,11 +20,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="force strong (fixed global batch) or weak (fixed batch per rank) scaling; "
         "default: read off the sweep",
     )
-    p.add_argument("-o", "--out-dir", default="scaling", help="folder for CSV and plots")
+    p.add_argument(
+        "-o", "--out-dir", default="scalelab-results/scaling", help="folder for CSV and plots"
+    )
     p.add_argument("--no-plots", action="store_true", help="table and CSV only")
 
 
 def run(args: argparse.Namespace) -> int:
+    check_dir(args.out_dir, "-o")  # before any work: a bad folder fails first
     require("pandas", "the analysis")
     if not args.no_plots:
         require_plotting()

@@ -10,6 +10,7 @@ from scalelab.analysis.slurm import SlurmOptions
 from scalelab.analysis.slurm_scripts import write_scripts
 from scalelab.analysis.sweep import load_study
 from scalelab.cli.base import COMMANDS, Command
+from scalelab.outputs import check_dir
 
 SBATCH_PASSTHROUGH = {
     "--mem": "memory per node, e.g. 64G",
@@ -77,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         workdir=Path.cwd(),
         **passthrough,
     )
-    out_dir = Path(args.out_dir or f"slurm-{study.name}")
+    out_dir = check_dir(args.out_dir or Path("scalelab-results") / f"slurm-{study.name}", "-o")
     scripts = write_scripts(study, opts, out_dir, args.array)
     print(
         f"wrote {len(scripts)} job script(s), report.sbatch and submit_all.sh in {out_dir}: "

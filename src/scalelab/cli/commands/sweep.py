@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
+import math
 import shlex
+import shutil
 import sys
+from pathlib import Path
 
-from scalelab.analysis.sweep import command, done_keys, load_study, points, run_study
+from scalelab.analysis.sweep import done_keys, load_study, points, run_study
 from scalelab.cli.base import COMMANDS, Command
+from scalelab.errors import UsageError
+from scalelab.outputs import check_file
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,12 +26,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="rerun points already in the results")
     p.add_argument("--dry-run", action="store_true", help="list the points and run nothing")
     p.add_argument("--timeout", type=float, default=None, help="seconds per point (kill after)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a study field (TOML value; a list sets that grid axis), e.g. "
+        "--set data_dir=../shared/data/mnist --set ranks=[1,2]; repeatable",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    study = load_study(args.study, args.out)
+    study = load_study(args.study, args.out, args.set)
     if args.timeout is not None:
+        if not (math.isfinite(args.timeout) and args.timeout > 0):
+            raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout}")
         study = dataclasses.replace(study, timeout_s=args.timeout)
+    if not args.dry_run:
+        check_file(study.results, "results")
     if args.dry_run:
         return dry_run(study, args.force)
     print(f"study {study.name}: {len(points(study))} points -> {study.results}", flush=True)
@@ -41,14 +57,23 @@ def run(args: argparse.Namespace) -> int:
     return 1 if failed or counts["check failed"] else 0
 
 
+def scalelab_executable() -> str:
+    """What runs as printed: `scalelab` when that is the one on PATH, else its full path
+    beside this Python (a venv not activated)."""
+    beside = Path(sys.executable).parent / "scalelab"
+    on_path = shutil.which("scalelab")
+    if on_path and (not beside.exists() or Path(on_path).resolve() == beside.resolve()):
+        return "scalelab"
+    return str(beside) if beside.exists() else f"{sys.executable} -m scalelab"
+
+
 def dry_run(study, force: bool) -> int:
     done = set() if force else done_keys(study.results)
     pts = points(study)
     print(f"study {study.name}: {len(pts)} points -> {study.results} (dry run)")
     for p in pts:
         state = "done" if p.match_key() in done else "todo"
-        cmd, _ = command(p, study.results)
-        cmd = [os.path.basename(c) if c == sys.executable else c for c in cmd]
+        cmd = [scalelab_executable(), *p.argv(), "--out", str(study.results)]
         print(f"[{p.index}/{len(pts)}] {state}  {shlex.join(cmd)}")
     return 0
 

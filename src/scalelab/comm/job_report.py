@@ -1,0 +1,237 @@
+"""What a launched job's ranks tell the process that launched them, and what it tells you.
+
+The launching process (`scalelab run --ranks N`) gives the job a folder (SCALELAB_JOB_DIR).
+Each rank keeps a small status file there: its pid, host and the phase it is in (one write
+into a memory-mapped page per phase: it survives the rank's death and costs no syscall). A
+rank that refuses the configuration, or fails, writes its one line there instead of printing
+it. When the launcher ends badly, the launching process prints exactly one line: the first
+rank's refusal (exit 2), a rank's failure (its code), or the rank that died, on which host, of
+which signal, in which phase (`scalelab: rank 1 on HOST died (signal 9) during halo; job
+aborted after 0.8 s`). The launchers' own banners (torchrun's ChildFailedError traceback,
+MPICH's BAD TERMINATION box, MPI_Abort lines) are read for the facts and not forwarded.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+JOB_DIR_VAR = "SCALELAB_JOB_DIR"
+RANK_VARS = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
+STATUS_BYTES = 256
+_beacon: mmap.mmap | None = None
+
+
+# --- the rank's side -----------------------------------------------------------------------
+def this_rank() -> int:
+    return next((int(os.environ[v]) for v in RANK_VARS if os.environ.get(v, "").isdigit()), 0)
+
+
+def start_beacon() -> None:
+    """Inside a job scalelab launched: open this rank's status page and report each phase."""
+    global _beacon
+    folder = os.environ.get(JOB_DIR_VAR)
+    if not folder or _beacon is not None or not Path(folder).is_dir():
+        return
+    path = Path(folder) / f"rank{this_rank()}.status"
+    with open(path, "wb") as f:
+        f.write(b" " * STATUS_BYTES)
+    with open(path, "r+b") as f:
+        _beacon = mmap.mmap(f.fileno(), STATUS_BYTES)
+    beacon("setup")
+    from scalelab.instrument.timer import HUB
+
+    HUB.beacon = beacon
+
+
+def beacon(phase: str) -> None:
+    if _beacon is None:
+        return
+    line = f"{os.getpid()} {socket.gethostname()} {time.time():.3f} {phase}".encode()
+    _beacon[:STATUS_BYTES] = line[:STATUS_BYTES].ljust(STATUS_BYTES)
+
+
+def report(line: str, code: int) -> bool:
+    """A rank's one line for the user, handed to the launching process (True) when there is
+    one; the caller prints it itself otherwise."""
+    folder = os.environ.get(JOB_DIR_VAR)
+    if not folder or not Path(folder).is_dir():
+        return False
+    tmp = Path(folder) / f".note{this_rank()}.{os.getpid()}"
+    tmp.write_text(f"{code}\n{line}")
+    os.replace(tmp, Path(folder) / f"note.rank{this_rank()}")
+    return True
+
+
+# --- the launching side --------------------------------------------------------------------
+NOISE = [
+    re.compile(p)
+    for p in (
+        r"^[IWEDF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ ",  # torch's glog-style lines
+        r"^\*{10,}\s*$",
+        r"^Setting OMP_NUM_THREADS environment variable",
+        r"^=+\s*$",
+        r"^=   ",  # MPICH's BAD TERMINATION box
+        r"^YOUR APPLICATION TERMINATED WITH THE EXIT STRING",
+        r"^This typically refers to a problem with your application",
+        r"^Please see the FAQ page for debugging suggestions",
+        r"^Abort\(\d+\) on node \d+",
+        r"application called MPI_Abort",
+        r"^\[(proxy|mpiexec)[:@]",
+        r"^\[unset\]:",
+        r"^(prterun|mpirun|mpiexec|[a-z]+run) noticed that process rank",
+        r"^-{40,}\s*$",
+    )
+]
+TORCH_FAILURE = re.compile(r"^Traceback \(most recent call last\):|ChildFailedError")
+
+
+@dataclass
+class JobOutcome:
+    code: int
+    message: str | None = None  # the one line printed for a failed job
+    captured: list[str] = field(default_factory=list)  # the launcher's lines kept back
+
+
+def run_job(cmd: list[str], env: dict[str, str], launcher: str) -> JobOutcome:
+    """Run the launcher command with a job folder; forward the ranks' output, keep back the
+    launcher's own, and turn a failure into one line."""
+    folder = tempfile.mkdtemp(prefix="scalelab-job-")
+    env = {**env, JOB_DIR_VAR: folder}
+    try:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        captured: list[str] = []
+        pumps = [
+            threading.Thread(target=_pump, args=(proc.stdout, sys.stdout, captured)),
+            threading.Thread(target=_pump, args=(proc.stderr, sys.stderr, captured)),
+        ]
+        for t in pumps:
+            t.start()
+        code = proc.wait()
+        for t in pumps:
+            t.join()
+        ended = time.time()
+        if code == 0:
+            return JobOutcome(0)
+        outcome = explain(Path(folder), captured, code, ended, launcher)
+        sys.stderr.write(outcome.message + "\n")
+        sys.stderr.flush()
+        return outcome
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _pump(source, sink, captured: list[str]) -> None:
+    """Forward lines; launcher lines (and everything after torchrun's failure traceback
+    starts) are kept back in captured. Blank lines wait for the next forwarded line, so a
+    banner's blank frame is kept back with it."""
+    swallowing, blanks = False, 0
+    for raw in iter(source.readline, b""):
+        line = raw.decode(errors="replace")
+        swallowing = swallowing or bool(TORCH_FAILURE.search(line) and _torch_failed(captured))
+        if swallowing or any(p.search(line) for p in NOISE):
+            captured.append(line.rstrip("\n"))
+            blanks = 0
+        elif not line.strip():
+            blanks += 1
+        else:
+            _write(sink, "\n" * blanks + line)
+            blanks = 0
+
+
+def _write(sink, text: str) -> None:
+    try:
+        sink.write(text)
+        sink.flush()
+    except (BrokenPipeError, ValueError):
+        pass
+
+
+def _torch_failed(captured: list[str]) -> bool:
+    return any("torch/distributed/elastic" in c and "failed" in c for c in captured)
+
+
+def explain(
+    folder: Path, captured: list[str], code: int, ended: float, launcher: str
+) -> JobOutcome:
+    """The one line: a rank's refusal first (exit 2: every rank refused alike), then a rank
+    killed by a signal (the others' failures follow from it), then a rank's own failure line,
+    then the rank the launcher saw exit, else the launcher's code."""
+    notes = _notes(folder)
+    refusals = [n for n in notes if n[0] == 2]
+    status = _statuses(folder)
+    dead = _dead_rank(captured, status)
+    if refusals:
+        return JobOutcome(2, refusals[0][1], captured)
+    if dead is not None and dead[2] is not None:
+        return JobOutcome(1, _dead_line(dead, status, ended), captured)
+    if notes:
+        return JobOutcome(notes[0][0], notes[0][1], captured)
+    if dead is not None:
+        return JobOutcome(1, _dead_line(dead, status, ended), captured)
+    name = "mpiexec" if launcher == "mpi" else launcher
+    return JobOutcome(1, f"scalelab: job failed: {name} exited with code {code}", captured)
+
+
+def _notes(folder: Path) -> list[tuple[int, str]]:
+    """(exit code, line) the ranks handed over, lowest rank first."""
+    out = []
+    for path in sorted(folder.glob("note.rank*"), key=lambda p: int(p.name[len("note.rank") :])):
+        first, _, line = path.read_text().partition("\n")
+        out.append((int(first), line))
+    return out
+
+
+def _dead_line(dead: tuple[int, str, int | None], status: dict, ended: float) -> str:
+    rank, host, signal = dead
+    _, st_host, beat, phase = status.get(rank, (None, host, None, "setup"))
+    after = f"; job aborted after {max(0.0, ended - beat):.1f} s" if beat else ""
+    how = f"died (signal {signal})" if signal else "exited"
+    return f"scalelab: rank {rank} on {host or st_host} {how} during {phase}{after}"
+
+
+def _statuses(folder: Path) -> dict[int, tuple[int, str, float, str]]:
+    """rank -> (pid, host, time of the last phase change, phase)."""
+    out = {}
+    for path in folder.glob("rank*.status"):
+        parts = path.read_bytes().decode(errors="replace").split(None, 3)
+        if len(parts) == 4:
+            out[int(path.name[4:-7])] = (int(parts[0]), parts[1], float(parts[2]), parts[3].strip())
+    return out
+
+
+def _dead_rank(captured: list[str], status: dict) -> tuple[int, str, int | None] | None:
+    """(rank, host, signal) of the rank whose death ended the job, from the launcher's text."""
+    text = "\n".join(captured)
+    # torchrun: the "Root Cause (first observed failure)" entry.
+    root = text.split("Root Cause", 1)[1] if "Root Cause" in text else ""
+    rank, host, code = (
+        re.search(p, root)
+        for p in (r"rank\s*:\s*(\d+)", r"host\s*:\s*(\S+)", r"exitcode\s*:\s*(-?\d+)")
+    )
+    if rank and code:
+        c = int(code.group(1))
+        return int(rank.group(1)), host.group(1) if host else "?", -c if c < 0 else None
+    # Open MPI: "... noticed that process rank 1 with PID 0 on node X exited on signal 9"
+    m = re.search(r"process rank (\d+) with PID \d+ on node (\S+) exited on signal (\d+)", text)
+    if m:
+        return int(m.group(1)), m.group(2), int(m.group(3))
+    # MPICH: "PID 123 RUNNING AT host" and, when killed, "EXIT STRING: Killed (signal 9)".
+    pid = re.search(r"PID (\d+) RUNNING AT (\S+)", text)
+    if pid:
+        by_pid = {s[0]: r for r, s in status.items()}
+        rank_of = by_pid.get(int(pid.group(1)))
+        sig = re.search(r"signal (\d+)", text)  # "EXIT CODE: 9" alone may be exit(9)
+        signal = int(sig.group(1)) if sig else None
+        return (rank_of if rank_of is not None else -1), pid.group(2), signal
+    return None

@@ -1,0 +1,118 @@
+"""The launched job keeps the CLI's word: a refusal on the ranks reaches the user as that one
+line (exit 2, no launcher banner, no record), and a killed rank is named with its host, signal
+and phase, under mpiexec and under torchrun (real launchers, real SIGKILL)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from scalelab.record import read_records
+
+DEAD = re.compile(
+    r"^scalelab: rank 1 on (\S+) died \(signal 9\) during (\S+); job aborted after [\d.]+ s$"
+)
+
+
+def scalelab(*args: str, env=None, **kw) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "scalelab", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, **kw)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("alexnet", "--strategy", "pipeline", "--stages", "3", "--ranks", "2"),  # torchrun
+        ("alexnet", "--strategy", "mpi", "--split", "spatial", "--ranks", "9"),  # mpiexec
+    ],
+    ids=["torchrun", "mpiexec"],
+)
+def test_a_refusal_on_the_ranks_is_one_line_and_exit_2(tmp_path, args):
+    out = tmp_path / "runs.jsonl"
+    done = scalelab("run", *args, "--image-size", "67", "--batch", "2", "--out", str(out))
+    assert done.returncode == 2, done.stderr
+    assert done.stdout == ""
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("scalelab run: error: "), done.stderr
+    assert not out.exists()
+
+
+def _find_rank(token: str, rank: int, timeout: float) -> int:
+    """pid of the rank started with SCALELAB_TEST_TOKEN=token (our own processes only)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for entry in Path("/proc").iterdir():
+            try:
+                env = (entry / "environ").read_bytes().split(b"\0")
+            except (OSError, ValueError):
+                continue
+            if (
+                f"SCALELAB_TEST_TOKEN={token}".encode() in env
+                and any(v in env for v in (f"PMI_RANK={rank}".encode(), f"RANK={rank}".encode()))
+                and any(v.startswith(b"SCALELAB_JOB_DIR=") for v in env)
+            ):
+                return int(entry.name)
+        time.sleep(0.2)
+    raise AssertionError(f"rank {rank} never started")
+
+
+def _phase_of(pid: int, timeout: float) -> None:
+    """Wait until the rank reports a timed phase (past setup: mid-run)."""
+    deadline = time.monotonic() + timeout
+    env = dict(
+        v.split(b"=", 1)
+        for v in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        if b"=" in v
+    )
+    folder = Path(env[b"SCALELAB_JOB_DIR"].decode())
+    rank = int(env.get(b"RANK", env.get(b"PMI_RANK", b"0")))
+    while time.monotonic() < deadline:
+        status = folder / f"rank{rank}.status"
+        if status.exists() and status.read_bytes().split()[3:4] not in ([], [b"setup"]):
+            return
+        time.sleep(0.1)
+    raise AssertionError("the rank never entered a phase")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("alexnet", "--strategy", "mpi", "--split", "spatial", "--image-size", "67"),
+        ("mlp", "--strategy", "ddp", "--train", "--steps", "100000", "--hidden", "16"),
+    ],
+    ids=["mpiexec", "torchrun"],
+)
+def test_a_killed_rank_is_named_with_host_signal_and_phase(tmp_path, args):
+    token, out = uuid.uuid4().hex, tmp_path / "runs.jsonl"
+    cmd = [sys.executable, "-m", "scalelab", "run", *args, "--ranks", "2", "--batch", "4"]
+    cmd += ["--iters", "1000000", "--warmup", "0", "--quiet", "--out", str(out)]
+    env = {**os.environ, "SCALELAB_TEST_TOKEN": token}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        pid = _find_rank(token, 1, timeout=120)
+        _phase_of(pid, timeout=120)
+        os.kill(pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 1, stderr
+    assert stdout == ""  # no launcher banner on stdout
+    last = stderr.strip().splitlines()[-1]
+    match = DEAD.match(last)
+    assert match, stderr
+    assert match.group(1) in (socket.gethostname(), "localhost", socket.getfqdn())
+    assert "Traceback" not in stderr and "BAD TERMINATION" not in stderr
+    (rec,) = read_records(out)
+    assert rec["status"] == "failed"
