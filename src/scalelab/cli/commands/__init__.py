@@ -7,6 +7,7 @@ from scalelab.cli.commands import (  # noqa: F401
     env,
     fit,
     layers,
+    plan,
     listing,
     predict,
     report,
