@@ -7,7 +7,8 @@ elsewhere falls on different candidates in different rounds). A candidate's `mea
 throughput is the median over its runs. The comparison is paired within rounds, since load
 from elsewhere drifts over minutes: in each round every candidate's throughput is divided by
 the chosen one's (rank 1) in the same round, and `vs_chosen` is the median of that ratio over
-the rounds. The best measured candidate is the one with the largest `vs_chosen`, and the
+the rounds (`vs_chosen_low` its smallest: below 1 when the choice won some round). The best
+measured candidate is the one with the largest `vs_chosen`, and the
 regret is how far the choice falls short of it: 1 - 1 / max(vs_chosen) (0 when nothing beat
 the choice).
 """
@@ -93,6 +94,7 @@ def _table(chosen: pd.DataFrame, rounds: np.ndarray) -> pd.DataFrame:
             "high": np.nanmax(rounds, axis=0),
             "runs": np.isfinite(rounds).sum(axis=0),
             "vs_chosen": np.nanmedian(rounds / rounds[:, :1], axis=0),
+            "vs_chosen_low": np.nanmin(rounds / rounds[:, :1], axis=0),
         })  # fmt: skip
     table["error_pct"] = 100 * (table["predicted"] / table["measured"] - 1)
     return table
