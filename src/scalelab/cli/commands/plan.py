@@ -111,7 +111,12 @@ def run(args: argparse.Namespace) -> int:
     _print_plan(spec, ranked, figures.path)
     out.mkdir(parents=True, exist_ok=True)
     rank.shown(ranked).to_csv(out / "plan.csv", index=False)
-    summary = {"spec": _spec_dict(spec), "ceilings": figures.path, "rows": _records(ranked)}
+    summary = {
+        "schema": "scalelab.plan/1",
+        "spec": _spec_dict(spec),
+        "ceilings": figures.path,
+        "rows": _records(ranked),
+    }
     if args.verify > 0:
         summary["verify"] = _verify(spec, ranked, args, out)
     (out / "plan.json").write_text(json.dumps(summary, indent=1, default=str))

@@ -21,11 +21,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     records, ceilings = load_for_roofline(args.results, args.ceilings, not args.no_plots)
+    from scalelab.analysis.plan_report import plan_sections
     from scalelab.analysis.report import write_report
 
     path = write_report(
-        records, args.out_dir, ceilings, args.title, plots=not args.no_plots, mode=args.mode
-    )
+        records, args.out_dir, ceilings, args.title, plots=not args.no_plots, mode=args.mode,
+        extra=plan_sections(args.results),
+    )  # fmt: skip
     print(f"report: {path} ({len(records)} records)")
     return 0
 
