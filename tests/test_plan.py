@@ -236,3 +236,28 @@ def test_mlp_training_plan_on_mnist_is_proved_on_this_host(cli, tmp_path, mnist_
                     "--data-dir", str(mnist_dir), "--strategies", "mpi-dp,ddp,tensor")  # fmt: skip
     _assert_regret(summary)
     assert np.isfinite([r["measured"] for r in summary["verify"]["rows"]]).all()
+
+
+# --- output ---------------------------------------------------------------------------------
+def test_plan_writes_table_csv_json_and_a_report_section(cli, tmp_path):
+    from scalelab.analysis.plan_report import plan_sections
+
+    ceilings = tmp_path / "c.json"
+    ceilings.write_text(json.dumps(figures().data))
+    out = tmp_path / "results" / "plan"
+    code, stdout, err = cli("plan", "alexnet", "--ranks-max", "2", "--batch", "8",
+                            "--image-size", "67", "--ceilings", ceilings, "-o", out)  # fmt: skip
+    assert code == 0, err
+    assert "uncalibrated roofline bound" in stdout  # nothing measured: every row a bound
+    csv = pd.read_csv(out / "plan.csv")
+    summary = json.loads((out / "plan.json").read_text())
+    assert [r["candidate"] for r in summary["rows"]] == list(csv["candidate"])
+    assert csv.loc[0, "candidate"] in stdout
+    summary["verify"] = {"chosen": csv.loc[0, "candidate"], "best": "x", "regret": 0.031,
+                         "rows": [{"role": "chosen", "candidate": csv.loc[0, "candidate"],
+                                   "predicted": 1.0, "measured": 1.0, "low": 1.0, "high": 1.0,
+                                   "runs": 3, "error_pct": 0.0}]}  # fmt: skip
+    (out / "plan.json").write_text(json.dumps(summary))
+    [(anchor, title, body)] = plan_sections(tmp_path / "results")
+    assert anchor == "plan" and "regret 3.1%" in body and csv.loc[0, "candidate"] in body
+    assert plan_sections(tmp_path / "nothing") == []
