@@ -61,8 +61,11 @@ def picks(ranked: pd.DataFrame, k: int, plain_cfg: RunConfig) -> pd.DataFrame:
     return top
 
 
-def verify(chosen: pd.DataFrame, repeats: int, run: Measure) -> Verification:
-    """Measure every row of `chosen` (picks()) `repeats` times, interleaved."""
+def verify(
+    chosen: pd.DataFrame, repeats: int, run: Measure, echo: Callable[[str], None] = lambda _: None
+) -> Verification:
+    """Measure every row of `chosen` (picks()) `repeats` times, interleaved; `echo` gets
+    one progress line per run."""
     cfgs = list(chosen["cfg"])
     rounds = np.full((repeats, len(cfgs)), np.nan)  # throughput of run (round, candidate)
     failures: list[str] = []
@@ -73,6 +76,7 @@ def verify(chosen: pd.DataFrame, repeats: int, run: Measure) -> Verification:
                 rounds[r, i] = float(out["throughput"])
             else:
                 failures.append(f"{label(cfgs[i])}: {out}")
+            echo(f"  round {r + 1}/{repeats}: {label(cfgs[i])}: {rounds[r, i]:.4g}/s")
     return _verdict(_table(chosen, rounds), failures)
 
 

@@ -223,7 +223,8 @@ def _verify(spec, ranked, args, out: Path) -> dict:
 
     chosen = picks(ranked, args.verify, plain(spec))
     print(f"verify: {len(chosen)} candidate(s) x {args.repeats} runs, interleaved", flush=True)
-    v = verify(chosen, args.repeats, runner(out / "verify.jsonl", args.timeout))
+    run = runner(out / "verify.jsonl", args.timeout)
+    v = verify(chosen, args.repeats, run, echo=lambda line: print(line, flush=True))
     print(v.table.to_string(index=False, float_format="{:.4g}".format))
     for failure in v.failures:
         print(f"  failed: {failure}")
