@@ -153,6 +153,9 @@ def test_regret_is_paired_within_rounds_and_order_rotates():
     assert v.regret == pytest.approx(1 - 1 / 1.1)
     assert v.best.endswith(" 1")
     assert list(v.table["vs_chosen"]) == pytest.approx([1.0, 1.1, 0.5])
+    # every prediction 100/s: absolute errors carry the load, ratios to the choice do not
+    assert list(v.table["ratio_error_pct"]) == pytest.approx([0.0, -100 / 11, 100.0])
+    assert list(v.table["measured"]) == pytest.approx([100.0, 110.0, 50.0])
     assert list(v.table["runs"]) == [3, 3, 3]
 
 
