@@ -264,3 +264,20 @@ def test_plan_writes_table_csv_json_and_a_report_section(cli, tmp_path):
     [(anchor, title, body)] = plan_sections(tmp_path / "results")
     assert anchor == "plan" and "regret 3.1%" in body and csv.loc[0, "candidate"] in body
     assert plan_sections(tmp_path / "nothing") == []
+
+
+def test_calibration_keeps_the_median_run(tmp_path):
+    from scalelab.plan.calibrate import measure_medians
+    from scalelab.record import read_records
+
+    speeds = {1: iter([5.0, 1.0, 3.0]), 2: iter(["boom", "boom", "boom"])}
+
+    def run(cfg):
+        got = next(speeds[cfg.batch])
+        return got if isinstance(got, str) else {"schema": "scalelab.run/1", "throughput": got}
+
+    cfgs = [RunConfig(workload="mlp", batch=1), RunConfig(workload="mlp", batch=2)]
+    out = measure_medians(cfgs, tmp_path / "cal.jsonl", 3, run)
+    median = {"schema": "scalelab.run/1", "throughput": 3.0}
+    assert out == [median, "boom"]
+    assert read_records(tmp_path / "cal.jsonl") == [median]

@@ -11,7 +11,8 @@ agree):
     training    mpi-dp --ranks 1 (GPU: ddp --ranks 1 with the candidate's own knobs)
 
 and, when a ddp candidate on several ranks has no measured multi-rank ddp run of its family,
-the smallest of them once: DDP's per-step host cost has no ceiling (docs/PREDICT.md).
+the smallest of them: DDP's per-step host cost has no ceiling (docs/PREDICT.md). Each is run
+a few times in rounds and the median run kept (measure_medians).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 from scalelab.analysis.sweep import Point, run_point
@@ -27,6 +29,7 @@ from scalelab.plan.space import PlanSpec
 from scalelab.predict.calibration import Pool
 from scalelab.predict.figures import Figures
 from scalelab.predict.scenario import Scenario
+from scalelab.record import append_record
 
 
 def needed_batch(cfg: RunConfig) -> int:
@@ -95,6 +98,46 @@ def measure(cfg: RunConfig, results: Path, timeout: float | None = None) -> dict
     cfg = dataclasses.replace(cfg, quiet=True)
     outcome = run_point(Point(0, {}, cfg), results, timeout)
     return outcome.record if outcome.record is not None else (outcome.error or "failed")
+
+
+def measure_medians(
+    cfgs: list[RunConfig],
+    results: Path,
+    repeats: int,
+    run: Callable[[RunConfig], dict | str],
+    echo: Callable[[str], None] = lambda _: None,
+) -> list[dict | str]:
+    """Each cfg measured `repeats` times in rounds (order rotated per round, as verify.py),
+    and the run of median throughput appended to `results` as the calibration point: one
+    run on a shared host can be slowed by load from elsewhere, the median of three rarely
+    is. Per cfg: that record, or the last error when every run failed."""
+    runs: list[list[dict]] = [[] for _ in cfgs]
+    errors: list[str] = ["not run" for _ in cfgs]
+    for r in range(repeats):
+        for i in [(i + r) % len(cfgs) for i in range(len(cfgs))]:
+            out = run(cfgs[i])
+            if isinstance(out, dict):
+                runs[i].append(out)
+            else:
+                errors[i] = out
+            shown = f"{out['throughput']:.4g}/s" if isinstance(out, dict) else f"FAILED: {out}"
+            echo(f"  round {r + 1}/{repeats}: {_label(cfgs[i])}: {shown}")
+    chosen: list[dict | str] = []
+    for recs, error in zip(runs, errors):
+        if not recs:
+            chosen.append(error)
+            continue
+        recs = sorted(recs, key=lambda rec: rec["throughput"])
+        median = recs[(len(recs) - 1) // 2]
+        append_record(results, median)
+        chosen.append(median)
+    return chosen
+
+
+def _label(cfg: RunConfig) -> str:
+    from scalelab.plan.rank import label
+
+    return label(cfg)
 
 
 def host_contention(figures: Figures, cores: int, path: Path) -> Figures:

@@ -167,16 +167,18 @@ def _pool(calibrate: str | None, out: Path):
 
 
 def _calibrate(spec, pool, cfgs, args, out: Path):
-    from scalelab.plan.calibrate import measure, missing
-    from scalelab.plan.rank import label
+    from scalelab.plan.calibrate import measure, measure_medians, missing
 
     todo = missing(spec, pool, cfgs, spec.per_node)
-    print(f"calibrate: {len(todo)} measurement(s) missing", flush=True)
-    out.mkdir(parents=True, exist_ok=True)
-    for i, cfg in enumerate(todo, 1):
-        got = measure(cfg, out / "calibration.jsonl", args.timeout)
-        shown = f"{got['throughput']:.4g}/s" if isinstance(got, dict) else f"FAILED: {got}"
-        print(f"  [{i}/{len(todo)}] {label(cfg)}: {shown}", flush=True)
+    print(f"calibrate: {len(todo)} measurement(s) missing, {args.repeats} runs each", flush=True)
+    if todo:
+        scratch = out / "calibration_runs.jsonl"  # every run; the medians go on
+
+        def run(cfg):
+            return measure(cfg, scratch, args.timeout)
+
+        echo = lambda line: print(line, flush=True)  # noqa: E731
+        measure_medians(todo, out / "calibration.jsonl", args.repeats, run, echo)
     return _pool(args.calibrate, out)
 
 
