@@ -284,3 +284,14 @@ def test_calibration_keeps_the_median_run(tmp_path):
     median = {"schema": "scalelab.run/1", "throughput": 3.0}
     assert out == [median, "boom"]
     assert read_records(tmp_path / "cal.jsonl") == [median]
+
+
+def test_bounds_rank_after_calibrated_predictions():
+    s = spec(strategies=("mpi",))
+    pool = Pool([_point(s, 1, 32, 100.0)])  # one slow calibrated family; the rest are bounds
+    table = rank(Context(figures(), None, pool), s, cand.candidates(s))
+    ok = table[table["status"] == OK]
+    calibrated = ok["basis"].str.startswith("calibrated").tolist()
+    assert calibrated[0] and not all(calibrated)
+    assert calibrated == sorted(calibrated, reverse=True)  # every calibrated row first
+    assert ok["throughput"].iloc[0] < ok["throughput"].iloc[-1]  # though slower than a bound

@@ -4,7 +4,9 @@ A candidate is dropped from the ranking, with the reason kept in its row, when t
 model calls it not runnable (more ranks than items, a slab thinner than a halo, ...), when
 its estimated bytes per rank exceed --memory-per-device (memory.py), or when the model lacks
 a measured figure it needs (the row names the figure and the command that measures it).
-The rest are ranked by predicted throughput (items per second over all ranks). Efficiency is
+The rest are ranked by predicted throughput (items per second over all ranks), calibrated
+predictions before uncalibrated roofline bounds (a lower bound on time is not a prediction:
+ranked among predictions it would win on optimism). Efficiency is
 throughput per core (CPU: ranks x threads) or per GPU, relative to the 1 rank x 1 thread
 candidate's.
 """
@@ -73,13 +75,16 @@ def basis(pred: Prediction) -> str:
 
 
 def rank(ctx: Context, spec: PlanSpec, cfgs: list[RunConfig]) -> pd.DataFrame:
-    """One row per candidate, the runnable ones first by predicted throughput; `rank` is
+    """One row per candidate, the runnable ones first (calibrated, then bounds), each group by
+    predicted throughput; `rank` is
     1, 2, ... for them and NaN for the rest. `cfg` holds the RunConfig (not written out)."""
     rows = [_row(ctx, spec, cfg) for cfg in cfgs]
     table = pd.DataFrame(rows)
     table["_ok"] = table["status"] == OK
-    table = table.sort_values(["_ok", "throughput"], ascending=False, kind="stable")
-    table = table.drop(columns="_ok").reset_index(drop=True)
+    table["_cal"] = table["basis"].str.startswith("calibrated")
+    order = ["_ok", "_cal", "throughput"]
+    table = table.sort_values(order, ascending=False, kind="stable")
+    table = table.drop(columns=["_ok", "_cal"]).reset_index(drop=True)
     ok = table["status"] == OK
     table.insert(0, "rank", pd.Series(range(1, int(ok.sum()) + 1), dtype="Int64"))
     _efficiency(table)

@@ -209,7 +209,7 @@ def _print_plan(spec, ranked, ceilings: str) -> None:
     )
     ok = ranked[ranked["status"] == OK]
     cols = [c for c in SHOWN if c in ranked]
-    print(ok[cols].to_string(index=False, float_format="{:.4g}".format, max_colwidth=70))
+    print(ok[cols].to_string(index=False, float_format="{:.4g}".format, max_colwidth=90))
     out = ranked[ranked["status"] != OK]
     for _, row in out.iterrows():
         print(f"  left out: {row['candidate']}: {row['status']}")
