@@ -23,6 +23,8 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+
 from scalelab.analysis.sweep import Point, run_point
 from scalelab.config import RunConfig
 from scalelab.plan.space import PlanSpec
@@ -140,13 +142,18 @@ def _label(cfg: RunConfig) -> str:
     return label(cfg)
 
 
-def host_contention(figures: Figures, cores: int, path: Path) -> Figures:
-    """The figures with this host's `cpu_concurrency` curve measured now (and saved to
-    `path`): on a shared host how much ranks slow each other changes with the load from
-    elsewhere, so a plan that measures its candidates measures the curve with them."""
+def host_contention(figures: Figures, cores: int, path: Path, repeats: int = 3) -> Figures:
+    """The figures with this host's `cpu_concurrency` curve measured now (`repeats` times,
+    the median slowdown at each process count kept; saved to `path`): on a shared host how
+    much ranks slow each other changes with the load from elsewhere, and one 0.4 s snapshot
+    of it can be off by several times."""
     from scalelab.instrument import concurrency
 
-    curve = concurrency.measure(cores)
+    curves = [concurrency.measure(cores) for _ in range(repeats)]
+    curve = dict(curves[0])
+    for key in ("slowdown", "slowdown_max", "seconds"):
+        curve[key] = [float(x) for x in np.median([c[key] for c in curves], axis=0)]
+    curve["method"] += f"; the median of {repeats} such curves, one after another"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(curve, indent=1))
     return with_contention(figures, path)

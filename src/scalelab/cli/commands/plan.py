@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     pool = _pool(args.calibrate, out)
     if args.calibrate_missing:
         pool = _calibrate(spec, pool, cfgs, args, out)
-    figures = _contention(figures, spec, args.calibrate_missing, out)
+    figures = _contention(figures, spec, args, out)
     ranked = rank.rank(Context(figures, network, pool), spec, cfgs)
     _print_plan(spec, ranked, figures.path)
     out.mkdir(parents=True, exist_ok=True)
@@ -182,7 +182,7 @@ def _calibrate(spec, pool, cfgs, args, out: Path):
     return _pool(args.calibrate, out)
 
 
-def _contention(figures, spec, measure: bool, out: Path):
+def _contention(figures, spec, args, out: Path):
     """CPU ranks: the host's cpu_concurrency curve measured by this plan (now, with
     --calibrate-missing; else an earlier plan's in the same folder), else the ceilings'."""
     from scalelab.plan.calibrate import host_contention, with_contention
@@ -190,9 +190,9 @@ def _contention(figures, spec, measure: bool, out: Path):
     path = out / "concurrency.json"
     if spec.gpu or spec.ranks_max < 2:
         return figures
-    if measure:
-        print("calibrate: this host's cpu_concurrency, now", flush=True)
-        return host_contention(figures, spec.cores, path)
+    if args.calibrate_missing:
+        print(f"calibrate: this host's cpu_concurrency, now ({args.repeats} curves)", flush=True)
+        return host_contention(figures, spec.cores, path, args.repeats)
     return with_contention(figures, path) if path.exists() else figures
 
 
