@@ -9,6 +9,7 @@ from scalelab.cli.commands import (  # noqa: F401
     layers,
     listing,
     phases,
+    plan,
     predict,
     report,
     roofline,

@@ -33,6 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     check_dir(args.out_dir, "-o")  # before any work: a bad folder fails first
     records, ceilings = load_for_roofline(args.results, args.ceilings, not args.no_plots)
+    from scalelab.analysis.plan_report import plan_sections
     from scalelab.analysis.report import write_report
 
     if args.drop_warned:
@@ -43,8 +44,9 @@ def run(args: argparse.Namespace) -> int:
         records = kept
 
     path = write_report(
-        records, args.out_dir, ceilings, args.title, plots=not args.no_plots, mode=args.mode
-    )
+        records, args.out_dir, ceilings, args.title, plots=not args.no_plots, mode=args.mode,
+        extra=plan_sections(args.results),
+    )  # fmt: skip
     print(f"report: {path} ({len(records)} records)")
     return 0
 

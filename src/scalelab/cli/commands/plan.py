@@ -1,0 +1,253 @@
+"""`scalelab plan WORKLOAD --ranks-max N`: every way scalelab could run the workload on this
+hardware, predicted by the calibrated model and ranked; `--calibrate-missing` measures what
+the ranking lacks first, `--verify K` measures the top K and the plain choice and reports
+the regret. The method: scalelab.plan (docs/PLAN.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+from scalelab.cli.base import COMMANDS, Command
+from scalelab.cli.options import add_config_options, config_from_args
+from scalelab.errors import UsageError
+
+DEFAULT_OUT = Path("scalelab-results") / "plan"
+# Flags the planner chooses itself (the rest of `scalelab run`'s flags fix the workload).
+CHOSEN = {"ranks", "strategy", "split", "threads", "global_batch", "dtype", "amp", "stages",
+          "microbatches", "schedule", "nonblocking", "bucket_mb", "grad_compress"}  # fmt: skip
+SHOWN = ["rank", "candidate", "ms", "throughput", "efficiency", "mem_MiB", "bottleneck", "basis"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("workload", help="workload to plan (scalelab list)")
+    p.add_argument("--ranks-max", type=int, required=True, help="most ranks a candidate may use")
+    p.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=None,
+        help="ranks per node (default: 8 GPUs; CPU: the ceilings machine's cores)",
+    )
+    p.add_argument("--nodes", type=int, default=1, help="nodes available (default 1)")
+    p.add_argument("--network", default=None, help="inter-node network profile or JSON file")
+    p.add_argument("--ceilings", default=None, help="ceilings.json from `scalelab ceilings`")
+    p.add_argument(
+        "--calibrate",
+        default=None,
+        metavar="RESULTS",
+        help="results file or folder with measurements to calibrate on",
+    )
+    p.add_argument(
+        "--memory-per-device",
+        default=None,
+        metavar="BYTES",
+        help="bytes a rank may hold, e.g. 16GiB (default: no memory filter)",
+    )
+    batch = p.add_mutually_exclusive_group()
+    batch.add_argument(
+        "--global-batch",
+        type=int,
+        default=None,
+        help="items per iteration/step over all ranks (default: --batch)",
+    )
+    batch.add_argument("--per-rank-batch", type=int, default=None, help="items per rank")
+    p.add_argument(
+        "--precisions",
+        default=None,
+        help="precisions a candidate may use, comma list (default: --dtype, fp32)",
+    )
+    p.add_argument(
+        "--strategies",
+        default=None,
+        help="candidate sources to use, comma list (default: all that apply)",
+    )
+    p.add_argument(
+        "--calibrate-missing",
+        action="store_true",
+        help="first run the one-rank measurements the ranking lacks",
+    )
+    p.add_argument(
+        "--verify",
+        type=int,
+        default=0,
+        metavar="K",
+        help="measure the top K and the plain configuration; report the regret",
+    )
+    p.add_argument("--repeats", type=int, default=3, help="--verify: runs per candidate")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per measured run")
+    p.add_argument(
+        "-o",
+        "--out",
+        default=str(DEFAULT_OUT),
+        help=f"folder for plan.csv/.json, measurements (default {DEFAULT_OUT})",
+    )
+    add_config_options(p, skip=CHOSEN)  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    from scalelab.analysis import require
+
+    require("pandas", "scalelab plan")
+    from scalelab.plan import candidates, rank
+    from scalelab.predict.figures import figures_at
+    from scalelab.predict.models import Context
+    from scalelab.predict.network import load_network
+
+    network = load_network(args.network)
+    figures = figures_at(args.ceilings)
+    spec = _spec(args, figures)
+    out = Path(args.out)
+    cfgs = candidates.candidates(spec)
+    if not cfgs:
+        raise UsageError(f"no candidate applies to {spec.base.workload} with these options")
+    pool = _pool(args.calibrate, out)
+    if args.calibrate_missing:
+        pool = _calibrate(spec, pool, cfgs, args, out)
+    figures = _contention(figures, spec, args, out)
+    ranked = rank.rank(Context(figures, network, pool), spec, cfgs)
+    _print_plan(spec, ranked, figures.path)
+    out.mkdir(parents=True, exist_ok=True)
+    rank.shown(ranked).to_csv(out / "plan.csv", index=False)
+    summary = {
+        "schema": "scalelab.plan/1",
+        "spec": _spec_dict(spec),
+        "ceilings": figures.path,
+        "rows": _records(ranked),
+    }
+    if args.verify > 0:
+        summary["verify"] = _verify(spec, ranked, args, out)
+    (out / "plan.json").write_text(json.dumps(summary, indent=1, default=str))
+    print(f"wrote {out}/: plan.csv, plan.json" + (", verify.csv" if args.verify else ""))
+    return 0 if (ranked["status"] == rank.OK).any() else 1
+
+
+def _spec(args: argparse.Namespace, figures):
+    from scalelab.plan.space import PlanSpec
+
+    base = config_from_args(args, workload=args.workload)
+    cores = int((figures.data.get("machine") or {}).get("cpu_cores") or os.cpu_count() or 1)
+    per_node = args.gpus_per_node or (8 if base.device == "cuda" else cores)
+    if args.ranks_max > per_node * args.nodes:
+        raise UsageError(
+            f"--ranks-max {args.ranks_max} > {args.nodes} node(s) x {per_node} ranks per node"
+        )
+    if args.verify < 0 or args.repeats < 1:
+        raise UsageError("--verify must be >= 0 and --repeats >= 1")
+    given = args.global_batch is None and args.per_rank_batch is None
+    precisions = tuple((args.precisions or base.dtype).split(","))
+    return PlanSpec(
+        base=base, ranks_max=args.ranks_max, per_node=per_node, cores=cores,
+        global_batch=base.batch if given else args.global_batch,
+        per_rank_batch=args.per_rank_batch, precisions=precisions,
+        memory_per_device=_bytes(args.memory_per_device),
+        strategies=tuple(args.strategies.split(",")) if args.strategies else None,
+    )  # fmt: skip
+
+
+def _bytes(text: str | None) -> float | None:
+    from scalelab.cli.commands.fit import parse_size
+
+    try:
+        return parse_size(text)
+    except UsageError:
+        raise UsageError(f"--memory-per-device {text!r}: expected a size like 16GiB") from None
+
+
+def _pool(calibrate: str | None, out: Path):
+    from scalelab.cli.commands.predict import _calibration_pool
+
+    pool = _calibration_pool(calibrate)
+    own = out / "calibration.jsonl"
+    if own.exists():
+        pool.extend(_calibration_pool(str(own)))
+    return pool
+
+
+def _calibrate(spec, pool, cfgs, args, out: Path):
+    from scalelab.plan.calibrate import measure, measure_medians, missing
+
+    todo = missing(spec, pool, cfgs, spec.per_node)
+    print(f"calibrate: {len(todo)} measurement(s) missing, {args.repeats} runs each", flush=True)
+    if todo:
+        scratch = out / "calibration_runs.jsonl"  # every run; the medians go on
+
+        def run(cfg):
+            return measure(cfg, scratch, args.timeout)
+
+        echo = lambda line: print(line, flush=True)  # noqa: E731
+        measure_medians(todo, out / "calibration.jsonl", args.repeats, run, echo)
+    return _pool(args.calibrate, out)
+
+
+def _contention(figures, spec, args, out: Path):
+    """CPU ranks: the host's cpu_concurrency curve measured by this plan (now, with
+    --calibrate-missing; else an earlier plan's in the same folder), else the ceilings'."""
+    from scalelab.plan.calibrate import host_contention, with_contention
+
+    path = out / "concurrency.json"
+    if spec.gpu or spec.ranks_max < 2:
+        return figures
+    if args.calibrate_missing:
+        print(f"calibrate: this host's cpu_concurrency, now ({args.repeats} curves)", flush=True)
+        return host_contention(figures, spec.cores, path, args.repeats)
+    return with_contention(figures, path) if path.exists() else figures
+
+
+def _print_plan(spec, ranked, ceilings: str) -> None:
+    from scalelab.plan.rank import OK
+
+    base = spec.base
+    batch = f"global batch {spec.global_batch}" if spec.global_batch else (
+        f"{spec.per_rank_batch} per rank")  # fmt: skip
+    print(
+        f"plan: {base.workload} {'training' if base.train else 'inference'} on {base.device}, "
+        f"{batch}, up to {spec.ranks_max} ranks ({spec.per_node} per node, {spec.cores} cores); "
+        f"ceilings {ceilings}"
+    )
+    ok = ranked[ranked["status"] == OK]
+    cols = [c for c in SHOWN if c in ranked]
+    print(ok[cols].to_string(index=False, float_format="{:.4g}".format, max_colwidth=90))
+    out = ranked[ranked["status"] != OK]
+    for _, row in out.iterrows():
+        print(f"  left out: {row['candidate']}: {row['status']}")
+    bounds = int(ok["basis"].str.startswith("bound").sum())
+    if bounds:
+        print(f"  {bounds} candidate(s) rest on an uncalibrated roofline bound: "
+              "--calibrate-missing measures what they need")  # fmt: skip
+
+
+def _verify(spec, ranked, args, out: Path) -> dict:
+    from scalelab.plan.candidates import plain
+    from scalelab.plan.verify import picks, runner, verify
+
+    chosen = picks(ranked, args.verify, plain(spec))
+    print(f"verify: {len(chosen)} candidate(s) x {args.repeats} runs, interleaved", flush=True)
+    run = runner(out / "verify.jsonl", args.timeout)
+    v = verify(chosen, args.repeats, run, echo=lambda line: print(line, flush=True))
+    print(v.table.to_string(index=False, float_format="{:.4g}".format))
+    for failure in v.failures:
+        print(f"  failed: {failure}")
+    print(v.summary())
+    v.table.to_csv(out / "verify.csv", index=False)
+    rows = json.loads(v.table.to_json(orient="records"))
+    return {"chosen": v.chosen, "best": v.best, "regret": v.regret, "rows": rows}
+
+
+def _spec_dict(spec) -> dict:
+    keys = ("ranks_max", "per_node", "cores", "global_batch", "per_rank_batch", "precisions")
+    d = {k: getattr(spec, k) for k in (*keys, "memory_per_device")}
+    return {**d, "base": spec.base.to_dict()}
+
+
+def _records(ranked) -> list[dict]:
+    from scalelab.plan.rank import shown
+
+    return json.loads(shown(ranked).to_json(orient="records"))
+
+
+COMMANDS.register(
+    "plan", "choose the fastest configuration with the calibrated model; --verify measures it"
+)(Command(add_arguments, run))

@@ -1,0 +1,166 @@
+"""The measurements a ranking lacks (`--calibrate-missing`), and running any measurement.
+
+A candidate's compute is calibrated on a one-rank measurement of its *family* (same workload,
+sizes, precision, threads per rank: predict/scenario.py). For each family no measurement
+covers, this runs one rank at the smallest and the largest per-rank batch the family's
+candidates need (two batch sizes give the model its fixed + per-item law; one when they
+agree):
+
+    inference   mpi --split batch --ranks 1 (GPU: mpi-gpu); a spatial candidate also needs a
+                one-rank spatial run (its per-layer times come from that run's timeline)
+    training    mpi-dp --ranks 1 (GPU: ddp --ranks 1 with the candidate's own knobs)
+
+and, when a ddp candidate on several ranks has no measured multi-rank ddp run of its family,
+the smallest of them: DDP's per-step host cost has no ceiling (docs/PREDICT.md). Each is run
+a few times in rounds and the median run kept (measure_medians).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from scalelab.analysis.sweep import Point, run_point
+from scalelab.config import RunConfig
+from scalelab.plan.space import PlanSpec
+from scalelab.predict.calibration import Pool
+from scalelab.predict.figures import Figures
+from scalelab.predict.scenario import Scenario
+from scalelab.record import append_record
+
+
+def needed_batch(cfg: RunConfig) -> int:
+    """Items one rank computes at once under cfg (the batch its compute law is read at)."""
+    if cfg.strategy == "pipeline":
+        return max(1, cfg.batch // min(cfg.microbatches, cfg.batch))
+    if cfg.strategy == "ddp":
+        return cfg.global_batch // cfg.ranks if cfg.global_batch else cfg.batch
+    if cfg.strategy == "tensor" or cfg.split in ("spatial", "broadcast"):
+        return cfg.batch
+    return math.ceil(cfg.batch / cfg.ranks)
+
+
+def one_rank(spec: PlanSpec, cfg: RunConfig, batch: int, split: str = "batch") -> RunConfig:
+    """The one-rank run that calibrates cfg's family at `batch` items."""
+    if cfg.train:
+        strategy = "ddp" if spec.gpu else "mpi-dp"
+        keep = {"fast": cfg.fast, "compile": cfg.compile, "amp": cfg.amp} if spec.gpu else {}
+        return spec.config(strategy=strategy, ranks=1, batch=batch, threads=cfg.threads,
+                           dtype=cfg.dtype, **keep)  # fmt: skip
+    strategy = "mpi-gpu" if spec.gpu else "mpi"
+    return spec.config(strategy=strategy, ranks=1, batch=batch, split=split,
+                       threads=cfg.threads, dtype=cfg.dtype)  # fmt: skip
+
+
+def missing(spec: PlanSpec, pool: Pool, cfgs: list[RunConfig], per_node: int) -> list[RunConfig]:
+    """The measurements (see the module docstring) that no point in the pool stands for."""
+    fams: dict[tuple, list[RunConfig]] = {}
+    for cfg in cfgs:
+        fams.setdefault(Scenario(cfg, cfg.ranks, per_node).family(), []).append(cfg)
+    todo: list[RunConfig] = []
+    for fam, members in fams.items():
+        have = [p for p in pool.singles if p.family == fam]
+        batches = sorted({needed_batch(c) for c in members})
+        if not have:
+            todo += [one_rank(spec, members[0], b) for b in sorted({batches[0], batches[-1]})]
+        spatial = [c for c in members if c.split == "spatial" and not c.train]
+        if spatial and not any(p.split == "spatial" for p in have):
+            todo.append(one_rank(spec, spatial[0], spatial[0].batch, split="spatial"))
+        todo += _ddp_host(pool, members, per_node)
+    return _unique(todo)
+
+
+def _ddp_host(pool: Pool, members: list[RunConfig], per_node: int) -> list[RunConfig]:
+    multi = [c for c in members if c.strategy == "ddp" and c.ranks > 1]
+    if not multi:
+        return []
+    first = min(multi, key=lambda c: (c.ranks, needed_batch(c)))
+    if pool.multi(Scenario(first, first.ranks, per_node)):
+        return []
+    return [first]
+
+
+def _unique(cfgs: list[RunConfig]) -> list[RunConfig]:
+    seen, out = set(), []
+    for cfg in cfgs:
+        if repr(cfg) not in seen:
+            seen.add(repr(cfg))
+            out.append(cfg)
+    return out
+
+
+def measure(cfg: RunConfig, results: Path, timeout: float | None = None) -> dict | str:
+    """Run cfg as `scalelab run` (its launcher started as on the command line), appending
+    its record to `results`; the record, or the error line of a run that failed."""
+    cfg = dataclasses.replace(cfg, quiet=True)
+    outcome = run_point(Point(0, {}, cfg), results, timeout)
+    return outcome.record if outcome.record is not None else (outcome.error or "failed")
+
+
+def measure_medians(
+    cfgs: list[RunConfig],
+    results: Path,
+    repeats: int,
+    run: Callable[[RunConfig], dict | str],
+    echo: Callable[[str], None] = lambda _: None,
+) -> list[dict | str]:
+    """Each cfg measured `repeats` times in rounds (order rotated per round, as verify.py),
+    and the run of median throughput appended to `results` as the calibration point: one
+    run on a shared host can be slowed by load from elsewhere, the median of three rarely
+    is. Per cfg: that record, or the last error when every run failed."""
+    runs: list[list[dict]] = [[] for _ in cfgs]
+    errors: list[str] = ["not run" for _ in cfgs]
+    for r in range(repeats):
+        for i in [(i + r) % len(cfgs) for i in range(len(cfgs))]:
+            out = run(cfgs[i])
+            if isinstance(out, dict):
+                runs[i].append(out)
+            else:
+                errors[i] = out
+            shown = f"{out['throughput']:.4g}/s" if isinstance(out, dict) else f"FAILED: {out}"
+            echo(f"  round {r + 1}/{repeats}: {_label(cfgs[i])}: {shown}")
+    chosen: list[dict | str] = []
+    for recs, error in zip(runs, errors):
+        if not recs:
+            chosen.append(error)
+            continue
+        recs = sorted(recs, key=lambda rec: rec["throughput"])
+        median = recs[(len(recs) - 1) // 2]
+        append_record(results, median)
+        chosen.append(median)
+    return chosen
+
+
+def _label(cfg: RunConfig) -> str:
+    from scalelab.plan.rank import label
+
+    return label(cfg)
+
+
+def host_contention(figures: Figures, cores: int, path: Path, repeats: int = 3) -> Figures:
+    """The figures with this host's `cpu_concurrency` curve measured now (`repeats` times,
+    the median slowdown at each process count kept; saved to `path`): on a shared host how
+    much ranks slow each other changes with the load from elsewhere, and one 0.4 s snapshot
+    of it can be off by several times."""
+    from scalelab.instrument import concurrency
+
+    curves = [concurrency.measure(cores) for _ in range(repeats)]
+    curve = dict(curves[0])
+    for key in ("slowdown", "slowdown_max", "seconds"):
+        curve[key] = [float(x) for x in np.median([c[key] for c in curves], axis=0)]
+    curve["method"] += f"; the median of {repeats} such curves, one after another"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(curve, indent=1))
+    return with_contention(figures, path)
+
+
+def with_contention(figures: Figures, path: Path) -> Figures:
+    """The figures with the curve saved at `path` in place of the ceilings' own."""
+    curve = json.loads(path.read_text())
+    where = f"{figures.path} (cpu_concurrency: {path})"
+    return Figures({**figures.data, "cpu_concurrency": curve}, where)

@@ -1,0 +1,133 @@
+"""Candidate configurations: one source per strategy, registered in SOURCES by the strategy's
+name. A source turns a PlanSpec into the RunConfigs that strategy could run it with (ranks,
+threads, split, per-rank batch, precision, and its own knobs); sources that do not apply
+(inference-only splits for a training plan, GPU knobs on CPUs) yield nothing. New ways to run
+(a user's `--model`, the torch engine's schedules, tp and dp degrees) plug in as new sources:
+`@SOURCES.register("name", "what it varies")` over a function PlanSpec -> Iterator[RunConfig].
+
+The planner ranks whatever the sources yield; filtering (memory, topology, what the strategy
+model calls not runnable) happens after, in rank.py, so every dropped candidate says why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from scalelab.config import RunConfig
+from scalelab.plan.space import PlanSpec
+from scalelab.registry import Registry
+
+Source = Callable[[PlanSpec], Iterator[RunConfig]]
+SOURCES: Registry[Source] = Registry("candidate source")
+SPLITS = ("batch", "spatial", "broadcast")
+HALF = ("bf16", "fp16")
+
+
+def candidates(spec: PlanSpec) -> list[RunConfig]:
+    """Every source's candidates, duplicates (equal configs) dropped, in source order."""
+    names = spec.strategies or tuple(SOURCES.names())
+    seen, out = set(), []
+    for name in names:
+        for cfg in SOURCES.get(name)(spec):
+            key = repr(cfg)
+            if key not in seen:
+                seen.add(key)
+                out.append(cfg)
+    return out
+
+
+def plain(spec: PlanSpec) -> RunConfig:
+    """What a user would try first: every rank, one thread each, the first precision; the
+    batch split for inference, ddp for training (the largest batch the plan allows)."""
+    strategy = "ddp" if spec.base.train else ("nccl" if spec.gpu else "mpi")
+    return _config(spec, strategy, spec.ranks_max, 1, spec.precisions[0], split="batch")
+
+
+def _config(spec: PlanSpec, strategy: str, ranks: int, threads: int | None, precision: str,
+            **knobs) -> RunConfig:  # fmt: skip
+    """The candidate's RunConfig: the batch rule per strategy (ddp counts --batch per rank,
+    the rest all ranks together) and the precision where the strategy takes it."""
+    batch = spec.batch_of(ranks)
+    fields: dict = {"strategy": strategy, "ranks": ranks, "batch": batch, **knobs}
+    if not spec.gpu:
+        fields["threads"] = threads
+    if strategy == "ddp":
+        fields.update(batch=max(batch // ranks, 1), global_batch=batch)
+        if precision in HALF:
+            return spec.config(**fields, amp=precision, dtype="fp32")
+    return spec.config(**fields, dtype=precision)
+
+
+def _each(spec: PlanSpec, least: int = 1) -> Iterator[tuple[int, int | None, str]]:
+    for ranks, threads in spec.layouts():
+        if ranks >= least:
+            for p in spec.precisions:
+                yield ranks, threads, p
+
+
+@SOURCES.register("mpi", "CPU inference: batch/spatial/broadcast splits x ranks x threads")
+def mpi_splits(spec: PlanSpec) -> Iterator[RunConfig]:
+    if spec.gpu or spec.base.train:
+        return
+    for ranks, threads, p in _each(spec):
+        for split in SPLITS if ranks > 1 else ("batch",):  # one rank: the splits coincide
+            yield _config(spec, "mpi", ranks, threads, p, split=split)
+
+
+@SOURCES.register("nccl", "GPU inference: batch/spatial/broadcast splits over NCCL x ranks")
+def nccl_splits(spec: PlanSpec) -> Iterator[RunConfig]:
+    if not spec.gpu or spec.base.train:
+        return
+    for ranks, threads, p in _each(spec):
+        for split in SPLITS if ranks > 1 else ("batch",):
+            yield _config(spec, "nccl", ranks, threads, p, split=split)
+
+
+@SOURCES.register("mpi-dp", "training: data parallel over MPI, flat or per-layer all-reduce")
+def mpi_dp(spec: PlanSpec) -> Iterator[RunConfig]:
+    if not spec.base.train:
+        return
+    for ranks, threads, p in _each(spec):
+        for nonblocking in (False, True) if ranks > 1 else (False,):
+            yield _config(spec, "mpi-dp", ranks, threads, p, nonblocking=nonblocking)
+
+
+@SOURCES.register("ddp", "training: DDP (gloo on CPU); GPU: --fast/--compile, buckets, compression")
+def ddp(spec: PlanSpec) -> Iterator[RunConfig]:
+    if not spec.base.train:
+        return
+    for ranks, threads, p in _each(spec, least=2):
+        for knobs in _ddp_knobs(spec):
+            yield _config(spec, "ddp", ranks, threads, p, **knobs)
+
+
+def _ddp_knobs(spec: PlanSpec) -> list[dict]:
+    """GPU only: the CUDA-graph step or torch.compile, two bucket sizes, bf16 gradients."""
+    if not spec.gpu:
+        return [{}]
+    speed = [{}, {"fast": True}, {"compile": True}]
+    comm = [{}, {"bucket_mb": 100.0}, {"grad_compress": "bf16"}]
+    return [{**a, **b} for a in speed for b in comm]
+
+
+@SOURCES.register("pipeline", "layers in stages (one per rank) x micro-batches x schedule")
+def pipeline(spec: PlanSpec) -> Iterator[RunConfig]:
+    schedules = ("gpipe", "1f1b") if spec.base.train else ("gpipe",)
+    for ranks, threads, p in _each(spec, least=2):
+        batch = spec.batch_of(ranks)
+        for m in sorted({ranks, 2 * ranks, 4 * ranks}):
+            if m > batch or batch % m:
+                continue
+            for schedule in schedules:
+                knobs = {"stages": ranks, "microbatches": m, "schedule": schedule}
+                if spec.gpu:
+                    knobs["compile"] = True  # each stage compiled: the pipeline's fast path
+                yield _config(spec, "pipeline", ranks, threads, p, **knobs)
+
+
+@SOURCES.register("tensor", "mlp training: hidden units split over MPI ranks")
+def tensor(spec: PlanSpec) -> Iterator[RunConfig]:
+    if not spec.base.train or spec.base.workload != "mlp" or spec.gpu:
+        return
+    for ranks, threads, p in _each(spec, least=2):
+        yield _config(spec, "tensor", ranks, threads, p)

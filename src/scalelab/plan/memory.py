@@ -1,0 +1,44 @@
+"""Bytes one rank holds under a candidate: the `fit` model's estimate (scalelab.fit:
+parameters, gradients and optimizer state, plus every layer's output for the batch kept for
+backward) at the rank's share of the model and of the batch.
+
+    data parallel (mpi-dp, ddp), batch split     all parameters, ceil(B / N) items
+    spatial split                                all parameters, B items over N slabs
+    broadcast split                              all parameters, all B items
+    pipeline, K stages                           1/K of parameters and activations
+                                                 (every micro-batch of the step in flight)
+    tensor                                       1/N of parameters and activations
+
+Inference keeps weights only (no gradients or optimizer state). An estimate, not a
+measurement: allocator slack, workspace and the framework's own memory are not counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from scalelab.config import RunConfig
+from scalelab.fit import estimate_bytes
+
+
+def rank_share(cfg: RunConfig) -> tuple[float, float]:
+    """(share of the parameters, items of activations) one rank holds."""
+    n = cfg.ranks
+    batch = cfg.global_batch or cfg.batch * (n if cfg.strategy == "ddp" else 1)
+    if cfg.strategy in ("pipeline", "tensor"):
+        return 1 / n, batch / n
+    if cfg.split == "spatial" and cfg.strategy in ("mpi", "mpi-gpu", "nccl"):
+        return 1.0, batch / n
+    if cfg.split == "broadcast" and cfg.strategy in ("mpi", "mpi-gpu", "nccl"):
+        return 1.0, float(batch)
+    return 1.0, float(math.ceil(batch / n))
+
+
+def device_bytes(cfg: RunConfig) -> int:
+    """Estimated bytes per rank (see the module docstring)."""
+    params, acts = estimate_bytes(dataclasses.replace(cfg, batch=1))
+    if not cfg.train:
+        params //= 2 + (1 if cfg.momentum else 0)  # weights only
+    share, items = rank_share(cfg)
+    return int(params * share + acts * items)

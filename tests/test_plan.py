@@ -1,0 +1,319 @@
+"""`scalelab plan`: candidates, the memory filter, the ranking, the paired regret, bad input,
+and (slow) the whole loop on this host: calibrate, rank, measure every candidate, regret."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from scalelab.config import RunConfig
+from scalelab.plan import candidates as cand
+from scalelab.plan.memory import device_bytes
+from scalelab.plan.rank import OK, label, rank
+from scalelab.plan.space import PlanSpec
+from scalelab.plan.verify import picks, verify
+from scalelab.predict.calibration import CalPoint, Pool
+from scalelab.predict.figures import Figures
+from scalelab.predict.models import Context
+from scalelab.predict.scenario import Scenario
+from scalelab.workloads import WORKLOADS
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def spec(workload="alexnet", train=False, batch=32, **kw) -> PlanSpec:
+    base = RunConfig(
+        workload=workload, train=train, image_size=67 if workload == "alexnet" else None
+    )
+    return PlanSpec(base=base, ranks_max=2, per_node=2, cores=2, global_batch=batch, **kw)
+
+
+def figures() -> Figures:
+    """`scalelab ceilings --quick --device cpu` and --comm-only for mpi and gloo, measured on
+    a 2-core host of this project; a calm contention curve in place of the loaded one."""
+    data = json.loads((FIXTURES / "plan" / "ceilings_2core.json").read_text())
+    data["cpu_concurrency"] = {"ranks": [1, 2], "slowdown": [1, 1.1], "slowdown_max": [1, 1.2]}
+    return Figures(data, "fixture")
+
+
+# --- candidates ---------------------------------------------------------------------------
+def test_inference_candidates_cover_every_split_and_core_layout():
+    cfgs = cand.candidates(spec())
+    labels = {label(c) for c in cfgs}
+    assert {c.strategy for c in cfgs} == {"mpi", "pipeline"}
+    for split in ("batch", "spatial", "broadcast"):
+        assert f"mpi --ranks 2 --split {split} --threads 1 --batch 32" in labels
+    assert "mpi --ranks 1 --split batch --threads 2 --batch 32" in labels
+    assert all(c.ranks * c.threads <= 2 for c in cfgs)  # never more busy threads than cores
+    assert all(c.batch == 32 for c in cfgs)  # a global batch: the same work everywhere
+    assert len(labels) == len(cfgs)
+
+
+def test_training_candidates_keep_the_global_batch_per_strategy():
+    cfgs = cand.candidates(spec("mlp", train=True, batch=100))
+    assert {c.strategy for c in cfgs} == {"mpi-dp", "ddp", "pipeline", "tensor"}
+    ddp = [c for c in cfgs if c.strategy == "ddp"]
+    assert ddp and all(c.global_batch == 100 and c.batch * c.ranks == 100 for c in ddp)
+    assert all(c.batch == 100 for c in cfgs if c.strategy != "ddp")
+    assert cand.plain(spec("mlp", train=True)).strategy == "ddp"
+    assert cand.plain(spec()).split == "batch" and cand.plain(spec()).ranks == 2
+
+
+def test_per_rank_batch_grows_with_the_ranks():
+    s = PlanSpec(base=RunConfig(workload="mlp", train=True), ranks_max=2, per_node=2, cores=2,
+                 per_rank_batch=10)  # fmt: skip
+    for c in cand.candidates(s):
+        assert Scenario(c, c.ranks, 2).global_batch == 10 * c.ranks
+
+
+def test_a_new_source_plugs_in_by_name(monkeypatch):
+    def mine(s: PlanSpec):
+        yield s.config(strategy="mpi", ranks=1, threads=1, split="batch", batch=7)
+
+    monkeypatch.setitem(cand.SOURCES._entries, "mine", mine)
+    monkeypatch.setitem(cand.SOURCES._descriptions, "mine", "test")
+    got = cand.candidates(spec(strategies=("mine",)))
+    assert [c.batch for c in got] == [7]
+
+
+# --- memory ---------------------------------------------------------------------------------
+def test_memory_per_rank_matches_the_cost_table():
+    cfg = RunConfig(workload="alexnet", image_size=67, strategy="mpi", ranks=2, batch=32)
+    rows = WORKLOADS.get("alexnet")(cfg).cost_table()
+    weights = 4 * sum(r.params for r in rows)
+    per_item = 4 * (rows[0].in_elems + sum(r.out_elems for r in rows))
+    assert device_bytes(cfg) == weights + 16 * per_item  # batch split: 16 items per rank
+    broadcast = RunConfig(**{**cfg.to_dict(), "split": "broadcast"})
+    assert device_bytes(broadcast) == weights + 32 * per_item
+    train = RunConfig(**{**cfg.to_dict(), "strategy": "pipeline", "train": True})
+    assert device_bytes(train) == (2 * weights + 32 * per_item) // 2
+
+
+def test_memory_filter_drops_what_does_not_fit():
+    s = spec(memory_per_device=30 * 2**20)
+    table = rank(Context(figures(), None, Pool()), s, cand.candidates(s))
+    out = table[table["status"].str.startswith("does not fit")]
+    assert len(out) and (out["mem_MiB"] > 30).all()
+    assert (table.loc[table["status"] == OK, "mem_MiB"] <= 30).all()
+
+
+# --- ranking --------------------------------------------------------------------------------
+def _point(s: PlanSpec, threads: int, batch: int, seconds: float, split="batch") -> CalPoint:
+    cfg = s.config(strategy="mpi", ranks=1, threads=threads, batch=batch, split=split)
+    fam = Scenario(cfg, 1, 2).family()
+    return CalPoint(fam, "mpi", split, batch, seconds, 0.0, f"cal{threads}:{batch}")
+
+
+def test_ranking_is_by_predicted_throughput_and_names_its_calibration():
+    s = spec(strategies=("mpi",))
+    pool = Pool([_point(s, 1, 32, 0.32), _point(s, 1, 16, 0.16), _point(s, 2, 32, 0.2)])
+    table = rank(Context(figures(), None, pool), s, cand.candidates(s))
+    ok = table[table["status"] == OK]
+    assert list(ok["rank"]) == list(range(1, len(ok) + 1))
+    assert ok["throughput"].is_monotonic_decreasing
+    one = ok.set_index("candidate").loc["mpi --ranks 1 --split batch --threads 1 --batch 32"]
+    assert one["basis"] == "calibrated on cal1:32"
+    assert one["efficiency"] == pytest.approx(1.0)
+    # one rank, one thread: the calibration's 0.32 s plus the modelled local copies only
+    assert 320 <= one["ms"] < 321
+    assert ok["basis"].str.startswith("calibrated").all()
+    bare = rank(Context(figures(), None, Pool()), s, cand.candidates(s))
+    assert bare.loc[bare["status"] == OK, "basis"].str.startswith("bound").all()
+
+
+# --- verification ---------------------------------------------------------------------------
+def _chosen(n: int) -> pd.DataFrame:
+    cfgs = [RunConfig(workload="mlp", batch=10 + i) for i in range(n)]
+    return pd.DataFrame(
+        {
+            "role": ["chosen"] + ["top"] * (n - 1),
+            "candidate": [f"{label(c)} {i}" for i, c in enumerate(cfgs)],
+            "throughput": [100.0] * n,
+            "cfg": cfgs,
+        }
+    )
+
+
+def test_regret_is_paired_within_rounds_and_order_rotates():
+    true = {10: 100.0, 11: 110.0, 12: 50.0}  # candidate 11 beats the choice by 10%
+    load = iter([1.0, 1.0, 1.0, 0.5, 0.5, 0.5, 2.0, 2.0, 2.0])  # the host's load per round
+    calls = []
+
+    def run(cfg):
+        calls.append(cfg.batch)
+        return {"throughput": true[cfg.batch] * next(load)}
+
+    v = verify(_chosen(3), 3, run)
+    assert calls == [10, 11, 12, 11, 12, 10, 12, 10, 11]
+    assert v.regret == pytest.approx(1 - 1 / 1.1)
+    assert v.best.endswith(" 1")
+    assert list(v.table["vs_chosen"]) == pytest.approx([1.0, 1.1, 0.5])
+    # every prediction 100/s: absolute errors carry the load, ratios to the choice do not
+    assert list(v.table["ratio_error_pct"]) == pytest.approx([0.0, -100 / 11, 100.0])
+    assert list(v.table["measured"]) == pytest.approx([100.0, 110.0, 50.0])
+    assert list(v.table["runs"]) == [3, 3, 3]
+
+
+def test_failed_runs_are_listed_and_the_rest_still_scored():
+    def run(cfg):
+        return "exploded" if cfg.batch == 11 else {"throughput": float(cfg.batch)}
+
+    v = verify(_chosen(3), 2, run)
+    assert len(v.failures) == 2 and "exploded" in v.failures[0]
+    assert v.table["runs"].tolist() == [2, 0, 2]
+    assert math.isnan(v.table["measured"][1])
+    assert v.regret == pytest.approx(1 - 10 / 12)
+
+
+def test_picks_add_the_plain_configuration():
+    s = spec(strategies=("mpi",))
+    pool = Pool([_point(s, 1, 32, 0.32), _point(s, 1, 16, 0.3), _point(s, 2, 32, 0.1)])
+    table = rank(Context(figures(), None, pool), s, cand.candidates(s))
+    got = picks(table, 1, cand.plain(s))
+    assert list(got["role"]) == ["chosen", "plain"]
+    assert got["candidate"].iloc[1] == label(cand.plain(s))
+
+
+# --- bad input ------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--ranks-max", "0"], "--ranks-max"),
+        (["--ranks-max", "64"], "ranks per node"),
+        (["--ranks-max", "2", "--strategies", "nope"], "unknown candidate source 'nope'"),
+        (["--ranks-max", "2", "--memory-per-device", "lots"], "--memory-per-device"),
+        (["--ranks-max", "2", "--verify", "-1"], "--verify"),
+    ],
+)
+def test_bad_input_is_one_line_and_writes_nothing(cli, tmp_path, args, words):
+    ceilings = tmp_path / "c.json"
+    ceilings.write_text(json.dumps(figures().data))
+    out = tmp_path / "out"
+    code, stdout, err = cli("plan", "alexnet", *args, "--ceilings", ceilings, "-o", out)
+    assert code == 2 and words in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+# --- the whole loop on this host ------------------------------------------------------------
+REPEATS = "3"  # runs per calibration point and per verified candidate (medians of three)
+
+
+def _plan(cli, tmp_path: Path, *args: str) -> tuple[dict, Path]:
+    ceilings = tmp_path / "ceilings.json"
+    ceilings.write_text(json.dumps(figures().data))  # communication figures: the fixture's
+    out = tmp_path / "plan"
+    code, stdout, err = cli("plan", *args, "--ranks-max", "2", "--ceilings", ceilings,
+                            "--calibrate-missing", "--verify", "99", "--repeats", REPEATS,
+                            "--timeout", "120", "-o", out)  # fmt: skip
+    assert code == 0, err
+    print(stdout)
+    return json.loads((out / "plan.json").read_text()), out
+
+
+NOISE = 1.25  # the most one configuration's repeated runs may differ for a 5% claim to hold
+
+
+def _host_noise(out: Path) -> float:
+    """The largest fastest/slowest throughput ratio among repeated runs of one calibration
+    configuration: how much load from elsewhere moved the measurements during this test."""
+    from scalelab.analysis.sweep import config_key
+    from scalelab.record import read_records
+
+    runs: dict[str, list[float]] = {}
+    for rec in read_records(out / "calibration_runs.jsonl"):
+        runs.setdefault(config_key(rec["config"]), []).append(rec["throughput"])
+    return max(max(v) / min(v) for v in runs.values())
+
+
+def _assert_regret(summary: dict, out: Path) -> None:
+    """Every runnable candidate measured; then, on a host quiet enough to tell 5% apart, the
+    choice within 5% of the best measured, or the best's lead not consistent over the rounds
+    (in some round the choice came within 5% of it)."""
+    v = summary["verify"]
+    rows = {r["candidate"]: r for r in v["rows"]}
+    ranked = [r for r in summary["rows"] if r["status"] == OK]
+    assert len(rows) == len(ranked)  # every runnable candidate was measured
+    assert all(r["runs"] == int(REPEATS) for r in rows.values())
+    noise = _host_noise(out)
+    if noise > NOISE:
+        pytest.skip(
+            f"host too loaded to prove a 5% regret: repeated runs of one configuration "
+            f"differed {noise:.2f}x (regret measured {100 * v['regret']:.1f}%)"
+        )
+    best = rows[v["best"]]
+    assert v["regret"] <= 0.05 or best["vs_chosen_low"] <= 1.05, v
+
+
+@pytest.mark.slow
+def test_alexnet_inference_plan_is_proved_on_this_host(cli, tmp_path):
+    # 16 images of 99x99: ~0.1 s per iteration on one core, long enough that process start-up
+    # and scheduler noise do not decide the comparison
+    summary = _plan(cli, tmp_path, "alexnet", "--batch", "16", "--image-size", "99",
+                    "--iters", "3", "--warmup", "1", "--strategies", "mpi")  # fmt: skip
+    _assert_regret(*summary)
+
+
+@pytest.mark.slow
+def test_mlp_training_plan_on_mnist_is_proved_on_this_host(cli, tmp_path, mnist_dir):
+    summary = _plan(cli, tmp_path, "mlp", "--train", "--batch", "100", "--steps", "15",
+                    "--data-dir", str(mnist_dir), "--strategies", "mpi-dp,ddp,tensor")  # fmt: skip
+    assert np.isfinite([r["measured"] for r in summary[0]["verify"]["rows"]]).all()
+    _assert_regret(*summary)
+
+
+# --- output ---------------------------------------------------------------------------------
+def test_plan_writes_table_csv_json_and_a_report_section(cli, tmp_path):
+    from scalelab.analysis.plan_report import plan_sections
+
+    ceilings = tmp_path / "c.json"
+    ceilings.write_text(json.dumps(figures().data))
+    out = tmp_path / "results" / "plan"
+    code, stdout, err = cli("plan", "alexnet", "--ranks-max", "2", "--batch", "8",
+                            "--image-size", "67", "--ceilings", ceilings, "-o", out)  # fmt: skip
+    assert code == 0, err
+    assert "uncalibrated roofline bound" in stdout  # nothing measured: every row a bound
+    csv = pd.read_csv(out / "plan.csv")
+    summary = json.loads((out / "plan.json").read_text())
+    assert [r["candidate"] for r in summary["rows"]] == list(csv["candidate"])
+    assert csv.loc[0, "candidate"] in stdout
+    summary["verify"] = {"chosen": csv.loc[0, "candidate"], "best": "x", "regret": 0.031,
+                         "rows": [{"role": "chosen", "candidate": csv.loc[0, "candidate"],
+                                   "predicted": 1.0, "measured": 1.0, "low": 1.0, "high": 1.0,
+                                   "runs": 3, "error_pct": 0.0}]}  # fmt: skip
+    (out / "plan.json").write_text(json.dumps(summary))
+    [(anchor, title, body)] = plan_sections(tmp_path / "results")
+    assert anchor == "plan" and "regret 3.1%" in body and csv.loc[0, "candidate"] in body
+    assert plan_sections(tmp_path / "nothing") == []
+
+
+def test_calibration_keeps_the_median_run(tmp_path):
+    from scalelab.plan.calibrate import measure_medians
+    from scalelab.record import read_records
+
+    speeds = {1: iter([5.0, 1.0, 3.0]), 2: iter(["boom", "boom", "boom"])}
+
+    def run(cfg):
+        got = next(speeds[cfg.batch])
+        return got if isinstance(got, str) else {"schema": "scalelab.run/1", "throughput": got}
+
+    cfgs = [RunConfig(workload="mlp", batch=1), RunConfig(workload="mlp", batch=2)]
+    out = measure_medians(cfgs, tmp_path / "cal.jsonl", 3, run)
+    median = {"schema": "scalelab.run/1", "throughput": 3.0}
+    assert out == [median, "boom"]
+    assert read_records(tmp_path / "cal.jsonl") == [median]
+
+
+def test_bounds_rank_after_calibrated_predictions():
+    s = spec(strategies=("mpi",))
+    pool = Pool([_point(s, 1, 32, 100.0)])  # one slow calibrated family; the rest are bounds
+    table = rank(Context(figures(), None, pool), s, cand.candidates(s))
+    ok = table[table["status"] == OK]
+    calibrated = ok["basis"].str.startswith("calibrated").tolist()
+    assert calibrated[0] and not all(calibrated)
+    assert calibrated == sorted(calibrated, reverse=True)  # every calibrated row first
+    assert ok["throughput"].iloc[0] < ok["throughput"].iloc[-1]  # though slower than a bound
