@@ -151,9 +151,11 @@ def test_smallest_image_works_and_one_less_is_refused():
     assert model.fc6.in_features == 256  # 1x1 final map
     with torch.no_grad():
         assert model(w.prepare(w.synthetic_inputs(2, seed=0).x)).shape == (2, 7)
-    for too_small in (66, 10, 0):
+    for too_small in (66, 10):
         with pytest.raises(UsageError, match="image-size >= 67"):
             make(image_size=too_small)
+    with pytest.raises(UsageError, match="--image-size must be >= 1"):  # the config's range
+        make(image_size=0)
 
 
 def test_num_classes_must_be_positive():

@@ -128,9 +128,11 @@ def test_vgg16_numpy_oracle_flattens_channel_major():
 
 
 def test_vgg16_refuses_small_images():
-    for size in (31, 16, 0):
+    for size in (31, 16):
         with pytest.raises(UsageError, match="image-size >= 32"):
             make("vgg16", image_size=size)
+    with pytest.raises(UsageError, match="--image-size must be >= 1"):  # the config's range
+        make("vgg16", image_size=0)
     with pytest.raises(UsageError, match="num-classes"):
         make("vgg16", num_classes=0)
     assert make("vgg16", image_size=63).fc6_in() == 512  # floor-mode pools
