@@ -316,6 +316,25 @@ def fit_layer_seconds(
     return out
 
 
+def recut_step(
+    profiles: Sequence[LayerProfile],
+    rounds: list[dict],
+    timed: dict[tuple[int, ...], float],
+    counts: Sequence[int],
+    measured: Sequence[float],
+    last: bool,
+    mem: MemoryModel,
+) -> tuple[list[int], bool]:
+    """The root's step of a --rebalance loop (both pipeline engines): record this cut's stage
+    seconds in rounds and timed, then (the next cut fitted to every cut timed, False), or (the
+    fastest cut timed, True) once the rounds are spent or the fit proposes a cut already timed."""
+    rounds.append({"balance": list(counts), "stage_s": list(measured)})
+    timed[tuple(counts)] = max(measured)
+    proposal = rebalance(profiles, [(r["balance"], r["stage_s"]) for r in rounds], mem)
+    done = last or tuple(proposal) in timed
+    return (list(min(timed, key=timed.get)) if done else proposal), done
+
+
 def rebalance(
     profiles: Sequence[LayerProfile],
     timed: Sequence[tuple[Sequence[int], Sequence[float]]],

@@ -187,12 +187,10 @@ class PipelineStrategy(TorchStrategy):
             measured = self.comm.gather_object(self._time_stage(sample))
             decision = None
             if self.is_root:
-                self.balance_rounds.append({"balance": list(self.counts), "stage_s": measured})
-                timed[tuple(self.counts)] = max(measured)
-                tried = [(r["balance"], r["stage_s"]) for r in self.balance_rounds]
-                proposal = part.rebalance(self.profile, tried, self._mem)
-                done = round_ == self.cfg.rebalance or tuple(proposal) in timed
-                decision = (list(min(timed, key=timed.get)) if done else proposal, done)
+                decision = part.recut_step(
+                    self.profile, self.balance_rounds, timed, self.counts, measured,
+                    round_ == self.cfg.rebalance, self._mem,
+                )  # fmt: skip
             counts, done = self.comm.bcast_object(decision)
             if counts != self.counts:
                 self._place(counts, sample)
