@@ -231,22 +231,19 @@ def _host_noise(out: Path) -> float:
 
 
 def _assert_regret(summary: dict, out: Path) -> None:
-    """Every runnable candidate measured; then, on a host quiet enough to tell 5% apart, the
-    choice within 5% of the best measured, or the best's lead not consistent over the rounds
-    (in some round the choice came within 5% of it)."""
+    """Every runnable candidate measured; the choice within 5% of the best measured, or the
+    best's lead not consistent over the rounds (in some round the choice came within 5% of it).
+    On a host whose repeated runs of one configuration differ by more than NOISE, 5% cannot be
+    told apart: there the choice must still lie within the host's own measured spread of the
+    best (a wrong choice beyond the noise fails either way)."""
     v = summary["verify"]
     rows = {r["candidate"]: r for r in v["rows"]}
     ranked = [r for r in summary["rows"] if r["status"] == OK]
     assert len(rows) == len(ranked)  # every runnable candidate was measured
     assert all(r["runs"] == int(REPEATS) for r in rows.values())
-    noise = _host_noise(out)
-    if noise > NOISE:
-        pytest.skip(
-            f"host too loaded to prove a 5% regret: repeated runs of one configuration "
-            f"differed {noise:.2f}x (regret measured {100 * v['regret']:.1f}%)"
-        )
+    bound = max(0.05, _host_noise(out) - 1.0)
     best = rows[v["best"]]
-    assert v["regret"] <= 0.05 or best["vs_chosen_low"] <= 1.05, v
+    assert v["regret"] <= bound or best["vs_chosen_low"] <= 1.0 + bound, (bound, v)
 
 
 @pytest.mark.slow
