@@ -64,6 +64,14 @@ class MeshGroups:
         start = sum(counts[: self.dp_rank])
         return slice(start, start + counts[self.dp_rank])
 
+    def gather_replicas(self, comm, out: torch.Tensor | None) -> torch.Tensor | None:
+        """Every replica's logits onto the root, in replica order (float64, host). out: this
+        rank's logits, or None on ranks that hold none (one rank per replica gives them).
+        Collective over comm (the whole world)."""
+        mine = None if out is None else (self.dp_rank, out.detach().to("cpu", torch.float64))
+        parts = comm.gather_object(mine)
+        return None if parts is None else torch.cat([t for _, t in sorted(p for p in parts if p)])
+
     def all_reduce_grads(self, params: list[torch.nn.Parameter]) -> int:
         """Sum this rank's gradients over the dp group in one flat message (DTensor gradients:
         their local shard); returns the bytes sent. Parameters without a gradient (another

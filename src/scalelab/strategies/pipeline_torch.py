@@ -259,7 +259,7 @@ class TorchPipeline(TorchStrategy):
                 out, _ = self._run_pass(local, len(x), False)
             self.log.end_step()
             with self.timer.phase("gather"):
-                return self._gather_outputs(out)
+                return self.groups.gather_replicas(self.comm, out)
 
         timings, out = timed_iterations(
             step, self.timer, self.cfg.warmup, self.cfg.iters, barrier=self.comm.barrier
@@ -271,14 +271,6 @@ class TorchPipeline(TorchStrategy):
             len(x),
             notes=torch_pipeline_notes(self, train=False),
         )
-
-    def _gather_outputs(self, out: torch.Tensor | None) -> torch.Tensor | None:
-        """Every replica's logits onto the root, in replica order (float64, host)."""
-        mine = None if out is None else (self.groups.dp_rank, out.detach().to("cpu", torch.float64))
-        parts = self.comm.gather_object(mine)
-        if parts is None:
-            return None
-        return torch.cat([t for _, t in sorted(p for p in parts if p is not None)])
 
     # --- training ---------------------------------------------------------------------------
     def train(

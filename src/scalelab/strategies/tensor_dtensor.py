@@ -164,7 +164,9 @@ class DTensorParallel(TorchStrategy):
             with self.timer.phase("compute"):
                 out = self.forward(workload, model, xd)
             with self.timer.phase("gather"):
-                return self._gather(out)
+                return self.groups.gather_replicas(
+                    self.comm, out if self.groups.inner_rank == 0 else None
+                )
 
         timings, out = timed_iterations(
             step, self.timer, self.cfg.warmup, self.cfg.iters, barrier=self.comm.barrier
@@ -177,13 +179,6 @@ class DTensorParallel(TorchStrategy):
             self.timer.bytes_moved(),
             notes=self.notes(),
         )
-
-    def _gather(self, out: torch.Tensor) -> torch.Tensor | None:
-        mine = None
-        if self.groups.inner_rank == 0:
-            mine = (self.groups.dp_rank, out.detach().to("cpu", torch.float64))
-        parts = self.comm.gather_object(mine)
-        return None if parts is None else torch.cat([t for _, t in sorted(p for p in parts if p)])
 
     # --- training -----------------------------------------------------------------------------
     def train(
