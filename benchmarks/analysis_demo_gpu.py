@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 from scalelab.analysis import load_records
-from scalelab.analysis.demo_study import run_demo
 from scalelab.analysis.system_roofline import estimate_peaks, system_points
+from scalelab.orchestration.demo import run_demo
 
 
 def main() -> int:

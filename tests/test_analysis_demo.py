@@ -1,4 +1,4 @@
-"""The demo study (analysis/demo_study.py): pieces this install or machine lacks are skipped
+"""The demo study (orchestration/demo.py): pieces this install or machine lacks are skipped
 with a note, real pieces run as their own processes, the report is written, and a second run
 resumes instead of measuring again. Only the mlp training piece runs here (the others are
 exercised by their own tests); it trains the same function on 1 and 2 ranks."""
@@ -11,7 +11,7 @@ from scalelab.record import read_records
 
 @pytest.mark.mpi
 def test_demo_degrades_and_resumes(tmp_path, monkeypatch):
-    from scalelab.analysis import demo_study
+    from scalelab.orchestration import demo as demo_study
 
     def absent(self):
         raise UsageError("not on this machine")

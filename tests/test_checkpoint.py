@@ -10,10 +10,10 @@ import torch
 from scalelab.cli.commands.run import substitute
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
+from scalelab.orchestration.compare_devices import compare_devices, relerr
 from scalelab.record import read_records
 from scalelab.runner import execute
 from scalelab.train import checkpoint as ckpt
-from scalelab.train.compare_devices import compare_devices, relerr
 from scalelab.train.guards import TrainingDiverged
 from scalelab.workloads.base import state_dict_float64
 

@@ -12,7 +12,7 @@ import torch
 from scalelab.cli.commands.fit import config_argv, parse_size
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
-from scalelab.fit import EstimatedLimit, Search, attempt, estimate_bytes, largest
+from scalelab.orchestration.fit import EstimatedLimit, Search, attempt, estimate_bytes, largest
 from scalelab.record import read_records
 
 MiB = 2**20

@@ -221,7 +221,7 @@ NOISE = 1.25  # the most one configuration's repeated runs may differ for a 5% c
 def _host_noise(out: Path) -> float:
     """The largest fastest/slowest throughput ratio among repeated runs of one calibration
     configuration: how much load from elsewhere moved the measurements during this test."""
-    from scalelab.analysis.sweep import config_key
+    from scalelab.orchestration.sweep import config_key
     from scalelab.record import read_records
 
     runs: dict[str, list[float]] = {}

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from scalelab.analysis.sweep import load_study, points
+from scalelab.orchestration.sweep import load_study, points
 
 pytestmark = pytest.mark.slurm
 
@@ -34,7 +34,7 @@ FAKES = {
     "scontrol": '#!/bin/bash\necho node-a; seq -f "node-%g" 1 20000\n',
     # python3: the point helper says "not done"; a run writes each argument NUL-terminated to
     # a fresh file
-    "python3": '#!/bin/bash\n[ "$2" = scalelab.analysis.slurm_point ] && exit 1\n'
+    "python3": '#!/bin/bash\n[ "$2" = scalelab.cli.slurm_point ] && exit 1\n'
     'f=$(mktemp -p "$ARGS_DIR")\nfor a in "$@"; do printf "%s\\0" "$a"; done > "$f"\n',
     # sbatch: record its arguments one per line, answer a job id
     "sbatch": '#!/bin/bash\nn=$(ls "$ARGS_DIR" | wc -l)\nprintf "%s\\n" "$@" > '

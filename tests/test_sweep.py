@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from scalelab.analysis.sweep import _run_process, load_study, points
 from scalelab.cli.main import build_parser
 from scalelab.cli.options import config_from_args
+from scalelab.orchestration.sweep import _run_process, load_study, points
 from scalelab.record import read_records
 
 
@@ -92,7 +92,7 @@ def test_points_reproduce_their_config_through_the_cli(tmp_path):
 
 def test_records_match_across_new_config_fields(tmp_path):
     """A record written before a config field existed still marks its point done."""
-    from scalelab.analysis.sweep import config_key
+    from scalelab.orchestration.sweep import config_key
 
     (point,) = points(load_study(_study(tmp_path, "[grid]\nworkload=['mlp']\nhidden=[16]")))
     old = point.config.to_dict()

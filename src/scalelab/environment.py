@@ -113,14 +113,21 @@ def mpi_pmi(version: str) -> list[str]:
     return []
 
 
+def query_cuda_aware(MPI) -> bool:
+    """Whether the MPI library accepts device pointers (MPIX_Query_cuda_support where the
+    library has it: Open MPI and MPICH builds with CUDA)."""
+    try:
+        return bool(MPI.Query_cuda_support())
+    except (AttributeError, NotImplementedError, RuntimeError):
+        return False
+
+
 def mpi_cuda_aware(version: str) -> bool | None:
     """Whether the library accepts device pointers: asked of the library once MPI runs
     (MPIX_Query_cuda_support), else read from its build (MPICH's configure line, Open MPI's
     ompi_info); None when it cannot tell."""
     MPI = _mpi_module()
     if MPI is not None and MPI.Is_initialized():
-        from scalelab.comm.mpi import query_cuda_aware
-
         return query_cuda_aware(MPI)
     if "MPICH" in version:
         return "--with-cuda" in version

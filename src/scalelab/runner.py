@@ -15,16 +15,17 @@ import numpy as np
 import torch
 
 from scalelab import environment
-from scalelab.comm import job_report
+from scalelab.comm import job_status
 from scalelab.config import RunConfig
 from scalelab.errors import RunFailed, UsageError
 from scalelab.instrument import host_checks
-from scalelab.instrument.numbers import numbers_lines
-from scalelab.instrument.session import instrumented
 from scalelab.oracle.check import CheckResult, check_output
 from scalelab.precision import PRECISIONS, Precision
 from scalelab.record import append_record, failed_record, new_record
-from scalelab.strategies import STRATEGIES, RunOutput, Strategy
+from scalelab.results import RunOutput
+from scalelab.run.numbers import numbers_lines
+from scalelab.run.session import instrumented
+from scalelab.strategies import STRATEGIES, Strategy
 from scalelab.train.headline import headline
 from scalelab.weights import load_weights, save_weights
 from scalelab.workloads import WORKLOADS, Inputs, Workload
@@ -58,7 +59,7 @@ def execute(cfg: RunConfig, results: Path | None) -> RunReport:
         if strategy.comm.size > 1 and not isinstance(exc, (SystemExit, RunFailed)):
             # One rank failing alone would leave the others blocked in a collective.
             code, line = rank_failure_line(strategy.comm.rank, exc)
-            if not job_report.report(line, code):
+            if not job_status.report(line, code):
                 sys.stderr.write(f"{line}; aborting all ranks\n")
                 sys.stderr.flush()
             strategy.comm.abort(code)

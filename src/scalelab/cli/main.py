@@ -16,8 +16,9 @@ import typing
 
 from scalelab import __version__
 from scalelab.cli.base import COMMANDS
-from scalelab.comm import job_report
+from scalelab.comm import job_status
 from scalelab.errors import EXIT_FAILED, EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, CheckFailed, UsageError
+from scalelab.instrument.timer import HUB
 
 log = logging.getLogger("scalelab")
 
@@ -98,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(argv)  # a launcher re-runs exactly this command line on every rank
     setup_logging(args)
-    job_report.start_beacon()  # a rank of a job scalelab launched: report phases
+    if job_status.start_beacon():  # a rank of a job scalelab launched: report phases
+        HUB.beacon = job_status.beacon  # every phase the timer opens lands on its status page
     try:
         return args.handler(args)
     except UsageError as exc:
@@ -119,7 +121,7 @@ def _one_line(args: argparse.Namespace, kind: str, exc: BaseException | str, cod
     process instead, which prints the first rank's line once."""
     text = " ".join(str(exc).split("\n"))
     line = f"scalelab {args.command}: {kind}: {text}"
-    if not job_report.report(line, code):
+    if not job_status.report(line, code):
         sys.stderr.write(line + "\n")
     return code
 

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from scalelab.comm import slurm
-from scalelab.comm.job_report import JobOutcome, run_job
 from scalelab.errors import UsageError
 
 if TYPE_CHECKING:
@@ -111,23 +110,6 @@ def torchrun_command(ranks: int) -> list[str]:
         "--standalone",
         f"--nproc-per-node={ranks}",
     ]
-
-
-def relaunch(launcher: str, ranks: int, argv: list[str]) -> int:
-    """Run `scalelab ARGV` under the launcher with `ranks` processes; return its exit code."""
-    return relaunch_job(launcher, ranks, argv).code
-
-
-def relaunch_job(launcher: str, ranks: int, argv: list[str]) -> JobOutcome:
-    """relaunch, with the one line that explains a failed job (a refusal, a dead rank)."""
-    if launcher == "mpi":
-        cmd, env = mpiexec_command(ranks)
-        cmd += [sys.executable, "-m", "scalelab", *argv]
-    else:
-        cmd, env = torchrun_command(ranks) + ["-m", "scalelab", *argv], dict(os.environ)
-    env.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (shared hosts)
-    env["SCALELAB_LAUNCHED"] = "1"
-    return run_job(cmd, env, launcher)
 
 
 def settle_config(cfg: RunConfig, launcher: str | None) -> RunConfig:

@@ -18,6 +18,7 @@ import torch
 
 from scalelab.comm import slurm
 from scalelab.comm.base import Comm, Request
+from scalelab.environment import query_cuda_aware
 from scalelab.errors import UsageError
 
 _NUMPY_REDUCIBLE = {torch.float32, torch.float64, torch.int32, torch.int64, torch.float16}
@@ -60,15 +61,6 @@ def check_spans_srun(size: int) -> None:
         f"library share no PMI; run srun --mpi={speaks[-1]} (this library speaks "
         f"{', '.join(speaks)})"
     )
-
-
-def query_cuda_aware(MPI) -> bool:
-    """Whether the MPI library accepts device pointers (MPIX_Query_cuda_support where the
-    library has it: Open MPI and MPICH builds with CUDA)."""
-    try:
-        return bool(MPI.Query_cuda_support())
-    except (AttributeError, NotImplementedError, RuntimeError):
-        return False
 
 
 class _MPIRequest(Request):

@@ -226,16 +226,17 @@ def step_unsupported(strategy: TorchStrategy, opt: torch.optim.Optimizer) -> str
     return None
 
 
-def unsupported(strategy: TorchStrategy, opt: torch.optim.Optimizer, plan: TrainPlan) -> str | None:
-    """Why the captured step cannot stand in for the one-process train_step here, or None."""
-    from scalelab.strategies.torch_base import TorchStrategy
-
+def unsupported(
+    strategy: TorchStrategy, opt: torch.optim.Optimizer, plan: TrainPlan, own_hooks: str | None
+) -> str | None:
+    """Why the captured step cannot stand in for the one-process train_step here, or None.
+    own_hooks: the strategy's reason (it reduces gradients or draws batches its own way)."""
     reason = step_unsupported(strategy, opt)
     if reason is not None:
         return reason
-    if type(strategy).reduce_gradients is not TorchStrategy.reduce_gradients:
-        return f"strategy {strategy.name} reduces gradients across ranks inside the step"
-    if type(strategy).shard is not TorchStrategy.shard or type(plan.source) is not GlobalBatches:
+    if own_hooks is not None:
+        return own_hooks
+    if type(plan.source) is not GlobalBatches:
         return f"strategy {strategy.name} draws its batches its own way"
     return None
 
@@ -256,10 +257,14 @@ def fast_trainer(
 
 
 def local_fast_trainer(
-    strategy: TorchStrategy, workload: Workload, plan: TrainPlan, train: Inputs
+    strategy: TorchStrategy,
+    workload: Workload,
+    plan: TrainPlan,
+    train: Inputs,
+    own_hooks: str | None = None,
 ) -> Callable[..., Trainer] | None:
     """One process: same batches (batch_order), loss, optimizer, checkpoints and guards as the
     plain loop; the data upload and graph capture are charged to the first epoch's lap."""
     cfg = strategy.cfg
-    reason = unsupported(strategy, workload.optimizer(plan.module), plan)
+    reason = unsupported(strategy, workload.optimizer(plan.module), plan, own_hooks)
     return fast_trainer(strategy, reason, GlobalFeed(train, cfg.batch, cfg.seed, plan.prepare))

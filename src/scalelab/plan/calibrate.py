@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from scalelab.analysis.sweep import Point, run_point
 from scalelab.config import RunConfig
+from scalelab.orchestration.sweep import Point, run_point
 from scalelab.plan.space import PlanSpec
 from scalelab.predict.calibration import Pool
 from scalelab.predict.figures import Figures

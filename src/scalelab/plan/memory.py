@@ -1,4 +1,4 @@
-"""Bytes one rank holds under a candidate: the `fit` model's estimate (scalelab.fit:
+"""Bytes one rank holds under a candidate: the `fit` model's estimate (scalelab.orchestration.fit:
 parameters, gradients and optimizer state, plus every layer's output for the batch kept for
 backward) at the rank's share of the model and of the batch.
 
@@ -19,7 +19,7 @@ import dataclasses
 import math
 
 from scalelab.config import RunConfig
-from scalelab.fit import estimate_bytes
+from scalelab.orchestration.fit import estimate_bytes
 
 
 def rank_share(cfg: RunConfig) -> tuple[float, float]:

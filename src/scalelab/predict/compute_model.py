@@ -21,19 +21,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scalelab.config import RunConfig
 from scalelab.precision import get_precision
 from scalelab.predict.calibration import BatchLaw, Pool, batch_law, near_miss
 from scalelab.predict.figures import Figures
-from scalelab.predict.scenario import Scenario
-from scalelab.workloads.base import LayerCost, Workload
-
-
-def build_workload(cfg: RunConfig) -> Workload:
-    import scalelab.workloads  # noqa: F401  (fills WORKLOADS)
-    from scalelab.workloads.base import WORKLOADS
-
-    return WORKLOADS.get(cfg.workload)(cfg)
+from scalelab.predict.scenario import Scenario, build_workload
+from scalelab.workloads.base import LayerCost
 
 
 def roofline_layers(scenario: Scenario, figures: Figures, batch: float) -> list[tuple[str, float]]:

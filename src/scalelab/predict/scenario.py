@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass, field
 
 from scalelab.config import RunConfig
+from scalelab.workloads import WORKLOADS, Workload
 
 # Config fields that must agree between a measurement and a scenario it calibrates (the rest
 # are bookkeeping or the strategy's own communication choices).
@@ -87,11 +88,13 @@ class Scenario:
         )
 
 
+def build_workload(cfg: RunConfig) -> Workload:
+    return WORKLOADS.get(cfg.workload)(cfg)
+
+
 def _native(cfg: RunConfig, key: str):
     value = getattr(cfg, key)
     if value is None and key in ("image_size", "num_classes"):
-        from scalelab.predict.compute_model import build_workload
-
         return getattr(build_workload(cfg), key)
     return value
 

@@ -11,6 +11,6 @@ from scalelab.strategies import (  # noqa: F401
     serial,
     tensor,
 )
-from scalelab.strategies.base import STRATEGIES, RunOutput, Strategy
+from scalelab.strategies.base import STRATEGIES, Strategy
 
-__all__ = ["STRATEGIES", "RunOutput", "Strategy"]
+__all__ = ["STRATEGIES", "Strategy"]

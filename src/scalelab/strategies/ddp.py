@@ -41,7 +41,8 @@ from scalelab.errors import UsageError
 from scalelab.instrument.spans import SPANS
 from scalelab.instrument.timer import EventTimer
 from scalelab.precision import get_precision
-from scalelab.strategies.base import STRATEGIES, RunOutput
+from scalelab.results import RunOutput
+from scalelab.strategies.base import STRATEGIES
 from scalelab.strategies.ddp_comm import BucketTimer
 from scalelab.strategies.torch_base import TorchStrategy, resolve_device
 from scalelab.train.data import LoaderShards, ResidentShards

@@ -21,8 +21,8 @@ from torch import nn
 from scalelab.comm import Comm, SelfComm
 from scalelab.errors import UsageError
 from scalelab.instrument.timer import PhaseTimer
+from scalelab.results import RunOutput
 from scalelab.strategies import partition as part
-from scalelab.strategies.base import RunOutput
 from scalelab.strategies.pipeline_report import summary_line
 from scalelab.strategies.torch_base import TorchStrategy
 from scalelab.workloads.base import Inputs, Workload

@@ -28,7 +28,8 @@ from scalelab.comm.mpi import MPIComm
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
 from scalelab.instrument.timer import PhaseTimer
-from scalelab.strategies.base import STRATEGIES, RunOutput
+from scalelab.results import RunOutput
+from scalelab.strategies.base import STRATEGIES
 from scalelab.strategies.torch_base import TorchStrategy, resolve_device
 from scalelab.train.loop import TrainPlan, evaluate, require_labels, run_training
 from scalelab.train.sources import BatchSource, Step, batch_order, batch_slices

@@ -40,8 +40,9 @@ from scalelab.instrument.timer import (
     notify_step,
     timed_iterations,
 )
+from scalelab.results import RunOutput, TrainHistory
 from scalelab.strategies import partition as part
-from scalelab.strategies.base import STRATEGIES, RunOutput, Strategy, TrainHistory
+from scalelab.strategies.base import STRATEGIES, Strategy
 from scalelab.strategies.manual_placement import ManualPlacement
 from scalelab.strategies.pipeline_report import pipeline_notes, stage_summary, summary_line
 from scalelab.strategies.pipeline_schedule import SCHEDULES

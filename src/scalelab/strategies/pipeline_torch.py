@@ -32,9 +32,9 @@ from scalelab.comm import Comm
 from scalelab.comm.torchdist import TorchDistComm
 from scalelab.errors import UsageError
 from scalelab.instrument.timer import device_sync, timed_iterations
+from scalelab.results import RunOutput
 from scalelab.strategies import partition as part
 from scalelab.strategies import penalty as pen
-from scalelab.strategies.base import RunOutput
 from scalelab.strategies.ddp import init_group
 from scalelab.strategies.mesh import Layout, MeshGroups
 from scalelab.strategies.pipeline_torch_report import RunLog, torch_pipeline_notes

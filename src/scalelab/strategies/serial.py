@@ -17,7 +17,8 @@ from scalelab.errors import UsageError
 from scalelab.instrument.progress import Progress
 from scalelab.instrument.timer import PhaseTimer, Timings, timed_iterations
 from scalelab.precision import get_precision
-from scalelab.strategies.base import STRATEGIES, RunOutput, Strategy, TrainHistory
+from scalelab.results import RunOutput, TrainHistory
+from scalelab.strategies.base import STRATEGIES, Strategy
 from scalelab.train.loop import batch_order, batch_slices, total_steps
 from scalelab.workloads.base import WORKLOADS, Inputs, Workload, state_dict_float64
 

@@ -27,7 +27,8 @@ from scalelab.comm import Comm, even_counts
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
 from scalelab.instrument.timer import PhaseTimer, timed_iterations
-from scalelab.strategies.base import STRATEGIES, RunOutput
+from scalelab.results import RunOutput
+from scalelab.strategies.base import STRATEGIES
 from scalelab.strategies.mpi_dp import OnMPIRanks, host_stage, refuse_options, staged_allreduce
 from scalelab.train.loop import default_plan, require_labels, run_training
 from scalelab.workloads.base import Inputs, Workload

@@ -30,8 +30,8 @@ from scalelab.comm import Comm
 from scalelab.comm.torchdist import TorchDistComm
 from scalelab.errors import UsageError
 from scalelab.instrument.timer import timed_iterations
+from scalelab.results import RunOutput
 from scalelab.strategies import penalty as pen
-from scalelab.strategies.base import RunOutput
 from scalelab.strategies.ddp import init_group
 from scalelab.strategies.mesh import Layout, MeshGroups
 from scalelab.strategies.torch_base import TorchStrategy

@@ -12,7 +12,8 @@ from torch import nn
 
 from scalelab.errors import UsageError
 from scalelab.instrument.timer import PhaseTimer, device_sync, timed_iterations
-from scalelab.strategies.base import RunOutput, Strategy, TrainHistory
+from scalelab.results import RunOutput, TrainHistory
+from scalelab.strategies.base import Strategy
 from scalelab.train.loop import default_plan, train_epochs
 from scalelab.workloads.base import Inputs, Workload
 
@@ -122,6 +123,14 @@ class TorchStrategy(Strategy):
             {"h2d": inputs.x.nbytes},
         )
 
+    def _own_hooks(self) -> str | None:
+        """Why this strategy's training step is not the one-process step --fast captures."""
+        if type(self).reduce_gradients is not TorchStrategy.reduce_gradients:
+            return f"strategy {self.name} reduces gradients across ranks inside the step"
+        if type(self).shard is not TorchStrategy.shard:
+            return f"strategy {self.name} draws its batches its own way"
+        return None
+
     def train(
         self, workload: Workload, model: nn.Module, data: tuple[Inputs, Inputs] | None
     ) -> RunOutput:
@@ -134,7 +143,7 @@ class TorchStrategy(Strategy):
         if self.cfg.fast:
             from scalelab.fast.train import local_fast_trainer
 
-            make_trainer = local_fast_trainer(self, workload, plan, train)
+            make_trainer = local_fast_trainer(self, workload, plan, train, self._own_hooks())
         timings = train_epochs(
             self, workload, model, train, heldout, self.timer, history, plan, make_trainer
         )

@@ -25,6 +25,7 @@ from torch import nn
 from scalelab.errors import UsageError
 from scalelab.instrument.progress import Progress
 from scalelab.instrument.timer import PhaseTimer, Timings, device_sync, notify_step
+from scalelab.results import RunOutput, TrainHistory
 from scalelab.train import checkpoint as ckpt
 from scalelab.train.guards import NonFiniteGuard, TrainingDiverged, all_finite
 from scalelab.train.sources import (  # noqa: F401  (batch_order: re-exported, as before)
@@ -37,7 +38,6 @@ from scalelab.train.sources import (  # noqa: F401  (batch_order: re-exported, a
 from scalelab.workloads.base import Inputs, Workload
 
 if TYPE_CHECKING:
-    from scalelab.strategies.base import RunOutput, TrainHistory
     from scalelab.strategies.torch_base import TorchStrategy
 
 
@@ -343,8 +343,6 @@ def run_training(
 ) -> RunOutput:
     """Train with plan and package the run for the runner (phases gathered on the root).
     make_trainer: a Trainer subclass (or partial) that runs the steps its own way (--fast)."""
-    from scalelab.strategies.base import RunOutput, TrainHistory
-
     history = TrainHistory()
     trainer = (make_trainer or Trainer)(strategy, workload, model, plan, strategy.timer, history)
     timings = trainer.run()

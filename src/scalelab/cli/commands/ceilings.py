@@ -20,7 +20,7 @@ import torch
 
 from scalelab.cli.base import COMMANDS, Command
 from scalelab.cli.commands import ceilings_collectives as coll
-from scalelab.comm.launch import inside_launcher, relaunch
+from scalelab.comm.launch import inside_launcher
 from scalelab.errors import UsageError
 from scalelab.instrument import ceilings as C
 from scalelab.instrument.ceiling_checks import self_check
@@ -29,6 +29,7 @@ from scalelab.instrument.comm_bench import measure_comm, message_sizes
 from scalelab.instrument.host_checks import HostProbe, load_warning
 from scalelab.instrument.peaks import PEAKS
 from scalelab.instrument.progress import Progress
+from scalelab.orchestration.jobs import relaunch
 
 LAUNCHERS = {"mpi": "mpi", "gloo": "torchrun", "nccl": "torchrun"}
 

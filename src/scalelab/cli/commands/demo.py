@@ -1,14 +1,14 @@
 """`scalelab demo`: the main job. A small study end to end on whatever this machine has
 (CPU only, one GPU, several): ceilings, `versions alexnet` at a small size, mlp training with
 mpi-dp on 1 and 2 ranks, a tiny scaling sweep, then the HTML report. The study itself lives in
-scalelab.analysis.demo_study; this module only parses flags."""
+scalelab.orchestration.demo; this module only parses flags."""
 
 from __future__ import annotations
 
 import argparse
 
-from scalelab.analysis.demo_study import run_demo
 from scalelab.cli.base import COMMANDS, Command
+from scalelab.orchestration.demo import run_demo
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -8,7 +8,7 @@ pipeline stages a stack that does not fit needs (the model-parallel seed's Task 
                  --run train it under `pipeline` on that many ranks
 
 On CUDA the tries run for real (--mem-limit caps the allocator, to play a smaller GPU); on CPU
---mem-limit is required and charged against each try's estimated bytes (scalelab.fit).
+--mem-limit is required and charged against each try's estimated bytes (scalelab.orchestration.fit).
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ from scalelab import environment
 from scalelab.cli.base import COMMANDS, Command
 from scalelab.cli.options import RUN_ONLY, SKIP, add_config_options, config_from_args
 from scalelab.comm.base import even_counts
-from scalelab.comm.launch import relaunch
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
-from scalelab.fit import DeviceTrial, EstimatedLimit, FitPoint, Search
+from scalelab.orchestration.fit import DeviceTrial, EstimatedLimit, FitPoint, Search
+from scalelab.orchestration.jobs import relaunch
 from scalelab.precision import get_precision
 from scalelab.record import append_record, new_record
 from scalelab.strategies import partition as part

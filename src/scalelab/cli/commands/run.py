@@ -15,15 +15,10 @@ from typing import Any
 
 from scalelab.cli.base import COMMANDS, Command
 from scalelab.cli.options import add_config_options, config_from_args, expand_lists, flag_of
-from scalelab.comm.job_report import JobOutcome, run_job
-from scalelab.comm.launch import (
-    inside_launcher,
-    relaunch_job,
-    settle_config,
-    torchrun_command,
-)
+from scalelab.comm.launch import inside_launcher, settle_config, torchrun_command
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
+from scalelab.orchestration.jobs import JobOutcome, relaunch_job, run_job
 from scalelab.outputs import check_run_outputs
 from scalelab.record import DEFAULT_RESULTS, append_record, failed_record
 from scalelab.runner import execute, format_summary
@@ -234,7 +229,7 @@ def launch(launcher: str, cfg: RunConfig, args: argparse.Namespace) -> JobOutcom
 
 
 def _compare_devices(cfg: RunConfig, args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
-    from scalelab.train.compare_devices import compare_devices
+    from scalelab.orchestration.compare_devices import compare_devices
 
     report = compare_devices(cfg)
     print(report.table(), file=_human(args))

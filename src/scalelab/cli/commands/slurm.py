@@ -6,10 +6,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from scalelab.analysis.slurm import SlurmOptions
-from scalelab.analysis.slurm_scripts import write_scripts
-from scalelab.analysis.sweep import load_study
 from scalelab.cli.base import COMMANDS, Command
+from scalelab.orchestration.slurm import SlurmOptions
+from scalelab.orchestration.slurm_scripts import write_scripts
+from scalelab.orchestration.sweep import load_study
 from scalelab.outputs import check_dir
 
 SBATCH_PASSTHROUGH = {

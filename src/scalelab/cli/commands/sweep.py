@@ -10,9 +10,9 @@ import shutil
 import sys
 from pathlib import Path
 
-from scalelab.analysis.sweep import done_keys, load_study, points, run_study
 from scalelab.cli.base import COMMANDS, Command
 from scalelab.errors import UsageError
+from scalelab.orchestration.sweep import done_keys, load_study, points, run_study
 from scalelab.outputs import check_file
 
 

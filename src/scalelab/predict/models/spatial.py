@@ -22,10 +22,9 @@ import math
 from typing import Any
 
 from scalelab.errors import UsageError
-from scalelab.predict.compute_model import build_workload
 from scalelab.predict.models.base import Context, Wire, item_bytes, output_width, storage_bytes
-from scalelab.predict.models.split import COMM, SPLITS, scatter_in
-from scalelab.predict.scenario import Prediction, Scenario
+from scalelab.predict.models.split import COMM, SPLIT_CHECKS, SPLITS, scatter_in
+from scalelab.predict.scenario import Prediction, Scenario, build_workload
 from scalelab.strategies.halo import plan_trunk
 from scalelab.strategies.split.trunks import Trunk, trunk_for
 
@@ -37,11 +36,15 @@ def trunk_of(scenario: Scenario) -> Trunk:
 
 
 def spatial_infeasible(scenario: Scenario) -> str | None:
+    """Why the trunk cannot be cut over the scenario's ranks (rows per rank too few)."""
     try:
         plan_trunk(trunk_of(scenario).geometries(), scenario.ranks)
     except UsageError as exc:
         return str(exc).split(";")[0]
     return None
+
+
+SPLIT_CHECKS["spatial"] = spatial_infeasible
 
 
 def timeline_layers(rec: dict[str, Any], trunk: Trunk) -> tuple[tuple[str, float], ...] | None:

@@ -34,6 +34,8 @@ from scalelab.registry import Registry
 
 SplitFn = Callable[[Context, Scenario, Wire], Prediction]
 SPLITS: Registry[SplitFn] = Registry("split model")
+# split name -> why it cannot run a scenario (or None); splits with conditions register here
+SPLIT_CHECKS: dict[str, Callable[[Scenario], str | None]] = {}
 COMM = frozenset({"scatter", "gather", "bcast", "halo", "allreduce"})
 
 
@@ -47,15 +49,10 @@ class SplitModel(StrategyModel):
         cfg = scenario.cfg
         if cfg.split == "batch" and scenario.ranks > cfg.batch:
             return f"{scenario.ranks} ranks but only {cfg.batch} items in the batch"
-        if cfg.split == "spatial":
-            from scalelab.predict.models.spatial import spatial_infeasible
-
-            return spatial_infeasible(scenario)
-        return None
+        check = SPLIT_CHECKS.get(cfg.split)
+        return None if check is None else check(scenario)
 
     def predict(self, ctx: Context, scenario: Scenario) -> Prediction:
-        import scalelab.predict.models.spatial  # noqa: F401  (registers the spatial split)
-
         return SPLITS.get(scenario.cfg.split)(ctx, scenario, self.wire(scenario))
 
 

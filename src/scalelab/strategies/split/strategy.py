@@ -23,7 +23,7 @@ from scalelab.instrument.rank_table import (
     format_rank_table,
 )
 from scalelab.instrument.timer import Timings, device_sync, timed_iterations
-from scalelab.strategies.base import RunOutput
+from scalelab.results import RunOutput
 from scalelab.strategies.split.base import SPLITS, Split
 from scalelab.strategies.split.overlap import OverlapSplit
 from scalelab.strategies.split.transport import Transport

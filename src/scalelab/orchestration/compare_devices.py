@@ -21,7 +21,7 @@ from scalelab import environment
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
 from scalelab.record import new_record
-from scalelab.strategies.base import TrainHistory
+from scalelab.results import TrainHistory
 from scalelab.strategies.local import LocalStrategy
 from scalelab.train.loop import Trainer, default_plan
 from scalelab.weights import load_weights

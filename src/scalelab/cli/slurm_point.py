@@ -1,4 +1,4 @@
-"""What a generated sbatch script asks about its point (`python -m scalelab.analysis.slurm_point`):
+"""What a generated sbatch script asks about its point (`python -m scalelab.cli.slurm_point`):
 
     done ARGS...            exit 0 when the results file has an ok record of this point
     failed REASON ARGS...   append a failed record for it, unless this job already wrote one
@@ -14,9 +14,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from scalelab.analysis.sweep import config_key
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
+from scalelab.orchestration.sweep import config_key
 from scalelab.record import append_record, failed_record, read_records
 
 
@@ -66,7 +66,7 @@ def main(argv: list[str]) -> int:
         cfg, results = point_config(argv[2:])
         record_failure(cfg, results, argv[1])
         return 0
-    sys.stderr.write("usage: python -m scalelab.analysis.slurm_point done|failed REASON ARGS\n")
+    sys.stderr.write("usage: python -m scalelab.cli.slurm_point done|failed REASON ARGS\n")
     return 2
 
 

@@ -38,10 +38,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from scalelab.comm.job_report import NOISE
 from scalelab.comm.launch import mpiexec_command, torchrun_command
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
+from scalelab.orchestration.jobs import NOISE
 from scalelab.outputs import inside
 from scalelab.record import append_record, failed_record, read_records
 from scalelab.strategies import STRATEGIES

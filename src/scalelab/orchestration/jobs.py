@@ -1,23 +1,19 @@
-"""What a launched job's ranks tell the process that launched them, and what it tells you.
+"""A launched job, seen from the process that launched it (`scalelab run --ranks N`).
 
-The launching process (`scalelab run --ranks N`) gives the job a folder (SCALELAB_JOB_DIR).
-Each rank keeps a small status file there: its pid, host and the phase it is in (one write
-into a memory-mapped page per phase: it survives the rank's death and costs no syscall). A
-rank that refuses the configuration, or fails, writes its one line there instead of printing
-it. When the launcher ends badly, the launching process prints exactly one line: the first
-rank's refusal (exit 2), a rank's failure (its code), or the rank that died, on which host, of
-which signal, in which phase (`scalelab: rank 1 on HOST died (signal 9) during halo; job
-aborted after 0.8 s`). The launchers' own banners (torchrun's ChildFailedError traceback,
-MPICH's BAD TERMINATION box, MPI_Abort lines) are read for the facts and not forwarded.
+It gives the job a folder (SCALELAB_JOB_DIR) where each rank keeps its status page and
+its one line (comm/job_status.py). When the launcher ends badly, it prints exactly one line:
+the first rank's refusal (exit 2), a rank's failure (its code), or the rank that died, on
+which host, of which signal, in which phase (`scalelab: rank 1 on HOST died (signal 9) during
+halo; job aborted after 0.8 s`). The launchers' own banners (torchrun's ChildFailedError
+traceback, MPICH's BAD TERMINATION box, MPI_Abort lines) are read for the facts and not
+forwarded.
 """
 
 from __future__ import annotations
 
-import mmap
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,52 +22,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-JOB_DIR_VAR = "SCALELAB_JOB_DIR"
-RANK_VARS = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
-STATUS_BYTES = 256
-_beacon: mmap.mmap | None = None
-
-
-# --- the rank's side -----------------------------------------------------------------------
-def this_rank() -> int:
-    return next((int(os.environ[v]) for v in RANK_VARS if os.environ.get(v, "").isdigit()), 0)
-
-
-def start_beacon() -> None:
-    """Inside a job scalelab launched: open this rank's status page and report each phase."""
-    global _beacon
-    folder = os.environ.get(JOB_DIR_VAR)
-    if not folder or _beacon is not None or not Path(folder).is_dir():
-        return
-    path = Path(folder) / f"rank{this_rank()}.status"
-    with open(path, "wb") as f:
-        f.write(b" " * STATUS_BYTES)
-    with open(path, "r+b") as f:
-        _beacon = mmap.mmap(f.fileno(), STATUS_BYTES)
-    beacon("setup")
-    from scalelab.instrument.timer import HUB
-
-    HUB.beacon = beacon
-
-
-def beacon(phase: str) -> None:
-    if _beacon is None:
-        return
-    line = f"{os.getpid()} {socket.gethostname()} {time.time():.3f} {phase}".encode()
-    _beacon[:STATUS_BYTES] = line[:STATUS_BYTES].ljust(STATUS_BYTES)
-
-
-def report(line: str, code: int) -> bool:
-    """A rank's one line for the user, handed to the launching process (True) when there is
-    one; the caller prints it itself otherwise."""
-    folder = os.environ.get(JOB_DIR_VAR)
-    if not folder or not Path(folder).is_dir():
-        return False
-    tmp = Path(folder) / f".note{this_rank()}.{os.getpid()}"
-    tmp.write_text(f"{code}\n{line}")
-    os.replace(tmp, Path(folder) / f"note.rank{this_rank()}")
-    return True
-
+from scalelab.comm.job_status import JOB_DIR_VAR
+from scalelab.comm.launch import mpiexec_command, torchrun_command
 
 # --- the launching side --------------------------------------------------------------------
 NOISE = [
@@ -235,3 +187,21 @@ def _dead_rank(captured: list[str], status: dict) -> tuple[int, str, int | None]
         signal = int(sig.group(1)) if sig else None
         return (rank_of if rank_of is not None else -1), pid.group(2), signal
     return None
+
+
+# --- relaunching this command line under a launcher --------------------------------------
+def relaunch(launcher: str, ranks: int, argv: list[str]) -> int:
+    """Run `scalelab ARGV` under the launcher with `ranks` processes; return its exit code."""
+    return relaunch_job(launcher, ranks, argv).code
+
+
+def relaunch_job(launcher: str, ranks: int, argv: list[str]) -> JobOutcome:
+    """relaunch, with the one line that explains a failed job (a refusal, a dead rank)."""
+    if launcher == "mpi":
+        cmd, env = mpiexec_command(ranks)
+        cmd += [sys.executable, "-m", "scalelab", *argv]
+    else:
+        cmd, env = torchrun_command(ranks) + ["-m", "scalelab", *argv], dict(os.environ)
+    env.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (shared hosts)
+    env["SCALELAB_LAUNCHED"] = "1"
+    return run_job(cmd, env, launcher)

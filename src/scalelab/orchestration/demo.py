@@ -23,9 +23,8 @@ from typing import Any
 
 import torch
 
-from scalelab.analysis.sweep import Study, points, run_study
-from scalelab.cli.base import COMMANDS
 from scalelab.errors import UsageError
+from scalelab.orchestration.sweep import Study, points, run_study
 from scalelab.strategies import STRATEGIES
 
 IMAGE = 67  # the smallest AlexNet input that keeps all five convs and three pools
@@ -75,10 +74,6 @@ class Demo:
 
     # --- pieces ----------------------------------------------------------------------------
     def command(self, argv: list[str], what: str) -> str:
-        import scalelab.cli.commands  # noqa: F401  (fills COMMANDS)
-
-        if argv[0] not in COMMANDS:
-            raise UsageError(f"`scalelab {argv[0]}` is not in this install yet")
         code = subprocess.call([sys.executable, "-m", "scalelab", *argv])
         if code != 0:
             raise RuntimeError(f"`scalelab {' '.join(argv)}` exited with {code}")

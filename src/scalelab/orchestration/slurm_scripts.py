@@ -9,7 +9,8 @@ import shlex
 from collections import defaultdict
 from pathlib import Path
 
-from scalelab.analysis.slurm import (
+from scalelab.errors import UsageError
+from scalelab.orchestration.slurm import (
     SAFE_PATH,
     Layout,
     SlurmOptions,
@@ -18,8 +19,7 @@ from scalelab.analysis.slurm import (
     launch_words,
     layout,
 )
-from scalelab.analysis.sweep import Point, Study, points
-from scalelab.errors import UsageError
+from scalelab.orchestration.sweep import Point, Study, points
 
 COMM_ENV = """\
 # --- communication settings: uncomment what your cluster needs ---------------------------
@@ -38,7 +38,7 @@ COMM_ENV = """\
 # --signal ahead of the limit), leaves a failed record. srun runs in the background so the
 # trap fires at once (bash runs traps only between foreground commands).
 RUN_POINT = """\
-point_helper() { "$PY" -m scalelab.analysis.slurm_point "$@"; }
+point_helper() { "$PY" -m scalelab.cli.slurm_point "$@"; }
 stopped() {
   point_helper failed "job $SLURM_JOB_ID was stopped by Slurm (time limit or scancel)" \\
     "${args[@]}" || true

@@ -23,8 +23,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from scalelab.analysis.sweep import Point
 from scalelab.errors import UsageError
+from scalelab.orchestration.sweep import Point
 from scalelab.strategies import STRATEGIES
 
 SAFE_FIELD = re.compile(r"^[A-Za-z0-9_.,:+=-]+$")

@@ -1,0 +1,60 @@
+"""A launched job's rank side: the status page each rank keeps in the job folder
+(SCALELAB_JOB_DIR) and the one line it hands to the launching process.
+
+Each rank keeps a small status file there: its pid, host and the phase it is in (one write
+into a memory-mapped page per phase: it survives the rank's death and costs no syscall). A
+rank that refuses the configuration, or fails, writes its one line there instead of printing
+it. The launching side (orchestration/jobs.py) reads both when the job ends badly.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import socket
+import time
+from pathlib import Path
+
+JOB_DIR_VAR = "SCALELAB_JOB_DIR"
+RANK_VARS = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
+STATUS_BYTES = 256
+_beacon: mmap.mmap | None = None
+
+
+# --- the rank's side -----------------------------------------------------------------------
+def this_rank() -> int:
+    return next((int(os.environ[v]) for v in RANK_VARS if os.environ.get(v, "").isdigit()), 0)
+
+
+def start_beacon() -> bool:
+    """Inside a job scalelab launched: open this rank's status page (True when opened)."""
+    global _beacon
+    folder = os.environ.get(JOB_DIR_VAR)
+    if not folder or _beacon is not None or not Path(folder).is_dir():
+        return False
+    path = Path(folder) / f"rank{this_rank()}.status"
+    with open(path, "wb") as f:
+        f.write(b" " * STATUS_BYTES)
+    with open(path, "r+b") as f:
+        _beacon = mmap.mmap(f.fileno(), STATUS_BYTES)
+    beacon("setup")
+    return True
+
+
+def beacon(phase: str) -> None:
+    if _beacon is None:
+        return
+    line = f"{os.getpid()} {socket.gethostname()} {time.time():.3f} {phase}".encode()
+    _beacon[:STATUS_BYTES] = line[:STATUS_BYTES].ljust(STATUS_BYTES)
+
+
+def report(line: str, code: int) -> bool:
+    """A rank's one line for the user, handed to the launching process (True) when there is
+    one; the caller prints it itself otherwise."""
+    folder = os.environ.get(JOB_DIR_VAR)
+    if not folder or not Path(folder).is_dir():
+        return False
+    tmp = Path(folder) / f".note{this_rank()}.{os.getpid()}"
+    tmp.write_text(f"{code}\n{line}")
+    os.replace(tmp, Path(folder) / f"note.rank{this_rank()}")
+    return True
