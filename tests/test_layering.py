@@ -49,8 +49,7 @@ def _targets(node: ast.AST, module: str, is_package: bool) -> list[str]:
     return [base] + [f"{base}.{a.name}" for a in node.names]
 
 
-@functools.lru_cache(maxsize=None)
-def module_imports(source: Path = SRC) -> dict[str, set[str]]:
+def read_imports(source: Path) -> dict[str, set[str]]:
     """module -> the scalelab modules (or names in them) it imports at run time."""
     out: dict[str, set[str]] = collections.defaultdict(set)
     for path in source.rglob("*.py"):
@@ -68,6 +67,11 @@ def module_imports(source: Path = SRC) -> dict[str, set[str]]:
                     t for t in _targets(node, module, is_package) if t.startswith("scalelab.")
                 )
     return out
+
+
+@functools.cache
+def module_imports() -> dict[str, set[str]]:
+    return read_imports(SRC)
 
 
 def package_of(module: str) -> str:
@@ -178,12 +182,12 @@ def test_the_checker_sees_a_cycle_and_a_type_checking_import(tmp_path):
     (pkg / "b" / "y.py").write_text(
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from scalelab.a import x\n"
     )
-    imports = module_imports(pkg)
+    imports = read_imports(pkg)
     assert "scalelab.b.y.g" in imports["scalelab.a.x"]
     assert not any(t.startswith("scalelab.a") for t in imports["scalelab.b.y"])
     (pkg / "b" / "y.py").write_text("from ..a import x\n")
     edges = collections.defaultdict(set)
-    for module, targets in module_imports(pkg).items():
+    for module, targets in read_imports(pkg).items():
         for t in targets:
             if package_of(module) != package_of(t):
                 edges[(package_of(module), package_of(t))].add(module)
