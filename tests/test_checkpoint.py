@@ -11,6 +11,7 @@ from scalelab.cli.commands.run import substitute
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
 from scalelab.orchestration.compare_devices import compare_devices, relerr
+from scalelab.record_schema import problem
 from scalelab.record import read_records
 from scalelab.runner import execute
 from scalelab.train import checkpoint as ckpt
@@ -215,6 +216,9 @@ def test_compare_devices_matches_two_separate_runs(tmp_path):
     assert 1e-9 < report.rows[-1]["relerr"]["all"] < 1e-4  # fp32 rounding, grown a little
     assert "relative weight difference, cpu fp32 against cpu fp64" in report.table()
     assert report.record["mode"] == "compare-devices" and json.dumps(report.record)
+    # the readers accept what the writer wrote (the GPU run once wrote a record without items)
+    assert problem(json.loads(json.dumps(report.record))) is None
+    assert report.record["items"] == ref["items"]  # the same 2 epochs as the last fp64 run
 
 
 def state_dict_float64_file(path):

@@ -11,6 +11,7 @@ than the weights do.
 from __future__ import annotations
 
 import copy
+import time
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -36,6 +37,7 @@ class DeviceRun:
     setup: Setup
     history: TrainHistory
     snapshots: list[dict[str, np.ndarray]]  # float64 weights after each epoch
+    wall_s: float = 0.0  # the whole training on this setup, held-out evaluation included
 
 
 @dataclass
@@ -83,8 +85,10 @@ def train_on(
     plan = default_plan(strategy, workload, placed, *data)
     plan.epoch_end = lambda epoch, m: snapshots.append(state_dict_float64(m))
     history = TrainHistory()
+    start = time.perf_counter()
     Trainer(strategy, workload, placed, plan, strategy.timer, history).run()
-    return DeviceRun((cfg.device, cfg.dtype), history, snapshots)
+    wall = time.perf_counter() - start
+    return DeviceRun((cfg.device, cfg.dtype), history, snapshots, wall)
 
 
 def compare_devices(cfg: RunConfig, setups: list[Setup] | None = None) -> DeviceComparison:
@@ -103,6 +107,11 @@ def compare_devices(cfg: RunConfig, setups: list[Setup] | None = None) -> Device
         strategy="local",
         mode="compare-devices",
         ranks=1,
+        # the record's item count and wall: the reference setup's training (a record the
+        # readers accept); each setup's own wall is in setup_walls_s
+        items=runs[0].history.items,
+        wall_s=runs[0].wall_s,
+        setup_walls_s=[r.wall_s for r in runs],
         config=cfg.to_dict(),
         env=environment.collect(),
         **environment.git_commit(),
