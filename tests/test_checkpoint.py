@@ -11,8 +11,8 @@ from scalelab.cli.commands.run import substitute
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
 from scalelab.orchestration.compare_devices import compare_devices, relerr
-from scalelab.record_schema import problem
 from scalelab.record import read_records
+from scalelab.record_schema import problem
 from scalelab.runner import execute
 from scalelab.train import checkpoint as ckpt
 from scalelab.train.guards import TrainingDiverged
