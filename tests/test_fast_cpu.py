@@ -285,3 +285,20 @@ def test_fast_trainer_follows_plain_loop(cli, monkeypatch, momentum):
     assert fast["steps"] == plain["steps"] == 10 and fast["items"] == plain["items"]
     assert fast["loss"] == pytest.approx(plain["loss"], rel=1e-5)
     assert fast["accuracy"] == plain["accuracy"]
+
+
+def test_lrn_pool2d_autotuning_keeps_tiles_ptxas_compiles():
+    """C = 300 (CP 512) at BW 32 stalled the GPU suite in ptxas: wide channel counts keep only
+    the narrower tiles; AlexNet's (C 96, 256) keep every candidate. In a child process, since
+    importing triton here would fix TRITON_INTERPRET for the other tests."""
+    code = (
+        "from scalelab.fast.kernels.lrn_pool2d import TUNING, _fitting, MAX_TILE\n"
+        "import json\n"
+        "print(json.dumps({cp: sorted({c.kwargs['BW'] for c in _fitting(TUNING, {}, CP=cp)})"
+        " for cp in (128, 256, 512, 4096)}))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    widths = json.loads(out.stdout.strip().splitlines()[-1])
+    assert widths == {"128": [8, 16, 32], "256": [8, 16, 32], "512": [8, 16], "4096": [8]}

@@ -122,7 +122,21 @@ TUNING = [
     for rows in (4, 8)
     for warps in (4, 8)
 ]
-_lrn_pool2d_tuned = triton.autotune(TUNING, key=["C", "Ho", "Wo", "KP"])(_lrn_pool2d_kernel)
+# A program's tile is (BW, CP) fp32 values per live tensor. AlexNet's widest (BW 32 x CP 256)
+# compiles in seconds; C = 300 (CP 512) at BW 32 unrolls into a kernel ptxas spent minutes on
+# (the GPU suite stalled there), so tiles stay at <= 8192 values.
+MAX_TILE = 32 * 256
+
+
+def _fitting(configs: list, named_args: dict, **kwargs) -> list:
+    cp = kwargs.get("CP", named_args.get("CP"))
+    fit = [cfg for cfg in configs if cfg.kwargs["BW"] * cp <= MAX_TILE]
+    return fit or [min(configs, key=lambda cfg: cfg.kwargs["BW"])]
+
+
+_lrn_pool2d_tuned = triton.autotune(
+    TUNING, key=["C", "Ho", "Wo", "KP"], prune_configs_by={"early_config_prune": _fitting}
+)(_lrn_pool2d_kernel)
 
 
 def lrn_pool2d(
@@ -168,7 +182,8 @@ def lrn_pool2d(
     if tuned is not None:  # the tile an earlier process's autotuning chose for this shape
         tile, num_warps = {"BW": tuned["BW"], "ROWS": tuned["ROWS"]}, tuned["num_warps"]
     else:
-        tile = dict(BW=bw or min(32, triton.next_power_of_2(wo)), ROWS=min(rows or 8, ho))
+        widest = max(1, MAX_TILE // spec["CP"])
+        tile = dict(BW=bw or min(32, widest, triton.next_power_of_2(wo)), ROWS=min(rows or 8, ho))
     opts = {} if INTERPRET else {"num_warps": num_warps}
     _lrn_pool2d_kernel[grid(tile)](y, bias, out, ho, wo, *strides, **spec, **tile, **opts)
     return out
