@@ -68,28 +68,26 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import math
 import os
 import socket
 import sys
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from threadpoolctl import threadpool_limits
 
 from scalelab.environment import cpu_model
 from scalelab.errors import UsageError
 from scalelab.instrument import concurrency
+from scalelab.instrument.ceiling_timing import Plan, cpu_cores, seconds_per_call
 from scalelab.instrument.comm_bench import fit_alpha_beta  # noqa: F401  (part of this API)
+from scalelab.instrument.host_ceilings import host_ceilings  # noqa: F401  (part of this API)
 from scalelab.instrument.peaks import datasheet_peak
 from scalelab.instrument.progress import Progress
-from scalelab.instrument.timer import PhaseTimer, device_sync, timed_iterations
+from scalelab.instrument.timer import device_sync
 from scalelab.record_schema import ceilings_problem
 
 SCHEMA = "scalelab.ceilings/1"
@@ -101,38 +99,6 @@ DTYPES = {
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
 }
-MiB = 1 << 20
-
-
-@dataclass(frozen=True)
-class Plan:
-    """Sizes and repeats of one measurement pass (default or --quick) on one device kind."""
-
-    gemm_sizes: tuple[int, ...]
-    copy_bytes: tuple[int, ...]
-    transfer_bytes: int
-    cpu_gemm_sizes: tuple[int, ...]
-    cpu_copy_bytes: int  # per thread
-    block_s: float  # each timed block runs at least this long (many calls of short kernels)
-    repeats: int  # timed blocks; the best is kept
-    max_call_s: float  # skip larger GEMMs once one call would take longer than this
-
-    @classmethod
-    def make(cls, device: torch.device, quick: bool) -> Plan:
-        if device.type == "cuda":
-            if quick:
-                return cls((2048, 4096), (256 * MiB,), 64 * MiB, (512,), 16 * MiB, 0.01, 3, 1.0)
-            return cls(
-                (2048, 4096, 8192), (256 * MiB, 1024 * MiB), 256 * MiB, (512, 1024),
-                64 * MiB, 0.02, 5, 1.0,
-            )  # fmt: skip
-        if quick:
-            return cls((128, 256), (16 * MiB,), 0, (256,), 8 * MiB, 0.01, 3, 0.05)
-        return cls((256, 512, 1024), (64 * MiB,), 0, (256, 512), 32 * MiB, 0.03, 5, 0.25)
-
-
-def cpu_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 def machine_fingerprint() -> dict[str, Any]:
@@ -148,40 +114,6 @@ def machine_fingerprint() -> dict[str, Any]:
         "numpy": np.__version__,
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
     }
-
-
-# --- timing --------------------------------------------------------------------------------
-def _block(fn: Callable[[], object], calls: int) -> Callable[[], None]:
-    def run() -> None:
-        for _ in range(calls):
-            fn()
-
-    return run
-
-
-def calls_filling(fn: Callable[[], object], sync: Callable[[], None], block_s: float) -> int:
-    """How many back-to-back calls last block_s: grow the count until a timed block does
-    (timeit's autorange), so slow first calls (thread wake-up, lazy init) do not mislead."""
-    calls = 1
-    while calls < 10_000:
-        timings, _ = timed_iterations(_block(fn, calls), PhaseTimer(sync), warmup=0, iters=1)
-        took = timings.wall_median
-        if took >= block_s:
-            break
-        calls = min(
-            10_000, calls * 10, max(calls * 2, math.ceil(calls * block_s / max(took, 1e-9)))
-        )
-    return calls
-
-
-def seconds_per_call(fn: Callable[[], object], sync: Callable[[], None], plan: Plan) -> float:
-    """Seconds of one fn() call: find how many calls fill plan.block_s, then time
-    plan.repeats blocks after a warm-up block (sync before each clock read) and keep the best
-    block. A ceiling is what the machine can do: on a shared machine noise only adds time, so
-    the best block estimates it (STREAM's convention), where a run's median would not."""
-    calls = calls_filling(fn, sync, plan.block_s)
-    timings, _ = timed_iterations(_block(fn, calls), PhaseTimer(sync), 1, plan.repeats)
-    return min(timings.walls) / calls
 
 
 # --- device (torch) ------------------------------------------------------------------------
@@ -276,48 +208,6 @@ def transfer_bandwidth(device: torch.device, plan: Plan) -> dict[str, dict[str, 
         out["h2d"][kind] = n / seconds_per_call(lambda h=host: dev.copy_(h), sync, plan)
         out["d2h"][kind] = n / seconds_per_call(lambda h=host: h.copy_(dev), sync, plan)
     return out
-
-
-# --- host (NumPy) --------------------------------------------------------------------------
-def numpy_gemm_flops(n: int, threads: int, plan: Plan) -> float:
-    """float64 GEMM FLOP/s with the BLAS limited to `threads` threads."""
-    rng = np.random.default_rng(0)
-    a, b = rng.standard_normal((n, n)), rng.standard_normal((n, n))
-    with threadpool_limits(limits=threads):
-        return 2 * n**3 / seconds_per_call(lambda: a @ b, lambda: None, plan)
-
-
-def numpy_copy_bandwidth(nbytes: int, threads: int, plan: Plan) -> float:
-    """np.copyto of nbytes per thread, `threads` threads at once (NumPy drops the GIL while
-    copying); bytes/s counting the read and the write."""
-    pairs = [(np.ones(nbytes // 8), np.ones(nbytes // 8)) for _ in range(threads)]
-    with ThreadPoolExecutor(threads) as pool:
-
-        def step() -> None:
-            list(pool.map(lambda p: np.copyto(p[1], p[0]), pairs))
-
-        seconds = seconds_per_call(step, lambda: None, plan)
-    return 2 * nbytes * threads / seconds
-
-
-def host_ceilings(plan: Plan) -> dict[str, Any]:
-    cores = cpu_cores()
-    best = lambda threads: max(numpy_gemm_flops(n, threads, plan) for n in plan.cpu_gemm_sizes)  # noqa: E731
-    copy = lambda threads: numpy_copy_bandwidth(plan.cpu_copy_bytes, threads, plan)  # noqa: E731
-    return {
-        "cpu_gemm_flops": {**_cores_pair(best, cores), "cores": cores, "dtype": "fp64"},
-        "cpu_mem_bw": _cores_pair(copy, cores),
-    }
-
-
-def _cores_pair(rate: Callable[[int], float], cores: int) -> dict[str, Any]:
-    """one_core and all_cores; all_cores is the better of `cores` threads and one thread (n
-    cores can always do what one does: on a busy host n threads can be 10x slower than one,
-    a worker waiting for a core), the threads that reached it and the n-thread figure kept."""
-    one, many = rate(1), rate(cores) if cores > 1 else None
-    if many is None or many >= one:
-        return {"one_core": one, "all_cores": many or one, "all_cores_threads": cores}
-    return {"one_core": one, "all_cores": one, "all_cores_threads": 1, "all_threads_measured": many}
 
 
 # --- the whole measurement -----------------------------------------------------------------
