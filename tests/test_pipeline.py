@@ -142,7 +142,6 @@ def test_layer_lists_compose_to_the_models_forward(name, kw):
 
 def test_unsequential_model_is_refused():
     from scalelab.errors import UsageError
-
     from scalelab.workloads.base import Workload
 
     class Wrapped(torch.nn.Module):  # one child, a forward of its own: no layer list
