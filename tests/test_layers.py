@@ -149,3 +149,56 @@ def test_toy_workload_gets_a_cost_table_from_its_layers():
     assert counter.get_total_flops() == sum(
         r.flops for r in rows.values() if r.kind in ("conv", "linear")
     )
+
+
+def test_toy_workload_gets_a_pipeline_cut():
+    """The pipeline's planning runs on the toy's layers: measured, cut in two, the stages
+    compose to the forward."""
+    from contextlib import nullcontext
+
+    from scalelab.planning.partition import balance_auto, bounds, memory_model
+    from scalelab.planning.profiling import profile_layers
+    from scalelab.strategies import partition as part
+
+    toy = Toy(RunConfig(workload="toy"))
+    model = toy.build_model().double()
+    layers = part.model_layers(toy, model)
+    x = toy.prepare(toy.synthetic_inputs(3, 0).x).double()
+    prof = profile_layers(layers, x, torch.device("cpu"), torch.float64, False, nullcontext, 1)
+    counts = balance_auto(prof, 2, memory_model(None, 2, 1, False, "gpipe"))
+    assert len(counts) == 2 and sum(counts) == len(layers) and min(counts) >= 1
+    h = x
+    with torch.no_grad():
+        for a, b in bounds(counts):
+            h = nn.Sequential(*[lay.module for lay in layers[a:b]])(h)
+        assert torch.equal(h, model(x))
+
+
+def test_toy_workload_gets_a_spatial_trunk():
+    """trunk_for: conv_a, relu_a, pool, conv_b, relu_b on the rows, fc the dense head; the
+    steps with full-height edge padding and the head reproduce the forward; two ranks plan."""
+    from scalelab.planning.halo import plan_trunk
+    from scalelab.planning.trunk import trunk_for
+    from scalelab.strategies.halo import edge_pad
+
+    toy = Toy(RunConfig(workload="toy"))
+    model = toy.build_model().double()
+    trunk = trunk_for(toy, model)
+    assert [(s.name, s.kind) for s in trunk.steps] == [
+        ("conv_a", "window"), ("relu_a", "point"), ("pool", "window"),
+        ("conv_b", "window"), ("relu_b", "point"),
+    ]  # fmt: skip
+    assert (trunk.in_size, trunk.in_axis, trunk.in_trailing) == (12, 2, (12,))
+    assert [g.out_size for g in trunk.geometries()] == [10, 10, 5, 5, 5]
+    assert [(lin is model.fc, relu) for lin, relu in trunk.head] == [(True, False)]
+    x = toy.prepare(toy.synthetic_inputs(2, 0).x).double()
+    h = x
+    with torch.no_grad():
+        for s in trunk.steps:
+            if s.kind == "window":
+                h = edge_pad(h, 2, s.pad, s.pad, s.pad_value)
+            h = s.apply(h)
+        got = model.fc(h.flatten(1))
+        assert torch.equal(got, model(x))
+    plans = plan_trunk(trunk.geometries(), 2)
+    assert [r.out for r in plans[0]] == [(0, 5), (5, 10)]
