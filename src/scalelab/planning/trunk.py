@@ -1,7 +1,8 @@
 """A model's convolution trunk as the spatial split sees it, derived from its layer description
 (workloads/layers.py): the longest leading run of window / point / norm layers is the trunk, a
 list of steps along one axis (height for images, text length for the char-CNN); the dense
-layers after it are the head, computed in weight blocks (strategies/split/head.py).
+layers after it are the head, computed in weight blocks (strategies/split/head.py); any other
+tail (global pooling, residual blocks) runs on the root after a gather of the final slabs.
 
 The steps reuse the model's own modules (weights and biases), called with torch.nn.functional
 so that padding along the split axis is left to the split (edge ranks only) while padding
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -62,6 +63,7 @@ class Trunk:
     in_axis: int  # split axis of the transport form: (N, 3, H, W) -> 2, (N, L) -> 1
     in_trailing: tuple[int, ...] = ()  # input sizes after the split axis: (W,) for images
     axis: int = 2  # split axis of the prepared maps (N, C, rows, ...)
+    rest: list[Layer] = field(default_factory=list)  # a non-dense tail, run on the root
 
     def geometries(self) -> list[Geometry]:
         """Each step's geometry along the split axis, input sizes chained."""
@@ -132,14 +134,12 @@ def trunk_from_layers(
             break
         if layer.kind not in SKIP:
             steps.append(_step(layer, out[0]))
+    if not any(s.kind == "window" for s in steps):
+        raise UsageError(f"--split spatial needs a convolution trunk; {name} has none")
     head = dense_head(layers[rest:])
-    if not any(s.kind == "window" for s in steps) or head is None:
-        raise UsageError(
-            f"--split spatial needs a convolution trunk followed by flatten and dense layers; "
-            f"{name} has none"
-        )
+    tail = [] if head is not None else list(layers[rest:])
     item = shapes[0][0]
-    return Trunk(steps, head, in_size=item[1], in_axis=in_axis, in_trailing=tuple(item[2:]))
+    return Trunk(steps, head or [], item[1], in_axis, tuple(item[2:]), rest=tail)
 
 
 def trunk_for(workload: Workload, model: nn.Module | None) -> Trunk:
