@@ -202,3 +202,34 @@ def test_toy_workload_gets_a_spatial_trunk():
         assert torch.equal(got, model(x))
     plans = plan_trunk(trunk.geometries(), 2)
     assert [r.out for r in plans[0]] == [(0, 5), (5, 10)]
+
+
+@pytest.mark.mpi
+def test_a_non_dense_tail_runs_after_a_gather_under_mpiexec(tmp_path):
+    """deepstack's trunk (conv, ReLU) ends in a global pool: the split gathers the final slabs
+    on the root and runs pool, proj, fc there; the logits match the float64 oracle."""
+    import subprocess
+    import sys
+
+    from scalelab.record import read_records
+
+    out = tmp_path / "runs.jsonl"
+    args = ["deepstack", "--batch", "3", "--image-size", "12", "--convs", "2", "--fcs", "1"]
+    cmd = [sys.executable, "-m", "scalelab", "run", *args, "--check", "--strategy", "mpi"]
+    cmd += [
+        "--split",
+        "spatial",
+        "--ranks",
+        "2",
+        "--iters",
+        "1",
+        "--warmup",
+        "0",
+        "--out",
+        str(out),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (rec,) = read_records(out)
+    assert rec["split"] == "spatial" and rec["check_passed"], rec
+    assert [row["layer"] for row in rec["halo_plan"]] == ["conv1", "conv2"]
