@@ -8,7 +8,9 @@ Per iteration, on every rank:
               layers, edge padding on the true edges, the layer on the slab; a LayerNorm
               over the split axis all-reduces per-item partial moments (sum, then sum of
               squared deviations: two (N,) all-reduces, exact two-pass variance)
-    head      the dense layers in weight blocks (head.py): one all-reduce, one gather
+    head      the dense layers in weight blocks (head.py): one all-reduce, one gather; a
+              tail that is not dense layers (global pooling, residual blocks) runs on the
+              root after a gather of the final slabs
 
 The first halo exchange happens on the transport form (1-byte pixels or indices), before
 prepare() expands the slab on the device. Geometry and ownership: halo.py.
@@ -46,7 +48,9 @@ class SpatialSplit(Split):
         self.counts = [r.own[1] - r.own[0] for r in self.plans[0]]
         final = self.plans[-1][self.rank].out
         final_shape = self._final_shape(geoms[-1].out_size)
-        self.head = plan_head(self.trunk.head, final, final_shape, self.rank, self.comm.size)
+        self.head = None
+        if self.trunk.head:
+            self.head = plan_head(self.trunk.head, final, final_shape, self.rank, self.comm.size)
         self.host_x = self.wire.pin(inputs.x) if inputs is not None else None
         self.dtype = self.strategy.precision.storage
 
@@ -71,8 +75,22 @@ class SpatialSplit(Split):
                     x = self.workload.prepare(x).to(self.dtype)
                 axis = self.trunk.axis
             x = self._apply(step, plan[self.rank], x)
-        out = head_forward(self, self.head, x)
+        out = head_forward(self, self.head, x) if self.head is not None else self._tail(x)
         return self.wire.to_host64(out) if out is not None else None
+
+    def _tail(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The final slabs gathered on the root along the split axis (ranks in order: rows
+        in order), then the layers after the trunk there; None on other ranks."""
+        axis = self.trunk.axis
+        with self.timer.phase("gather"):  # gatherv stacks dim 0: put the split axis first
+            full = self.comm.gatherv(self.wire.to_wire(x.movedim(axis, 0).contiguous()))
+        if not self.comm.is_root:
+            return None
+        h = self.wire.from_wire(full).movedim(0, axis)
+        with self.timer.phase("compute"):
+            for layer in self.trunk.rest:
+                h = layer.module(h)
+        return h
 
     def _scatter_rows(self) -> torch.Tensor:
         """Rows [own] of the root's input along the transport form's split axis."""
