@@ -271,6 +271,7 @@ def build_record(
             digest=check.digest,
             reference_digest=check.reference_digest,
             check_passed=check.passed,
+            reference=workload.reference_kind,
         )
     if out.history is not None:
         rec.update(loss=out.history.loss, accuracy=out.history.accuracy, steps=out.history.steps)

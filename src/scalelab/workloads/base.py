@@ -133,6 +133,7 @@ class Workload(ABC):
     item: ClassVar[str] = "images"  # what throughput counts: images, inputs, ...
     native_size: ClassVar[int | None] = None  # input height = width when --image-size is unset
     native_classes: ClassVar[int | None] = None  # output width when --num-classes is unset
+    reference_kind: ClassVar[str] = "numpy-fp64"  # what --check compares with (the record's)
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
