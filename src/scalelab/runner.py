@@ -85,6 +85,7 @@ def _check(cfg: RunConfig, workload: Workload, strategy: Strategy) -> None:
     try:
         if cfg.ranks > 1 and strategy.comm.size != cfg.ranks:
             raise UsageError(f"--ranks {cfg.ranks} but the launcher started {strategy.comm.size}")
+        workload.check_strategy(strategy.name, cfg)
         strategy.validate(workload)
         if cfg.compile and not strategy.compiles:
             able = [n for n in STRATEGIES.names() if STRATEGIES.get(n).compiles]

@@ -57,6 +57,15 @@ def model_layers(workload: Workload, model: nn.Module) -> list[Layer]:
     )
 
 
+@sequencer("model")
+def _user_model(workload: Workload, model: nn.Module) -> list[Layer]:
+    # A user's module: its chain of submodules (workloads/user_model.py); refused if none.
+    why = workload.chain_problem()
+    if why is not None:
+        raise UsageError(f"pipeline: cannot cut the model into stages: {why}")
+    return [Layer(x.name, x.module) for x in workload.layers(model)]
+
+
 @sequencer("vgg16")
 def _vgg16(workload: Workload, model: nn.Module) -> list[Layer]:
     # VGG.forward: cast, features, flatten, classifier (torchvision's module names).

@@ -204,6 +204,11 @@ def per_item_elems(t: object) -> int:
     return math.prod(t.shape[1:]) if torch.is_tensor(t) else 0
 
 
+def is_elementwise(layer: Layer) -> bool:
+    """Acts on each element alone (ReLU, GELU, dropout in eval): commutes with any sharding."""
+    return layer.reach == "point" and layer.kind != "batchnorm" and layer.kind != "cast"
+
+
 def layer_flops(layer: Layer, call: Call | None) -> int:
     """FlopCounter's count (2 per multiply-add); element-wise layers count their elements."""
     if call is None:

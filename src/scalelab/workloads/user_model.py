@@ -50,6 +50,7 @@ class UserModel(Workload):
     name = "model"
     item = "items"
     reference_kind: ClassVar[str] = "module-fp64"
+    loss_reads_output_only = True  # loss(output, target): a pipeline's last stage computes it
     default_spec: ClassVar[str | None] = None  # set for entry-point workloads
 
     @property
@@ -149,6 +150,39 @@ class UserModel(Workload):
         """Why the model is not a chain of layers a pipeline can cut (None: it is one)."""
         layers, _, why = ml.derive_layers(self.probe)
         return why if len(layers) == 1 else None
+
+    def check_strategy(self, strategy: str, cfg) -> None:
+        """One line naming the layer that stops a strategy this model cannot run under."""
+        if strategy == "pipeline" and self.chain_problem() is not None:
+            raise UsageError(f"pipeline: cannot cut the model into stages: {self.chain_problem()}")
+        if strategy == "tensor" and cfg.engine == "torch" and not self.linear_pairs(None):
+            raise UsageError(f"tensor: nothing to shard: {self._why_no_pairs()}")
+
+    def linear_pairs(self, model: nn.Module | None) -> list[tuple[str, str]]:
+        """(column-wise, row-wise) Linear pairs joined by element-wise layers only, from the
+        front: what tensor parallelism (DTensor) shards. By module path."""
+        pairs, open_ = [], None
+        for layer in ml.derive_layers(self.probe)[0]:
+            if layer.kind == "linear":
+                if open_ is not None:
+                    pairs.append((open_, layer.path))
+                open_ = None if open_ is not None else layer.path
+            elif not ml.is_elementwise(layer):
+                open_ = None
+        return pairs
+
+    def _why_no_pairs(self) -> str:
+        layers = ml.derive_layers(self.probe)[0]
+        linear = [i for i, x in enumerate(layers) if x.kind == "linear"]
+        if not linear:
+            kinds = sorted({x.kind for x in layers})
+            return f"the model has no Linear layer (its layers: {', '.join(kinds)})"
+        for i in linear:
+            nxt = next((x for x in layers[i + 1 :] if not ml.is_elementwise(x)), None)
+            if nxt is not None and nxt.kind != "linear":
+                return (f"{layers[i].name} is followed by {nxt.name} ({nxt.kind}), not another "
+                        "Linear through element-wise layers only")  # fmt: skip
+        return f"{layers[linear[-1]].name} is the last Linear, with none to pair it with"
 
     def first_nonlocal(self) -> Layer | None:
         """The first layer that reads beyond a window along the split axis (None: none)."""

@@ -81,6 +81,17 @@ def trunk_for(workload: Workload, model: nn.Module | None) -> Trunk:
     return TRUNKS.get(workload.name)(workload, model)
 
 
+@TRUNKS.register("model", "your model's leading run of windowed and point-wise layers")
+def user_trunk(workload: Workload, model: nn.Module | None) -> Trunk:
+    # Until the generic trunk from Layer lists lands: refuse, naming the layer that stops it.
+    first = workload.first_nonlocal()
+    where = "none" if first is None else f"{first.name} ({first.kind})"
+    raise UsageError(
+        f"--split spatial: the model's leading local run is not split yet (first non-local "
+        f"layer: {where}); use --split batch"
+    )
+
+
 def _conv2d(m: nn.Conv2d | None, stride: int, pad: int) -> Callable[[torch.Tensor], torch.Tensor]:
     # height padding comes from the split (edge ranks), width padding from the op
     return lambda x: F.conv2d(x, m.weight, m.bias, stride=stride, padding=(0, pad))
