@@ -18,6 +18,7 @@ process is the reference the tests compare ranks with. Training minimises the mo
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import cached_property
 from typing import ClassVar
 
@@ -28,7 +29,7 @@ from torch import nn
 from scalelab.errors import UsageError
 from scalelab.workloads import model_spec
 from scalelab.workloads import module_layers as ml
-from scalelab.workloads.base import WORKLOADS, Inputs, LayerCost, Workload, seeded
+from scalelab.workloads.base import WORKLOADS, Inputs, LayerCost, Workload
 from scalelab.workloads.layers import Layer
 
 DTYPES = {"float32": torch.float32, "int64": torch.int64}
@@ -43,6 +44,16 @@ class TokenIds(nn.Module):
 
 def _ids_hook(module: nn.Module, args: tuple) -> tuple:
     return (TokenIds()(args[0]), *args[1:])
+
+
+def _dtype_hook(module: nn.Module, args: tuple) -> tuple:
+    """Float inputs in the weights' precision (the training loop hands prepare()'s float32 to
+    an fp64 model), as the shipped workloads' forwards do."""
+    x = args[0]
+    weight = next((p for p in module.parameters() if p.is_floating_point()), None)
+    if weight is None or not x.is_floating_point() or x.dtype == weight.dtype:
+        return None
+    return (x.to(weight.dtype), *args[1:])
 
 
 @WORKLOADS.register("model", "your own nn.Module: --model MODULE:FACTORY --input-shape C,H,W")
@@ -75,8 +86,8 @@ class UserModel(Workload):
     def _build(self) -> nn.Module:
         kwargs = model_spec.parse_model_args(self.cfg.model_arg)
         module = model_spec.call_factory(self.spec, self.factory, kwargs)
-        if self.cfg.input_dtype == "int64":
-            module.register_forward_pre_hook(_ids_hook)
+        hook = _ids_hook if self.cfg.input_dtype == "int64" else _dtype_hook
+        module.register_forward_pre_hook(hook)
         return module
 
     @cached_property
@@ -140,8 +151,7 @@ class UserModel(Workload):
         """model's layers in forward order (its own submodules, same parameters)."""
         layers, _, _ = ml.derive_layers(self.probe)
         modules = dict(model.named_modules())
-        out = [Layer(x.name, x.kind, modules.get(x.path, x.module) if x.path is not None else x.module,
-                     x.reach, x.kernel, x.stride, x.pad, x.path) for x in layers]  # fmt: skip
+        out = [replace(x, module=modules[x.path]) if x.path is not None else x for x in layers]
         if self.cfg.input_dtype == "int64":
             out.insert(0, Layer("ids", "cast", TokenIds(), "point"))
         return out
