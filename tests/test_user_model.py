@@ -40,7 +40,8 @@ def _train(name: str, **kw) -> dict:
 
 
 def _launch(kind: str, runs: dict, out: Path) -> tuple[dict, dict]:
-    cmd = [*launcher(kind, 2), str(PROGRAMS / "train_runs.py"), str(out), json.dumps(runs)]
+    program = PROGRAMS / ("train_runs.py" if kind == "mpi" else "user_runs.py")
+    cmd = [*launcher(kind, 2), str(program), str(out), json.dumps(runs)]
     proc = run(cmd, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return records_and_weights(out)
@@ -118,7 +119,7 @@ def test_torchrun_ranks_nccl_ddp_pipeline_and_tensor(tmp_path):
     [
         ("rescnn", ["--strategy", "mpi", "--split", "spatial", "--ranks", "2"], "res (block)"),
         ("tokconv", ["--strategy", "mpi", "--split", "spatial", "--ranks", "2"], "embedding"),
-        ("mlp", ["--strategy", "mpi", "--split", "spatial", "--ranks", "2"], "fc1.reshape (reshape)"),
+        ("mlp", ["--strategy", "mpi", "--split", "spatial", "--ranks", "2"], "fc1.reshape"),
         ("rescnn", ["--strategy", "tensor", "--engine", "torch"], "fc is the last Linear"),
         ("mlp", ["--strategy", "tensor"], "--engine torch"),
     ],
