@@ -189,3 +189,26 @@ def _flags(spec: dict) -> list[str]:
     for key, value in spec.items():
         out += [f"--{key.replace('_', '-')}", str(value)]
     return out
+
+
+def _torchvision_models() -> None:
+    """Skip unless torchvision imports (a wheel built for another torch raises RuntimeError
+    at import: 'operator torchvision::nms does not exist')."""
+    try:
+        import torchvision.models  # noqa: F401
+    except Exception as exc:
+        pytest.skip(f"torchvision not usable here: {type(exc).__name__}: {exc}")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v2"])
+def test_torchvision_models_at_64x64(cli, tmp_path, name):
+    """As the issue asks: torchvision's own networks just work, local and over MPI ranks."""
+    _torchvision_models()
+    flags = ["--model", f"torchvision.models:{name}", "--input-shape", "3,64,64", "--batch", "2",
+             "--iters", "1", "--warmup", "0", "--check", "--out", tmp_path / "runs.jsonl"]  # fmt: skip
+    for strategy in (["--strategy", "local"], ["--strategy", "mpi", "--ranks", "2"]):
+        code, _, err = cli("run", *flags, *strategy)
+        assert code == 0, err
+    recs = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
+    assert [r["ranks"] for r in recs] == [1, 2] and all(r["check_passed"] for r in recs)
