@@ -205,8 +205,9 @@ def _torchvision_models() -> None:
 def test_torchvision_models_at_64x64(cli, tmp_path, name):
     """As the issue asks: torchvision's own networks just work, local and over MPI ranks."""
     _torchvision_models()
+    out = tmp_path / "runs.jsonl"
     flags = ["--model", f"torchvision.models:{name}", "--input-shape", "3,64,64", "--batch", "2",
-             "--iters", "1", "--warmup", "0", "--check", "--out", tmp_path / "runs.jsonl"]  # fmt: skip
+             "--iters", "1", "--warmup", "0", "--check", "--out", out]  # fmt: skip
     for strategy in (["--strategy", "local"], ["--strategy", "mpi", "--ranks", "2"]):
         code, _, err = cli("run", *flags, *strategy)
         assert code == 0, err
