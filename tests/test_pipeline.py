@@ -29,6 +29,7 @@ from scalelab.strategies.pipeline_schedule import (
     simulate,
 )
 from scalelab.workloads import WORKLOADS
+from scalelab.workloads.layers import describe
 
 PROGRAM = str(Path(__file__).parent / "programs" / "pipe_check.py")
 STACK = {"image_size": 8, "convs": 3, "fcs": 1, "num_classes": 10}
@@ -88,7 +89,7 @@ class _FakeStrategy:
     def __init__(self, train: bool) -> None:
         self.cfg = RunConfig(workload="deepstack", train=train)
         self.device = torch.device("cpu")
-        self.layers = [part.Layer(f"l{i}", torch.nn.Identity()) for i in range(4)]
+        self.layers = [describe(f"l{i}", torch.nn.Identity()) for i in range(4)]
         self.counts = [3, 1]
         self.stage = torch.nn.Linear(2, 2)
 
@@ -141,10 +142,16 @@ def test_layer_lists_compose_to_the_models_forward(name, kw):
 
 def test_unsequential_model_is_refused():
     from scalelab.errors import UsageError
+    from scalelab.workloads.base import Workload
 
+    class Wrapped(torch.nn.Module):  # one child, a forward of its own: no layer list
+        def __init__(self):
+            super().__init__()
+            self.inner = torch.nn.Linear(2, 2)
+
+    w = _workload("deepstack", **STACK)
     with pytest.raises(UsageError, match="not a sequence of layers"):
-        w = _workload("resnet18", image_size=32)
-        part.model_layers(w, w.build_model())
+        Workload.layers(w, Wrapped())  # the base default, as a workload without layers()
 
 
 # --- splitting --------------------------------------------------------------------------------
@@ -315,7 +322,7 @@ def test_profile_asks_for_input_gradients_only_after_the_first_parameter():
     time it either (for VGG-16 it was the first conv's dgrad, ~1 ms a micro-batch)."""
     before, after = _SeesGrad(), _SeesGrad()
     mods = [before, torch.nn.Linear(3, 3), after]
-    layers = [part.Layer(str(i), m) for i, m in enumerate(mods)]
+    layers = [describe(str(i), m) for i, m in enumerate(mods)]
     x = torch.randn(4, 3)
     part.profile_layers(layers, x, torch.device("cpu"), torch.float32, True, nullcontext)
     assert before.seen and not any(before.seen)

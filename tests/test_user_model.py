@@ -32,6 +32,7 @@ INFER = dict(workload="model", batch=6, iters=1, warmup=0, check=True, quiet=Tru
 # Dropout off for training (its masks are random per rank); LayerNorm stays.
 TRAIN = dict(workload="model", train=True, train_size=24, heldout_size=8, batch=8, epochs=1,
              lr=0.2, dtype="fp64", quiet=True, threads=1)  # fmt: skip
+SPATIAL = ["--strategy", "mpi", "--split", "spatial", "--ranks", "2"]
 TRAIN_ARGS = {"mlp": {"model_arg": ["p=0.0"]}}
 
 
@@ -117,9 +118,9 @@ def test_torchrun_ranks_nccl_ddp_pipeline_and_tensor(tmp_path):
 @pytest.mark.parametrize(
     "name, args, needle",
     [
-        ("rescnn", ["--strategy", "mpi", "--split", "spatial", "--ranks", "2"], "res (block)"),
-        ("tokconv", ["--strategy", "mpi", "--split", "spatial", "--ranks", "2"], "embedding"),
-        ("mlp", ["--strategy", "mpi", "--split", "spatial", "--ranks", "2"], "fc1.reshape"),
+        ("rescnn", SPATIAL, "stops at res, block"),
+        ("tokconv", SPATIAL, "stops at ids, cast: its items have no channel axis"),
+        ("mlp", SPATIAL, "stops at fc1.reshape, reshape"),
         ("rescnn", ["--strategy", "tensor", "--engine", "torch"], "fc is the last Linear"),
         ("mlp", ["--strategy", "tensor"], "--engine torch"),
     ],

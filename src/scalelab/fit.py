@@ -31,8 +31,8 @@ from typing import Protocol
 import torch
 
 from scalelab.config import RunConfig
+from scalelab.planning.profiling import cap_allocator
 from scalelab.precision import get_precision
-from scalelab.strategies.partition import cap_allocator
 from scalelab.workloads import WORKLOADS
 
 

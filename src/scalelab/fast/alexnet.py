@@ -21,10 +21,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from scalelab.errors import UsageError
 from scalelab.fast import reference
 from scalelab.fast.registry import FAST_PATHS, Candidate, Plan, Stage, dense_head_stage
-from scalelab.workloads.alexnet import LRN_ALPHA, LRN_BETA, LRN_K, LRN_SIZE, TRUNK
+from scalelab.planning.trunk import dense_head
+from scalelab.workloads.alexnet import LRN_ALPHA, LRN_BETA, LRN_K, LRN_SIZE
 from scalelab.workloads.base import Workload
+from scalelab.workloads.layers import Layer, layer_shapes
 
 BF16 = torch.bfloat16
 CL = torch.channels_last
@@ -85,9 +88,11 @@ def _conv_stage(name: str, conv: nn.Conv2d) -> Stage:
     return Stage(name, [Candidate("cudnn-nhwc", lambda x: fn(x))])
 
 
-def _epilogue_stage(name: str, bias: torch.Tensor, lrn: bool, pool: bool) -> Stage:
+def _epilogue_stage(
+    name: str, bias: torch.Tensor, lrn: bool, pool: tuple[int, int] | None
+) -> Stage:
     b32 = bias.detach().float().contiguous()
-    spec = dict(lrn=LRN if lrn else None, pool=(3, 2) if pool else None)
+    spec = dict(lrn=LRN if lrn else None, pool=pool)
     torch_fn = functools.partial(reference.epilogue2d, bias=b32, **spec)
     kernel = "lrn_pool2d" if lrn else "epilogue2d"
     triton_fn = functools.partial(_triton_epilogue, bias=b32, **spec)
@@ -106,30 +111,53 @@ def _triton_epilogue(y, bias, lrn, pool):
     return epilogue2d(y, bias, pool)
 
 
-def _fc_stage(model: nn.Module) -> Stage:
-    w6 = model.fc6.weight.detach()
+def _fc_stage(linears: list[nn.Linear], channels: int) -> Stage:
+    w6 = linears[0].weight.detach()
     out, flat = w6.shape
-    side = round((flat // TRUNK[-1].out_channels) ** 0.5)
-    # The model flattens (C, H, W); our pool5 output is NHWC, so reorder fc6's columns.
+    side = round((flat // channels) ** 0.5)
+    # The model flattens (C, H, W); our last trunk output is NHWC, so reorder fc6's columns.
     w6p = w6.view(out, -1, side, side).permute(0, 2, 3, 1).reshape(out, flat)
-    params = [(w6p, model.fc6.bias), (model.fc7.weight, model.fc7.bias)]
-    params += [(model.fc8.weight, model.fc8.bias)]
+    params = [(w6p, linears[0].bias)] + [(m.weight, m.bias) for m in linears[1:]]
     # NHWC storage: the flatten is a view.
     flatten = lambda x: x.permute(0, 2, 3, 1).reshape(x.shape[0], -1)  # noqa: E731
     return dense_head_stage(params, flatten, BF16)
 
 
+def conv_groups(layers: list[Layer]) -> tuple[list[list[Layer]], list[Layer]]:
+    """The trunk as groups led by a convolution (conv, then what its epilogue fuses: ReLU,
+    LRN, max-pool, in either order of ReLU and pool), and the layers after the trunk."""
+    groups: list[list[Layer]] = []
+    for i, layer in enumerate(layers):
+        if layer.reach == "global":
+            return groups, layers[i:]
+        if layer.kind == "conv":
+            groups.append([layer])
+        elif groups and layer.kind in ("relu", "lrn", "maxpool"):
+            groups[-1].append(layer)
+        elif layer.kind != "cast":
+            raise UsageError(f"fast path: layer {layer.name} ({layer.kind}) has no fused form")
+    return groups, []
+
+
+def _group_stages(i: int, group: list[Layer], c1_out: int) -> list[Stage]:
+    """conv i + its fused epilogue (bias + ReLU (+ LRN) (+ max-pool)); the first conv as
+    c1's two candidates."""
+    conv = group[0].module
+    pools = [(x.kernel, x.stride) for x in group if x.kind == "maxpool"]
+    lrn = any(x.kind == "lrn" for x in group)
+    first = _c1_stage(conv, c1_out) if i == 1 else _conv_stage(group[0].name, conv)
+    return [first, _epilogue_stage(f"epi{i}", conv.bias, lrn, pools[0] if pools else None)]
+
+
 @FAST_PATHS.register("alexnet", "cuDNN NHWC convs; bias+ReLU+LRN+max-pool fused epilogues")
 def build(workload: Workload, model: nn.Module, device: torch.device) -> Plan:
-    c1_out = TRUNK[0].out_size(workload.image_size)
-    stages = [_c1_stage(model.c1, c1_out), _epilogue_stage("epi1", model.c1.bias, True, True)]
-    stages += [_conv_stage("c2", model.c2), _epilogue_stage("epi2", model.c2.bias, True, True)]
-    for name in ("c3", "c4"):
-        conv = getattr(model, name)
-        stages += [
-            _conv_stage(name, conv),
-            _epilogue_stage(f"epi{name[1]}", conv.bias, False, False),
-        ]
-    stages += [_conv_stage("c5", model.c5), _epilogue_stage("epi5", model.c5.bias, False, True)]
-    stages.append(_fc_stage(model))
+    """The stage list from the workload's layers: per conv group a conv and an epilogue stage
+    (c1 .. c5, epi1 .. epi5), then the dense head (fc6 .. fc8)."""
+    groups, rest = conv_groups(workload.layers(model))
+    meta = workload.layers(workload.meta_model())
+    shapes = dict(zip((x.name for x in meta), layer_shapes(meta, workload.item_shape())))
+    c1_out = shapes[groups[0][0].name][1][1]
+    stages = [st for i, g in enumerate(groups, 1) for st in _group_stages(i, g, c1_out)]
+    linears = [lin for lin, _ in dense_head(rest) or []]
+    stages.append(_fc_stage(linears, shapes[groups[-1][-1].name][1][0]))
     return Plan(stages)

@@ -22,10 +22,9 @@ from scalelab.workloads.base import (
     Inputs,
     LayerCost,
     Workload,
-    conv_cost,
     elementwise_cost,
-    linear_cost,
 )
+from scalelab.workloads.layers import Layer, MatchDtype, describe
 
 NATIVE_SIZE = 227
 NATIVE_CLASSES = 1000
@@ -180,25 +179,13 @@ class AlexNet(Workload):
         # only the multiply gives the same float32 bits on CPU, CUDA and NumPy.
         return x.float() * (1 / 255)  # on x's device; the model casts to its own dtype
 
-    # --- cost model ----------------------------------------------------------------------
-    def cost_table(self) -> list[LayerCost]:
-        rows, channels, size = [], 3, self.image_size
-        for layer in TRUNK:
-            out = layer.out_size(size)
-            rows.append(_trunk_cost(layer, channels, size, out))
-            channels, size = layer.out_channels, out
-        if self.cfg.swap_relu_pool:  # pool5 first; relu5 then reads the pooled map
-            relu5 = rows.pop(-2)
-            rows.append(elementwise_cost(relu5.name, "relu", (channels, size, size)))
+    # --- layers and cost model ---------------------------------------------------------
+    def layers(self, model: nn.Module) -> list[Layer]:
+        return alexnet_layers(model)
+
+    def tail_costs(self) -> list[LayerCost]:
         k = self.num_classes
-        return rows + [
-            linear_cost("fc6", "fc6", channels * size * size, FC_WIDTH),
-            elementwise_cost("relu6", "relu", (FC_WIDTH,)),
-            linear_cost("fc7", "fc7", FC_WIDTH, FC_WIDTH),
-            elementwise_cost("relu7", "relu", (FC_WIDTH,)),
-            linear_cost("fc8", "fc8", FC_WIDTH, k),
-            elementwise_cost("softmax", "softmax", (k,), SOFTMAX_FLOPS_PER_ELEM),
-        ]
+        return [elementwise_cost("softmax", "softmax", (k,), SOFTMAX_FLOPS_PER_ELEM)]
 
     # --- oracle --------------------------------------------------------------------------
     def reference_forward(self, params: dict[str, np.ndarray], x: np.ndarray) -> np.ndarray:
@@ -213,30 +200,33 @@ class AlexNet(Workload):
         return ops.linear(h, params["fc8.weight"], params["fc8.bias"])
 
 
-def _trunk_cost(layer: TrunkLayer, c_in: int, s_in: int, s_out: int) -> LayerCost:
-    """Cost row of one trunk layer on a (c_in, s_in, s_in) input."""
-    in_shape, out_shape = (c_in, s_in, s_in), (layer.out_channels, s_out, s_out)
-    if layer.kind == "conv":
-        k = layer.kernel
-        return conv_cost(
-            layer.name, layer.name, c_in, (s_in, s_in), layer.out_channels, (k, k), (s_out, s_out)
-        )
-    if layer.kind == "maxpool":
-        # kernel**2 - 1 comparisons per output (the input-based helper would overcount).
-        n_out = layer.out_channels * s_out * s_out
-        flops = (layer.kernel**2 - 1) * n_out
-        return LayerCost(
-            layer.name,
-            "maxpool",
-            out_shape,
-            params=0,
-            flops=flops,
-            in_elems=c_in * s_in * s_in,
-            out_elems=n_out,
-        )
-    if layer.kind == "lrn":
-        return elementwise_cost(layer.name, "lrn", in_shape, LRN_FLOPS_PER_ELEM, module=layer.name)
-    return elementwise_cost(layer.name, layer.kind, in_shape)
+def _trunk_layer(model: nn.Module, t: TrunkLayer) -> Layer:
+    """The Layer of one TRUNK entry: the model's conv / LRN, or the ReLU / max-pool its
+    forward calls functionally."""
+    if t.kind in ("conv", "lrn"):
+        return describe(t.name, getattr(model, t.name), t.name)
+    if t.kind == "maxpool":
+        return describe(t.name, nn.MaxPool2d(t.kernel, t.stride, t.pad))
+    return describe(t.name, nn.ReLU())
+
+
+def alexnet_layers(model: nn.Module) -> list[Layer]:
+    """AlexNetModule.forward as layers: cast, c1 .. pool5 (pool5 before relu5 when the model
+    swaps them), flatten, fc6 .. fc8. The one place besides the forward that knows the swap."""
+    trunk = [_trunk_layer(model, t) for t in TRUNK]
+    if getattr(model, "swap_relu_pool", False):  # c5 -> pool5 -> relu5
+        trunk[-2], trunk[-1] = trunk[-1], trunk[-2]
+    head = [describe(n, getattr(model, n), n) for n in ("fc6", "fc7", "fc8")]
+    return [
+        describe("cast", MatchDtype()),
+        *trunk,
+        describe("flatten", nn.Flatten()),
+        head[0],
+        describe("relu6", nn.ReLU()),
+        head[1],
+        describe("relu7", nn.ReLU()),
+        head[2],
+    ]
 
 
 def _reference_step(layer: TrunkLayer, params: dict[str, np.ndarray], h: np.ndarray) -> np.ndarray:

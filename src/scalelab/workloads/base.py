@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,6 +16,14 @@ from torch import nn
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
 from scalelab.registry import Registry
+from scalelab.workloads.costs import (  # noqa: F401  (re-exported: the workloads' formulas)
+    LayerCost,
+    conv_cost,
+    elementwise_cost,
+    layer_costs,
+    linear_cost,
+)
+from scalelab.workloads.layers import Layer, sequential_layers
 
 
 @dataclass
@@ -35,87 +42,6 @@ class Inputs:
 
     def slice(self, start: int, stop: int) -> Inputs:
         return Inputs(self.x[start:stop], None if self.y is None else self.y[start:stop])
-
-
-@dataclass(frozen=True)
-class LayerCost:
-    """One row of a workload's analytic cost table, per input item (batch 1).
-
-    flops counts multiply and add as two operations (2*MACs for conv/linear), the convention of
-    torch.utils.flop_counter. Bytes moved at batch N and element size b are
-    b * (N * (in_elems + out_elems) + params): read input and weights, write output once.
-    """
-
-    name: str  # as in the seed tables: c1, lrn1, pool1, fc6, ...
-    kind: str  # conv, linear, relu, lrn, maxpool, layernorm, batchnorm, softmax, add, ...
-    out_shape: tuple[int, ...]  # per item, e.g. (96, 55, 55)
-    params: int
-    flops: int  # per item
-    in_elems: int  # per item
-    out_elems: int  # per item
-    module: str | None = None  # dotted path of the nn.Module computing it (FlopCounter check)
-
-    def bytes_moved(self, batch: int, itemsize: int) -> int:
-        return itemsize * (batch * (self.in_elems + self.out_elems) + self.params)
-
-
-def conv_cost(
-    name: str,
-    module: str | None,
-    c_in: int,
-    in_hw: tuple[int, ...],
-    c_out: int,
-    kernel: tuple[int, ...],
-    out_hw: tuple[int, ...],
-    bias: bool = True,
-) -> LayerCost:
-    """Convolution (1-D or 2-D): FLOPs = 2 * C_out * C_in * prod(kernel) * prod(out spatial)."""
-    k = math.prod(kernel)
-    params = c_out * c_in * k + (c_out if bias else 0)
-    flops = 2 * c_out * c_in * k * math.prod(out_hw)
-    return LayerCost(
-        name,
-        "conv",
-        (c_out, *out_hw),
-        params,
-        flops,
-        c_in * math.prod(in_hw),
-        c_out * math.prod(out_hw),
-        module,
-    )
-
-
-def linear_cost(
-    name: str, module: str | None, n_in: int, n_out: int, bias: bool = True
-) -> LayerCost:
-    """Fully connected: FLOPs = 2 * n_in * n_out (the bias add is not counted, as FlopCounter)."""
-    return LayerCost(
-        name,
-        "linear",
-        (n_out,),
-        n_in * n_out + (n_out if bias else 0),
-        2 * n_in * n_out,
-        n_in,
-        n_out,
-        module,
-    )
-
-
-def elementwise_cost(
-    name: str,
-    kind: str,
-    shape: tuple[int, ...],
-    flops_per_elem: int = 1,
-    params: int = 0,
-    out_shape: tuple[int, ...] | None = None,
-    module: str | None = None,
-) -> LayerCost:
-    """ReLU, norms, pools, softmax: FLOPs = flops_per_elem * elements of the input."""
-    out_shape = shape if out_shape is None else out_shape
-    n_in = math.prod(shape)
-    return LayerCost(
-        name, kind, out_shape, params, flops_per_elem * n_in, n_in, math.prod(out_shape), module
-    )
 
 
 @contextmanager
@@ -198,10 +124,32 @@ class Workload(ABC):
     def prepare(self, x: torch.Tensor) -> torch.Tensor:
         """Transport form -> model input, on x's device: uint8 -> float, indices -> one-hot."""
 
-    # --- cost model ----------------------------------------------------------------------
-    @abstractmethod
+    # --- layers and cost model ----------------------------------------------------------
+    def layers(self, model: nn.Module) -> list[Layer]:
+        """The model as layers whose modules, run in order on prepare()'s output, give its
+        forward (workloads/layers.py); the default reads an nn.Sequential's children."""
+        return sequential_layers(model)
+
+    def meta_model(self) -> nn.Module:
+        """The model on the meta device: its structure and shapes, no weights allocated."""
+        with torch.device("meta"):
+            return self.build_model()
+
+    def item_shape(self) -> tuple[int, ...]:
+        """prepare()'s output shape per item, e.g. (3, 227, 227)."""
+        return tuple(self.prepare(self.synthetic_inputs(1, 0).x).shape[1:])
+
+    def layer_costs(self) -> list[tuple[Layer, LayerCost]]:
+        """(layer, row) for every cost row a layer computes, in execution order."""
+        return layer_costs(self.layers(self.meta_model()), self.item_shape())
+
+    def tail_costs(self) -> list[LayerCost]:
+        """Rows no layer computes (a softmax left to the loss), appended to the table."""
+        return []
+
     def cost_table(self) -> list[LayerCost]:
-        """Per-layer analytic costs for one item, in execution order."""
+        """Per-layer analytic costs for one item, in execution order, derived from layers()."""
+        return [row for _, row in self.layer_costs()] + self.tail_costs()
 
     def flops_per_item(self) -> int:
         return sum(layer.flops for layer in self.cost_table())

@@ -26,12 +26,9 @@ from scalelab.oracle import ops
 from scalelab.workloads.base import (
     WORKLOADS,
     Inputs,
-    LayerCost,
     Workload,
-    conv_cost,
-    elementwise_cost,
-    linear_cost,
 )
+from scalelab.workloads.layers import Layer, describe
 
 V = len(agnews.ALPHABET)  # 70 input channels, one per alphabet entry
 L = agnews.LENGTH  # 1014 characters
@@ -152,29 +149,9 @@ class CharCNNWorkload(Workload):
         alphabet = torch.arange(V, device=x.device, dtype=torch.int16).view(1, V, 1)
         return (x.to(torch.int16).unsqueeze(1) == alphabet).float()  # (N, 70, 1014)
 
-    # --- cost model ----------------------------------------------------------------------
-    def cost_table(self) -> list[LayerCost]:
-        rows: list[LayerCost] = []
-        c_in = V
-        for conv, length, kernel, norm, pool in CONV_BLOCKS:
-            out = length - kernel + 1
-            rows.append(conv_cost(conv, conv, c_in, (length,), FEATURES, (kernel,), (out,)))
-            shape = (FEATURES, out)
-            if norm is not None:
-                rows.append(_layernorm_cost(norm, shape))
-            rows.append(elementwise_cost(f"relu{conv[-1]}", "relu", shape))
-            if pool:
-                rows.append(_maxpool_cost(f"pool{conv[-1]}", FEATURES, out))
-            c_in = FEATURES
-        # flatten is a view: no row, no traffic
-        rows += [
-            linear_cost("fc1", "fc1", FLAT, HIDDEN),
-            elementwise_cost("relu7", "relu", (HIDDEN,)),
-            linear_cost("fc2", "fc2", HIDDEN, HIDDEN),
-            elementwise_cost("relu8", "relu", (HIDDEN,)),
-            linear_cost("fc3", "fc3", HIDDEN, self.classes),
-        ]
-        return rows
+    # --- layers (the cost table derives from them) -------------------------------------
+    def layers(self, model: nn.Module) -> list[Layer]:
+        return charcnn_layers(model)
 
     # --- oracle --------------------------------------------------------------------------
     def reference_forward(self, params: dict[str, np.ndarray], x: np.ndarray) -> np.ndarray:
@@ -194,22 +171,20 @@ class CharCNNWorkload(Workload):
         return ops.linear(h, p["fc3.weight"], p["fc3.bias"])  # (N, 4)
 
 
-def _layernorm_cost(name: str, shape: tuple[int, int]) -> LayerCost:
-    """LayerNorm over the whole (channels, length) map; gamma and beta have the map's shape."""
-    params = 2 * shape[0] * shape[1]
-    return elementwise_cost(name, "layernorm", shape, LAYERNORM_FLOPS, params, module=name)
-
-
-def _maxpool_cost(name: str, channels: int, length: int) -> LayerCost:
-    """Max-pool with kernel = stride = 3: 2 comparisons per output (2/3 per input element)."""
-    out = length // POOL
-    flops = (POOL - 1) * channels * out
-    return LayerCost(
-        name,
-        "maxpool",
-        (channels, out),
-        params=0,
-        flops=flops,
-        in_elems=channels * length,
-        out_elems=channels * out,
-    )
+def charcnn_layers(model: nn.Module) -> list[Layer]:
+    """CharCNN.forward as layers: per conv block conv, [LayerNorm], ReLU, [max-pool]; then
+    flatten and fc1..fc3 with relu7, relu8 between (the seed's names)."""
+    out: list[Layer] = []
+    for conv, _, _, norm, pool in CONV_BLOCKS:
+        out.append(describe(conv, getattr(model, conv), conv))
+        if norm is not None:  # LayerNorm over the whole (256, length) map
+            out.append(describe(norm, getattr(model, norm), norm))
+        out.append(describe(f"relu{conv[-1]}", nn.ReLU()))
+        if pool:
+            out.append(describe(f"pool{conv[-1]}", nn.MaxPool1d(POOL)))
+    out.append(describe("flatten", nn.Flatten()))  # a view: no cost row
+    for i, fc in enumerate(("fc1", "fc2", "fc3")):
+        out.append(describe(fc, getattr(model, fc), fc))
+        if i < 2:
+            out.append(describe(f"relu{7 + i}", nn.ReLU()))
+    return out

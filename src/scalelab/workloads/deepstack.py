@@ -33,32 +33,15 @@ from scalelab.oracle import ops
 from scalelab.workloads.base import (
     WORKLOADS,
     Inputs,
-    LayerCost,
     Workload,
-    conv_cost,
-    elementwise_cost,
-    linear_cost,
 )
+from scalelab.workloads.layers import MatchDtype
 
 CHANNELS = 64  # seed inpSize (16, 64, 112, 112)
 NATIVE_SIZE = 112
 FC_WIDTH = 4096  # the seed's nn.Linear(512 * 7 * 7, 4096)
 NATIVE_CLASSES = 1000
 PIXELS = pixel_table((0.0,), (1.0,))  # (1, 256) float32: v / 255, same bits on every device
-
-
-class MatchDtype(nn.Module):
-    """Casts the input to the model's floating dtype: prepare() hands over float32, and an
-    fp64 model (model.double()) needs fp64 inputs. The dtype is read off an empty buffer, which
-    .double() / .to(dtype) convert like any floating buffer; it is not saved in the state_dict.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.register_buffer("probe", torch.empty(0), persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.to(self.probe.dtype)
 
 
 def build_deepstack(convs: int, fcs: int, num_classes: int) -> nn.Sequential:
@@ -111,24 +94,9 @@ class DeepStackWorkload(Workload):
         """uint8 -> float32 x / 255 by table lookup (see pixel_table), on x's device."""
         return lookup_pixels(PIXELS, x)
 
-    # --- cost model ----------------------------------------------------------------------
-    def cost_table(self) -> list[LayerCost]:
-        """One row per layer with its parameter count, so a fit estimate can sum
-        params (weights, grads, optimizer state) and out_elems (activations) per layer."""
-        c, f, s = CHANNELS, FC_WIDTH, self.image_size
-        rows = []
-        for i in range(1, self.cfg.convs + 1):
-            rows.append(conv_cost(f"conv{i}", f"conv{i}", c, (s, s), c, (3, 3), (s, s)))
-            rows.append(elementwise_cost(f"conv{i}_relu", "relu", (c, s, s)))
-        # Global average: one add per input element.
-        rows.append(LayerCost("pool", "avgpool", (c,), 0, c * s * s, c * s * s, c))
-        rows.append(linear_cost("proj", "proj", c, f))
-        rows.append(elementwise_cost("proj_relu", "relu", (f,)))
-        for i in range(1, self.cfg.fcs + 1):
-            rows.append(linear_cost(f"fc{i}", f"fc{i}", f, f))
-            rows.append(elementwise_cost(f"fc{i}_relu", "relu", (f,)))
-        rows.append(linear_cost("classifier", "classifier", f, self.num_classes))
-        return rows
+    # The cost table derives from the nn.Sequential's children (Workload.layers): one row
+    # per layer with its parameter count, so a fit estimate can sum params (weights, grads,
+    # optimizer state) and out_elems (activations) per layer.
 
     # --- oracle --------------------------------------------------------------------------
     def reference_forward(self, params: dict[str, np.ndarray], x: np.ndarray) -> np.ndarray:

@@ -24,9 +24,9 @@ from scalelab.workloads.base import (
     LayerCost,
     Workload,
     elementwise_cost,
-    linear_cost,
     split_seeded,
 )
+from scalelab.workloads.layers import Layer, MatchDtype, describe
 
 D = mnist.ROWS * mnist.COLS  # 784 input pixels
 C = mnist.NUM_CLASSES  # 10 digits
@@ -125,14 +125,18 @@ class MnistMLP(Workload):
         return x.float() * PIXEL_SCALE
 
     # --- cost model ----------------------------------------------------------------------
-    def cost_table(self) -> list[LayerCost]:
-        h = self.cfg.hidden
+    def layers(self, model: nn.Module) -> list[Layer]:
+        """MLP.forward: flatten, cast, fc1, sigmoid, fc2 (the seed's W1/b1, W2/b2)."""
         return [
-            linear_cost("fc1", "fc1", D, h),  # 2*D*H
-            elementwise_cost("sigmoid", "sigmoid", (h,), SIGMOID_FLOPS),
-            linear_cost("fc2", "fc2", h, C),  # 2*H*C
-            elementwise_cost("softmax", "softmax", (C,), SOFTMAX_FLOPS),
+            describe("flatten", nn.Flatten()),
+            describe("cast", MatchDtype()),
+            describe("fc1", model.fc1, "fc1"),  # 2*D*H
+            describe("sigmoid", nn.Sigmoid()),
+            describe("fc2", model.fc2, "fc2"),  # 2*H*C
         ]
+
+    def tail_costs(self) -> list[LayerCost]:
+        return [elementwise_cost("softmax", "softmax", (C,), SOFTMAX_FLOPS)]
 
     # --- oracle and training -------------------------------------------------------------
     def reference_forward(self, params: dict[str, np.ndarray], x: np.ndarray) -> np.ndarray:

@@ -14,6 +14,7 @@ block whose shape changes takes a 1x1 strided conv + BN on its shortcut. Convs c
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -38,8 +39,8 @@ from scalelab.workloads.base import (
     Workload,
     conv_cost,
     elementwise_cost,
-    linear_cost,
 )
+from scalelab.workloads.layers import Layer, MatchDtype, describe
 
 NATIVE_SIZE = 32  # CIFAR-10 images
 NATIVE_CLASSES = 10
@@ -176,26 +177,9 @@ class ResNet18(Workload):
         table lookup (see pixel_table: bit-identical on every device)."""
         return lookup_pixels(PIXELS, x)
 
-    # --- cost model ----------------------------------------------------------------------
-    def cost_table(self) -> list[LayerCost]:
-        st, s = self.stem, self.image_size
-        s1 = _out(s, st.kernel, st.stride, st.pad)
-        rows = [
-            conv_cost("conv1", "conv1", 3, (s, s), 64, (st.kernel,) * 2, (s1, s1), bias=False),
-            _bn_cost("bn1", 64, s1),
-            elementwise_cost("relu", "relu", (64, s1, s1)),
-        ]
-        if st.maxpool:
-            s2 = _out(s1, 3, 2, 1)
-            rows.append(_maxpool_cost("maxpool", 64, s1, s2, kernel=3))
-            s1 = s2
-        for prefix, c_in, c_out, stride in _blocks():
-            block, s1 = _block_cost(prefix, c_in, c_out, stride, s1)
-            rows += block
-        n_in = 512 * s1 * s1
-        rows.append(LayerCost("avgpool", "avgpool", (512,), 0, n_in, n_in, 512))  # one add/elem
-        rows.append(linear_cost("fc", "fc", 512, self.num_classes))
-        return rows
+    # --- layers (the cost table derives from them) -------------------------------------
+    def layers(self, model: nn.Module) -> list[Layer]:
+        return resnet_layers(model)
 
     # --- oracle --------------------------------------------------------------------------
     def reference_forward(self, params: dict[str, np.ndarray], x: np.ndarray) -> np.ndarray:
@@ -219,17 +203,29 @@ class ResNet18Cifar(ResNet18):
     stem = CIFAR_STEM
 
 
+def resnet_layers(model: nn.Module) -> list[Layer]:
+    """ResNet.forward as layers: cast, the stem (conv1, bn1, relu, maxpool unless the CIFAR
+    variant's Identity), the 8 BasicBlocks whole (kind "block": a residual reaches around its
+    convs, so it is neither cut inside nor split spatially), avgpool, flatten, fc."""
+    out = [describe("cast", MatchDtype())]
+    out += [describe(n, getattr(model, n), n) for n in ("conv1", "bn1", "relu")]
+    if isinstance(model.maxpool, nn.MaxPool2d):
+        out.append(describe("maxpool", model.maxpool, "maxpool"))
+    for prefix, _, _, stride in _blocks():
+        block = model.get_submodule(prefix)
+        cost = functools.partial(_block_rows, prefix, stride)
+        out.append(describe(prefix, block, prefix, kind="block", cost=cost))
+    out.append(describe("avgpool", model.avgpool, "avgpool"))
+    return out + [describe("flatten", nn.Flatten()), describe("fc", model.fc, "fc")]
+
+
+def _block_rows(prefix: str, stride: int, in_shape: tuple, out_shape: tuple) -> list[LayerCost]:
+    return _block_cost(prefix, in_shape[0], out_shape[0], stride, in_shape[1])[0]
+
+
 def _bn_cost(name: str, c: int, size: int) -> LayerCost:
     """Inference BN: 2 FLOPs per element; params are the learnable gamma and beta (2 * C)."""
     return elementwise_cost(name, "batchnorm", (c, size, size), BN_FLOPS_PER_ELEM, params=2 * c)
-
-
-def _maxpool_cost(name: str, c: int, s_in: int, s_out: int, kernel: int) -> LayerCost:
-    """kernel**2 - 1 comparisons per output element."""
-    n_out = c * s_out * s_out
-    return LayerCost(
-        name, "maxpool", (c, s_out, s_out), 0, (kernel**2 - 1) * n_out, c * s_in * s_in, n_out
-    )
 
 
 def _block_cost(

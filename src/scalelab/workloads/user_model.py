@@ -199,22 +199,27 @@ class UserModel(Workload):
         layers, _, _ = ml.derive_layers(self.probe)
         return next((x for x in layers if x.reach not in ("window", "point")), None)
 
-    # --- cost model ----------------------------------------------------------------------
-    def cost_table(self) -> list[LayerCost]:
+    # --- cost model: FlopCounter per module, from the traced forward ----------------------
+    def layer_costs(self) -> list[tuple[Layer, LayerCost]]:
         layers, calls, _ = ml.derive_layers(self.probe)
-        rows, counted = [], set()
+        out, counted = [], set()
         prev = self.probe.inputs[0]
+        if self.cfg.input_dtype == "int64":  # the ids cast: layers() starts with it
+            ids = Layer("ids", "cast", TokenIds(), "point")
+            n = ml.per_item_elems(prev)
+            out.append((ids, LayerCost("ids", "cast", tuple(prev.shape[1:]), 0, 0, n, n)))
         for layer, call in zip(layers, calls):
             params = 0
             if call is not None and id(call.module) not in counted:
                 counted.add(id(call.module))
                 params = sum(p.numel() for p in call.module.parameters())
-            out = call.output if call is not None else prev.reshape(1, *layer.module.shape)
-            rows.append(LayerCost(
-                layer.name, layer.kind, tuple(out.shape[1:]), params, ml.layer_flops(layer, call),
-                ml.per_item_elems(prev), ml.per_item_elems(out), layer.path))  # fmt: skip
-            prev = out
-        return rows
+            after = call.output if call is not None else prev.reshape(1, *layer.module.shape)
+            out.append((layer, LayerCost(
+                layer.name, layer.kind, tuple(after.shape[1:]), params,
+                ml.layer_flops(layer, call), ml.per_item_elems(prev), ml.per_item_elems(after),
+                layer.path)))  # fmt: skip
+            prev = after
+        return out
 
     # --- oracle: the module itself in float64 --------------------------------------------
     def reference_forward(self, params: dict[str, np.ndarray], x: np.ndarray) -> np.ndarray:

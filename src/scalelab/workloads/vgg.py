@@ -24,12 +24,9 @@ from scalelab.oracle import ops
 from scalelab.workloads.base import (
     WORKLOADS,
     Inputs,
-    LayerCost,
     Workload,
-    conv_cost,
-    elementwise_cost,
-    linear_cost,
 )
+from scalelab.workloads.layers import Layer, MatchDtype, describe
 
 NATIVE_SIZE = 224
 NATIVE_CLASSES = 1000
@@ -143,33 +140,9 @@ class VGG16(Workload):
         lookup (see pixel_table: bit-identical on every device)."""
         return lookup_pixels(PIXELS, x)
 
-    # --- cost model ----------------------------------------------------------------------
-    def cost_table(self) -> list[LayerCost]:
-        rows, c_in, s = [], 3, self.image_size
-        for name, index, c_out in _trunk():
-            if c_out is None:
-                n_out = c_in * (s // 2) ** 2  # 3 comparisons per output of a 2x2 window
-                rows.append(
-                    LayerCost(
-                        name, "maxpool", (c_in, s // 2, s // 2), 0, 3 * n_out, c_in * s * s, n_out
-                    )
-                )
-                if self.cfg.swap_relu_pool:  # the block's last ReLU now reads the pooled map
-                    relu = rows.pop(-2)
-                    rows.append(elementwise_cost(relu.name, "relu", (c_in, s // 2, s // 2)))
-                s //= 2
-                continue
-            module = f"features.{index}"
-            rows.append(conv_cost(name, module, c_in, (s, s), c_out, (3, 3), (s, s)))
-            rows.append(elementwise_cost(f"relu{name[4:]}", "relu", (c_out, s, s)))
-            c_in = c_out
-        return rows + [
-            linear_cost("fc6", FC6, self.fc6_in(), FC_WIDTH),
-            elementwise_cost("relu6", "relu", (FC_WIDTH,)),
-            linear_cost("fc7", FC7, FC_WIDTH, FC_WIDTH),
-            elementwise_cost("relu7", "relu", (FC_WIDTH,)),
-            linear_cost("fc8", FC8, FC_WIDTH, self.num_classes),
-        ]
+    # --- layers (the cost table derives from them) -------------------------------------
+    def layers(self, model: nn.Module) -> list[Layer]:
+        return vgg_layers(model)
 
     # --- oracle --------------------------------------------------------------------------
     def reference_forward(self, params: dict[str, np.ndarray], x: np.ndarray) -> np.ndarray:
@@ -184,3 +157,26 @@ class VGG16(Workload):
         h = ops.relu(ops.linear(h, params[f"{FC6}.weight"], params[f"{FC6}.bias"]))
         h = ops.relu(ops.linear(h, params[f"{FC7}.weight"], params[f"{FC7}.bias"]))
         return ops.linear(h, params[f"{FC8}.weight"], params[f"{FC8}.bias"])
+
+
+def vgg_layers(model: nn.Module) -> list[Layer]:
+    """VGG.forward as layers named as in the paper: cast, conv1_1, relu1_1, ..., pool5 (in
+    the model's order, which --swap-relu-pool already changed), flatten, fc6, relu6, drop6, ...,
+    fc8; paths are torchvision's features.N / classifier.N."""
+    out, block, conv, last = [describe("cast", MatchDtype())], 1, 0, ""
+    for i, m in enumerate(model.features):
+        if isinstance(m, nn.Conv2d):
+            conv += 1
+            last = f"{block}_{conv}"
+            name = f"conv{last}"
+        elif isinstance(m, nn.ReLU):
+            name = f"relu{last}"  # the ReLU of the last conv, before or after its pool
+        else:
+            name, block, conv = f"pool{block}", block + 1, 0
+        out.append(describe(name, m, f"features.{i}"))
+    out.append(describe("flatten", nn.Flatten()))
+    names = ("fc6", "relu6", "drop6", "fc7", "relu7", "drop7", "fc8")
+    out += [
+        describe(n, m, f"classifier.{i}") for i, (n, m) in enumerate(zip(names, model.classifier))
+    ]
+    return out

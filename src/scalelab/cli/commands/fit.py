@@ -41,9 +41,10 @@ from scalelab.comm.launch import relaunch
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
 from scalelab.fit import DeviceTrial, EstimatedLimit, FitPoint, Search
+from scalelab.planning import partition as part
+from scalelab.planning import profiling
 from scalelab.precision import get_precision
 from scalelab.record import append_record, new_record
-from scalelab.strategies import partition as part
 from scalelab.strategies.torch_base import resolve_device
 from scalelab.workloads import WORKLOADS
 
@@ -147,7 +148,7 @@ def _find_batch(search: Search, cfg: RunConfig, args, device, limit) -> dict[str
 def _find_stages(search: Search, cfg: RunConfig, args, device, limit) -> dict[str, Any]:
     if search.fits():
         return {"stages": 1, "line": "fits one device: no pipeline needed"}
-    capacity = part.device_capacity(device, limit)
+    capacity = profiling.device_capacity(device, limit)
     profiles = _profile(cfg, device)
 
     def mem(k: int) -> part.MemoryModel:
@@ -176,7 +177,7 @@ def _profile(cfg: RunConfig, device: torch.device) -> list[part.LayerProfile]:
     """Every layer measured on one micro-batch, one layer on the device at a time."""
     workload = WORKLOADS.get(cfg.workload)(cfg)
     precision = get_precision(cfg.dtype)
-    layers = part.model_layers(workload, workload.build_model())
+    layers = workload.layers(workload.build_model())
     micro = even_counts(cfg.batch, min(cfg.microbatches, cfg.batch))[0]
     x = workload.prepare(workload.synthetic_inputs(micro, cfg.seed).x.to(device))
 
@@ -185,7 +186,7 @@ def _profile(cfg: RunConfig, device: torch.device) -> list[part.LayerProfile]:
             return torch.autocast(device.type, enabled=False)
         return torch.autocast(device.type, dtype=precision.autocast)
 
-    return part.profile_layers(
+    return profiling.profile_layers(
         layers, x.to(precision.storage), device, precision.storage, True, autocast
     )
 
@@ -210,7 +211,7 @@ def _run_pipeline(cfg, k, counts, device, limit, out) -> int:
     if out:
         argv += ["--out", out]
     if limit is not None and device.type == "cuda":
-        os.environ[part.MEM_LIMIT_ENV] = str(limit)
+        os.environ[profiling.MEM_LIMIT_ENV] = str(limit)
     gc.collect()  # hand this process's cached GPU memory back before the ranks start
     if device.type == "cuda":
         torch.cuda.empty_cache()

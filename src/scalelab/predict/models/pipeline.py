@@ -2,7 +2,7 @@
 m = B / M, run by the GPipe or 1F1B schedule.
 
     partition  the run's own: the record's `pipeline.balance` (layers per stage, over the
-               layer list strategies/partition.py cuts), else an explicit --balance, else
+               layer list of the workload's layers()), else an explicit --balance, else
                (--balance auto) the cut that balances the roofline times (the run balances
                measured times the same way)
     t_s(m)     stage s's time per micro-batch: the one-rank time t(m) at the micro-batch
@@ -25,56 +25,45 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 from scalelab.errors import UsageError
+from scalelab.planning.partition import (
+    LayerProfile,
+    balance_auto,
+    bounds,
+    memory_model,
+    parse_balance,
+)
 from scalelab.precision import get_precision
 from scalelab.predict.compute_model import ComputeModel, build_workload, roofline_layers
 from scalelab.predict.models.base import MODELS, Context, StrategyModel
 from scalelab.predict.models.mesh2d import replicated
 from scalelab.predict.scenario import Prediction, Scenario
-from scalelab.strategies.partition import (
-    LayerProfile,
-    balance_auto,
-    bounds,
-    memory_model,
-    model_layers,
-    parse_balance,
-)
 from scalelab.strategies.pipeline_schedule import simulate
 
-# torch module class -> the cost table's `kind` of the row it computes (other modules: casts,
-# flatten, dropout, compute no row)
-KINDS = {
-    "Conv2d": "conv",
-    "Linear": "linear",
-    "ReLU": "relu",
-    "MaxPool2d": "maxpool",
-    "AdaptiveAvgPool2d": "avgpool",
-    "LocalResponseNorm": "lrn",
-}
 FORWARD_SHARE = 1 / 3  # a training op: forward 1, backward 2 forward-equivalents
 
 
-def layer_names(scenario: Scenario) -> list[tuple[str, str | None]]:
-    """(name, cost-table kind) of each layer the pipeline cuts, as the run lists them; the
-    model is built on the meta device (no weights are allocated)."""
+def layer_names(scenario: Scenario) -> list[str]:
+    """The name of each layer the pipeline cuts, as the run lists them (the workload's
+    layers(); the model is built on the meta device: no weights are allocated)."""
     workload = build_workload(scenario.cfg)
-    with torch.device("meta"):
-        model = workload.build_model()
-    return [(x.name, KINDS.get(type(x.module).__name__)) for x in model_layers(workload, model)]
+    return [layer.name for layer in workload.layers(workload.meta_model())]
+
+
+def row_layers(scenario: Scenario) -> list[int | None]:
+    """The index in layer_names of the layer computing each cost-table row, paired by the
+    layer's name; None for rows no layer computes (a softmax left to the loss)."""
+    workload = build_workload(scenario.cfg)
+    index = {name: i for i, name in enumerate(layer_names(scenario))}
+    owners = [index[layer.name] for layer, _ in workload.layer_costs()]
+    return owners + [None] * len(workload.tail_costs())
 
 
 def row_stages(scenario: Scenario, counts: list[int]) -> list[int]:
-    """The stage of every cost-table row: layers and rows matched in order by kind (a
-    dropout or flatten has no row; rows no layer claims, e.g. a final softmax, go last)."""
-    costs = build_workload(scenario.cfg).cost_table()
+    """The stage of every cost-table row (rows no layer computes go last)."""
     spans = bounds(counts)
-    owner: list[int] = []
-    for i, (_, kind) in enumerate(layer_names(scenario)):
-        if len(owner) < len(costs) and kind == costs[len(owner)].kind:
-            owner.append(next(s for s, (a, b) in enumerate(spans) if a <= i < b))
-    return owner + [len(counts) - 1] * (len(costs) - len(owner))
+    stage = lambda i: next(s for s, (a, b) in enumerate(spans) if a <= i < b)  # noqa: E731
+    return [len(counts) - 1 if i is None else stage(i) for i in row_layers(scenario)]
 
 
 def balanced_loads(weights: list[float], k: int) -> tuple[list[float], list[int]]:
@@ -103,13 +92,9 @@ def partition(scenario: Scenario, row_times: list[float]) -> tuple[list[int], st
 
 def _layer_counts(scenario: Scenario, row_cuts: list[int], n_layers: int) -> list[int]:
     """Layer counts putting each stage's last cost row last in the stage."""
-    kinds = [kind for _, kind in layer_names(scenario)]
-    costs = build_workload(scenario.cfg).cost_table()
-    row, ends = 0, {}
-    for i, kind in enumerate(kinds):
-        if row < len(costs) and kind == costs[row].kind:
-            ends[row], row = i, row + 1
-    stops = [ends.get(c, n_layers - 1) + 1 for c in row_cuts] + [n_layers]
+    owners = row_layers(scenario)
+    stops = [(n_layers - 1 if owners[c] is None else owners[c]) + 1 for c in row_cuts]
+    stops.append(n_layers)
     return [b - a for a, b in zip([0, *stops[:-1]], stops)]
 
 
@@ -186,7 +171,7 @@ class PipelineModel(StrategyModel):
 
     @staticmethod
     def _stage_text(s: Scenario, counts: list[int], slow: int, seconds: float) -> str:
-        names = [name for name, _ in layer_names(s)]
+        names = layer_names(s)
         a, b = bounds(counts)[slow]
         return (
             f"slowest stage: rank {slow} of {s.ranks}, {names[a]}..{names[b - 1]}, "

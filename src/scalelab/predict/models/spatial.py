@@ -22,12 +22,12 @@ import math
 from typing import Any
 
 from scalelab.errors import UsageError
+from scalelab.planning.halo import plan_trunk
+from scalelab.planning.trunk import Trunk, trunk_for
 from scalelab.predict.compute_model import build_workload
 from scalelab.predict.models.base import Context, Wire, item_bytes, output_width, storage_bytes
 from scalelab.predict.models.split import COMM, SPLITS, scatter_in
 from scalelab.predict.scenario import Prediction, Scenario
-from scalelab.strategies.halo import plan_trunk
-from scalelab.strategies.split.trunks import Trunk, trunk_for
 
 PREPARE, HEAD = "prepare", "head"
 
