@@ -10,6 +10,9 @@ groups), not with one process.
 """
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -214,3 +217,21 @@ def test_torchvision_models_at_64x64(cli, tmp_path, name):
         assert code == 0, err
     recs = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
     assert [r["ranks"] for r in recs] == [1, 2] and all(r["check_passed"] for r in recs)
+
+
+def test_an_entry_point_model_is_listed_and_runs(tmp_path):
+    """A package's `scalelab.workloads` entry point: listed by `scalelab list`, run by name."""
+    info = tmp_path / "usernets-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: usernets\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[scalelab.workloads]\ntinymlp = user_nets:mlp\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(PROGRAMS)])}
+    scalelab = [sys.executable, "-m", "scalelab"]
+    listed = subprocess.run([*scalelab, "list"], capture_output=True, text=True, env=env)
+    assert "tinymlp" in listed.stdout and "user_nets:mlp" in listed.stdout
+    ran = subprocess.run([*scalelab, "run", "tinymlp", "--input-shape", "3,4", "--check",
+                          "--iters", "1", "--warmup", "0", "--no-record", "--json"],
+                         capture_output=True, text=True, env=env)  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+    rec = json.loads(ran.stdout)
+    assert rec["workload"] == "tinymlp" and rec["check_passed"]
