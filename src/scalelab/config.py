@@ -41,6 +41,7 @@ INT_RANGES = {
     "virtual_stages": (1, 64),
     "dp": (1, 2**20),
     "tp": (1, 2**20),
+    "vocab": (1, 2**24),  # token ids travel through float32 inputs exactly up to 2**24
 }
 # (low, high, low end open): finite and inside, so inf/nan/1e300 never reach an optimizer
 # (lr's bound: finite in float32 with margin; a huge lr then diverges and is caught by name).
@@ -90,6 +91,14 @@ class RunConfig:
     convs: int = opt(8, "deepstack: number of identical conv layers.")
     fcs: int = opt(2, "deepstack: number of identical linear layers.")
     data_dir: str | None = opt(None, "Folder with the real data set; synthetic inputs when None.")
+    # Your own model (workloads/user_model.py): workload `model`, built by MODULE:FACTORY.
+    model: str | None = opt(
+        None, "Your own network: MODULE:FACTORY (an importable module or a .py path) -> nn.Module."
+    )
+    model_arg: tuple[str, ...] = opt((), "KEY=VALUE passed to the factory (repeatable; literals).")
+    input_shape: str | None = opt(None, "--model: one item's shape, C,H,W or C,L or F.")
+    input_dtype: str = opt("float32", "--model: float32 (N(0,1) inputs) or int64 (token ids).")
+    vocab: int | None = opt(None, "--model --input-dtype int64: token ids lie in [0, vocab).")
     weights: str | None = opt(
         None, "state_dict (.pt) or safetensors file to load instead of seeded random weights."
     )
@@ -203,6 +212,8 @@ class RunConfig:
     """Strategy-specific options (ranks, split, ...), kept so records stay complete."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.model_arg, list):  # from TOML or a record's JSON
+            self.model_arg = tuple(self.model_arg)
         _check_types(self)
         for name, (lo, hi) in INT_RANGES.items():
             value = getattr(self, name)
@@ -260,6 +271,8 @@ def _check_types(cfg: RunConfig) -> None:
         if value is None or f.name == "extra":
             continue
         kinds = tuple(a for a in typing.get_args(hint) if a is not type(None)) or (hint,)
+        if typing.get_origin(hint) is tuple:  # tuple[str, ...]: every item a str
+            kinds = (tuple,) if all(isinstance(v, str) for v in value) else (str,)
         ok = isinstance(value, kinds) and not (bool not in kinds and isinstance(value, bool))
         if float in kinds and isinstance(value, int) and not isinstance(value, bool):
             ok = True

@@ -86,6 +86,7 @@ def _check(cfg: RunConfig, workload: Workload, strategy: Strategy) -> None:
     try:
         if cfg.ranks > 1 and strategy.comm.size != cfg.ranks:
             raise UsageError(f"--ranks {cfg.ranks} but the launcher started {strategy.comm.size}")
+        workload.check_strategy(strategy.name, cfg)
         strategy.validate(workload)
         if cfg.compile and not strategy.compiles:
             able = [n for n in STRATEGIES.names() if STRATEGIES.get(n).compiles]
@@ -272,6 +273,7 @@ def build_record(
             digest=check.digest,
             reference_digest=check.reference_digest,
             check_passed=check.passed,
+            reference=workload.reference_kind,
         )
     if out.history is not None:
         rec.update(loss=out.history.loss, accuracy=out.history.accuracy, steps=out.history.steps)

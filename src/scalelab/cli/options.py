@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from scalelab.config import RunConfig
+from scalelab.errors import UsageError
 
 SKIP = {"workload", "extra"}
 # Fields only a real run reads (records, checkpoints, instrumentation, data): commands that
@@ -27,8 +28,29 @@ RUN_ONLY = frozenset(
 )  # fmt: skip
 # What sizes a model: the analytic layer table reads only these.
 SHAPE = frozenset(
-    {"batch", "dtype", "image_size", "num_classes", "hidden", "convs", "fcs", "swap_relu_pool"}
-)
+    {"batch", "dtype", "image_size", "num_classes", "hidden", "convs", "fcs", "swap_relu_pool",
+     "model", "model_arg", "input_shape", "input_dtype", "vocab"}
+)  # fmt: skip
+MODEL_WORKLOAD = "model"  # the workload --model runs under (workloads/user_model.py)
+
+
+def add_workload_argument(p: argparse.ArgumentParser, nargs: str | None = "?") -> None:
+    """The WORKLOAD positional; --model MODULE:FACTORY stands in for it."""
+    p.add_argument(
+        "workload", nargs=nargs, help="workload name (scalelab list); or --model MODULE:FACTORY"
+    )
+
+
+def workload_name(args: argparse.Namespace, required: bool = True) -> str | None:
+    """The workload a command runs: its positional name, or `model` under --model."""
+    given, model = getattr(args, "workload", None), getattr(args, "model", None)
+    if model is not None:
+        if given not in (None, MODEL_WORKLOAD):
+            raise UsageError(f"give a workload name ({given}) or --model {model}, not both")
+        return MODEL_WORKLOAD
+    if given is None and required:
+        raise UsageError("name a workload (scalelab list) or give --model MODULE:FACTORY")
+    return given
 
 
 def _base_type(hint: Any) -> type:
@@ -66,6 +88,10 @@ def add_config_options(
         if kind is bool:
             flags = ("-q", flag) if f.name == "quiet" else (flag,)
             parser.add_argument(*flags, action="store_true", default=None, help=help_text)
+        elif typing.get_origin(kind) is tuple:  # repeatable: --model-arg a=1 --model-arg b=2
+            parser.add_argument(
+                flag, action=_AppendTuple, default=None, metavar="KEY=VALUE", help=help_text
+            )
         else:
             numeric = lists and kind in (int, float)
             parser.add_argument(
@@ -75,6 +101,13 @@ def add_config_options(
                 metavar=f.name.upper() + (",..." if numeric else ""),
                 help=f"{help_text} (default: {f.default})",
             )
+
+
+class _AppendTuple(argparse.Action):
+    """Collects a repeatable flag into a tuple (a list would read as a comma-list study)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, (*(getattr(namespace, self.dest) or ()), values))
 
 
 def config_from_args(args: argparse.Namespace, **overrides: Any) -> RunConfig:

@@ -85,6 +85,9 @@ class Point:
             if f.name in NOT_FLAGS or value == getattr(defaults, f.name) or value is None:
                 continue
             flag = "--" + f.name.replace("_", "-")
+            if isinstance(value, tuple):  # --model-arg a=1 --model-arg b=2
+                args += [a for item in value for a in (flag, item)]
+                continue
             args += [flag] if value is True else [flag, str(value)]
         return args
 
@@ -193,7 +196,7 @@ def _check_grid(path: Path, grid: dict[str, Any], fixed: dict[str, Any]) -> None
         _check_type(path, key, v)
     if "batch_per_rank" in {**grid, **fixed} and "batch" in {**grid, **fixed}:
         raise UsageError(f"{path}: give batch or batch_per_rank, not both")
-    if "workload" not in grid and "workload" not in fixed:
+    if "workload" not in grid and "workload" not in fixed and "model" not in {**grid, **fixed}:
         raise UsageError(f"{path}: no workload: set workload in [grid] or [fixed]")
 
 
@@ -203,7 +206,7 @@ def _field_type(key: str) -> type:
     hint = typing.get_type_hints(RunConfig)[key]
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         hint = next(a for a in typing.get_args(hint) if a is not type(None))
-    return hint
+    return list if typing.get_origin(hint) is tuple else hint  # model_arg = ["width=8"]
 
 
 def _check_type(path: Path, key: str, value: Any) -> None:
@@ -223,6 +226,8 @@ def points(study: Study) -> list[Point]:
     for i, combo in enumerate(itertools.product(*study.grid.values()), 1):
         values = dict(zip(keys, combo))
         merged = {**study.fixed, **values, "quiet": True}
+        if "model" in merged:  # your own network (model = "MODULE:FACTORY") runs as `model`
+            merged.setdefault("workload", "model")
         # TOML 1 for a float field: store 1.0, as the CLI would, so records match the point.
         merged = {k: float(v) if _field_type(k) is float else v for k, v in merged.items()}
         per_rank = merged.pop("batch_per_rank", None)

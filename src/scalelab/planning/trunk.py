@@ -135,7 +135,10 @@ def trunk_from_layers(
         if layer.kind not in SKIP:
             steps.append(_step(layer, out[0]))
     if not any(s.kind == "window" for s in steps):
-        raise UsageError(f"--split spatial needs a convolution trunk; {name} has none")
+        stop = layers[rest] if rest < len(layers) else None
+        why = "" if stop is None or stop.reach == "global" else ": its items have no channel axis"
+        at = "" if stop is None else f" (its local run stops at {stop.name}, {stop.kind}{why})"
+        raise UsageError(f"--split spatial needs a convolution trunk; {name} has none{at}")
     head = dense_head(layers[rest:])
     tail = [] if head is not None else list(layers[rest:])
     item = shapes[0][0]

@@ -545,7 +545,7 @@ def _check_trainable(workload: Workload, precision) -> None:
             "pipeline trains in fp64/fp32/tf32/bf16 (fp16 needs a loss scaler shared by the "
             "stages); use --dtype bf16"
         )
-    if type(workload).loss is not Workload.loss:
+    if type(workload).loss is not Workload.loss and not workload.loss_reads_output_only:
         raise UsageError(
             f"pipeline: {workload.name}'s loss looks at the whole model (regularisation), "
             "which no single stage holds; pipeline trains plain cross-entropy workloads"

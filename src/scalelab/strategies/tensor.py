@@ -127,7 +127,10 @@ class TensorParallel(OnMPIRanks):
             return DTensorParallel.preflight(cfg)
         refuse_options(cfg, "tensor", NONBLOCKING)
         if cfg.workload != "mlp":
-            raise UsageError(f"tensor splits the seed's MLP only (mlp), not {cfg.workload}")
+            raise UsageError(
+                f"tensor splits the seed's MLP only (mlp), not {cfg.workload}; --engine torch "
+                "shards other models' Linear pairs"
+            )
         if cfg.hidden < cfg.ranks:
             raise UsageError(f"--hidden {cfg.hidden} < {cfg.ranks} ranks: a rank would own no unit")
         return cfg.batch

@@ -51,6 +51,8 @@ def linear_pairs(workload: Workload, model: nn.Module) -> list[tuple[str, str]]:
     """The (column-wise, row-wise) Linear pairs of a model, by module name."""
     if workload.name in MARKED:
         return MARKED[workload.name]
+    if hasattr(workload, "linear_pairs"):  # a user's model: from its layers
+        return workload.linear_pairs(model)
     if not isinstance(model, nn.Sequential):
         return []
     pairs, open_, between_ok = [], None, True

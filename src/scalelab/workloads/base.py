@@ -59,6 +59,8 @@ class Workload(ABC):
     item: ClassVar[str] = "images"  # what throughput counts: images, inputs, ...
     native_size: ClassVar[int | None] = None  # input height = width when --image-size is unset
     native_classes: ClassVar[int | None] = None  # output width when --num-classes is unset
+    reference_kind: ClassVar[str] = "numpy-fp64"  # what --check compares with (the record's)
+    loss_reads_output_only: ClassVar[bool] = False  # loss() needs no weights (a pipeline can)
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
@@ -85,6 +87,10 @@ class Workload(ABC):
     @abstractmethod
     def _build(self) -> nn.Module:
         """Construct the module; weights are drawn from torch's (seeded) default init."""
+
+    def check_strategy(self, strategy: str, cfg: RunConfig) -> None:
+        """Raise UsageError, one line naming the layer that stops it, for a strategy this
+        workload's model cannot run under (the shipped workloads: the strategies decide)."""
 
     def build_model(self) -> nn.Module:
         with seeded(self.cfg.seed):

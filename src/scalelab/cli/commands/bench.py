@@ -18,11 +18,13 @@ import torch
 
 from scalelab import environment
 from scalelab.cli.base import COMMANDS, Command
+from scalelab.cli.options import add_config_options
 from scalelab.errors import UsageError
 from scalelab.record import new_record
 from scalelab.workloads import WORKLOADS
 
 SCHEMA = "scalelab.bench/1"
+MODEL_FIELDS = {"model", "model_arg", "input_shape", "input_dtype", "vocab"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,6 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--image-size", type=int, help="image workloads: height = width")
     p.add_argument("--hidden", type=int, help="mlp hidden width")
+    add_config_options(p, only=MODEL_FIELDS)  # --model MODULE:FACTORY and its input
     p.add_argument("--train-size", type=int, help="training: items per epoch")
     p.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda when present")
     p.add_argument("--iters", type=int, default=20, help="timed calls, median reported")
@@ -52,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     if args.table is not None:
         print(format_table(read_bench_records(Path(args.table))))
         return 0
-    names = _names(args.workloads)
+    names = ["model"] if args.model is not None and not args.workloads else _names(args.workloads)
     if args.iters < 2 or args.warmup < 0 or args.oracle_items < 1:
         raise UsageError("--iters must be >= 2 (a spread), --oracle-items >= 1, --warmup >= 0")
     opts = _options(args)
@@ -107,6 +110,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         "image_size": args.image_size,
         "hidden": args.hidden,
         "train_size": args.train_size,
+        **{name: getattr(args, name) for name in MODEL_FIELDS},
     }
     return {
         "mode": args.mode,

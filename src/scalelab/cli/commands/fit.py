@@ -28,7 +28,14 @@ import torch
 
 from scalelab import environment
 from scalelab.cli.base import COMMANDS, Command
-from scalelab.cli.options import RUN_ONLY, SKIP, add_config_options, config_from_args
+from scalelab.cli.options import (
+    RUN_ONLY,
+    SKIP,
+    add_config_options,
+    add_workload_argument,
+    config_from_args,
+    workload_name,
+)
 from scalelab.comm.base import even_counts
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
@@ -57,7 +64,7 @@ def parse_size(text: str | None) -> float | None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("workload", help="workload name (scalelab list)")
+    add_workload_argument(p)
     # What a try reads: the model's shape and one training step (run-only fields hidden,
     # iters/warmup kept: a try times warm-up + iters steps).
     add_config_options(p, skip=(RUN_ONLY - {"iters", "warmup", "steps"}) | {"ranks", "split"})
@@ -86,7 +93,7 @@ def available_memory() -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = config_from_args(args, workload=args.workload, train=True)
+    cfg = config_from_args(args, workload=workload_name(args), train=True)
     workload = WORKLOADS.get(cfg.workload)(cfg)
     find = args.find or ("stack" if workload.name == "deepstack" else "batch")
     if find != "batch" and workload.name != "deepstack":

@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 
 from scalelab.cli.base import COMMANDS, Command
-from scalelab.cli.options import RUN_ONLY, add_config_options, config_from_args
+from scalelab.cli.options import RUN_ONLY, add_config_options, config_from_args, workload_name
 from scalelab.errors import UsageError
 from scalelab.outputs import check_dir
 
@@ -86,7 +86,8 @@ def predict(args: argparse.Namespace, network) -> int:
     from scalelab.predict.frame import bottleneck_summary, prediction_table
     from scalelab.predict.models import Context, model_for
 
-    if args.workload is None:
+    workload = workload_name(args, required=False)
+    if workload is None:
         raise UsageError("name a workload to predict (or give --validate RESULTS)")
     if args.strategy is None:
         raise UsageError("give --strategy (the strategy to predict: ddp, mpi, mpi-gpu, nccl, ...)")
@@ -121,7 +122,7 @@ def _scenario(args: argparse.Namespace, figures):
     from scalelab.predict.scenario import Scenario
 
     gpu = args.device == "cuda" or (args.device is None and args.strategy in GPU_FIRST)
-    overrides = {"workload": args.workload, "ranks": 1, "device": "cuda" if gpu else "cpu"}
+    overrides = {"workload": workload_name(args), "ranks": 1, "device": "cuda" if gpu else "cpu"}
     if args.strategy in TRAINING:
         overrides["train"] = True
     cfg = config_from_args(args, **overrides)

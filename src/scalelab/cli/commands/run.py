@@ -14,7 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from scalelab.cli.base import COMMANDS, Command
-from scalelab.cli.options import add_config_options, config_from_args, expand_lists, flag_of
+from scalelab.cli.options import (
+    add_config_options,
+    add_workload_argument,
+    config_from_args,
+    expand_lists,
+    flag_of,
+    workload_name,
+)
 from scalelab.comm.launch import inside_launcher, settle_config, torchrun_command
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
@@ -32,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "Numeric flags take comma lists: --lr 0.01,0.1,0.5 --hidden 64,512 runs every "
         "combination, one record each."
     )
-    p.add_argument("workload", help="workload name (scalelab list)")
+    add_workload_argument(p)
     add_config_options(p, lists=True)
     p.add_argument(
         "--out",
@@ -62,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         return code
     runs = [single_run(args, combo) for combo in combos]
     for one in runs:  # bad values fail before anything runs
-        config_from_args(one, workload=one.workload)
+        config_from_args(one, workload=workload_name(one))
     rows = []
     for i, (one, combo) in enumerate(zip(runs, combos), 1):
         label = " ".join(f"{flag_of(k)} {v}" for k, v in combo.items())
@@ -127,7 +134,7 @@ def substitute(argv: list[str], flag: str, value: Any) -> list[str]:
 
 def run_one(args: argparse.Namespace) -> tuple[int, dict[str, Any] | None]:
     """(exit code, the record this process printed or None: launched jobs print their own)."""
-    cfg = config_from_args(args, workload=args.workload, **_defaults(args))
+    cfg = config_from_args(args, workload=workload_name(args), **_defaults(args))
     strategy = STRATEGIES.get(cfg.strategy)
     cfg = settle_config(cfg, strategy.launcher)
     preflight(strategy, cfg)

@@ -25,7 +25,12 @@ from typing import Any
 import torch
 
 from scalelab.cli.base import COMMANDS, Command
-from scalelab.cli.options import add_config_options, config_from_args
+from scalelab.cli.options import (
+    add_config_options,
+    add_workload_argument,
+    config_from_args,
+    workload_name,
+)
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
 from scalelab.record import DEFAULT_RESULTS, append_record, read_records
@@ -180,7 +185,7 @@ def format_table(rows: list[tuple[Variant, dict[str, Any]]]) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("workload", help="workload name (scalelab list)")
+    add_workload_argument(p)
     add_config_options(p, skip=OWN)
     p.add_argument("--ranks", type=int, default=2, help="ranks of the MPI/NCCL runs (default 2)")
     p.add_argument(
@@ -194,7 +199,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.ranks < 1:
         raise UsageError(f"--ranks must be >= 1, got {args.ranks}")
-    base = config_from_args(args, workload=args.workload, quiet=True)
+    base = config_from_args(args, workload=workload_name(args), quiet=True)
     from scalelab.workloads import WORKLOADS
 
     WORKLOADS.get(base.workload)(base)  # a bad workload option fails before anything runs

@@ -1,0 +1,108 @@
+"""Finding a user's model: `--model MODULE:FACTORY` and the `scalelab.workloads` entry points.
+
+MODULE is an importable module (`torchvision.models`, `mypkg.nets`) or a path to a .py file
+(`examples/models/rescnn.py`); FACTORY is a callable in it returning an nn.Module, called with
+the `--model-arg KEY=VALUE` pairs as keyword arguments (values read as Python literals, else
+kept as text). Every way this can go wrong is one UsageError line naming the spec.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from scalelab.errors import UsageError
+
+GROUP = "scalelab.workloads"  # entry-point group: name -> "module:factory"
+
+
+def parse_model_args(items: tuple[str, ...]) -> dict[str, Any]:
+    """("width=8", "name=tiny") -> {"width": 8, "name": "tiny"}."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip().isidentifier():
+            raise UsageError(f"--model-arg {item!r}: expected KEY=VALUE, KEY a Python name")
+        try:
+            out[key.strip()] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            out[key.strip()] = text  # plain words stay text: name=tiny
+    return out
+
+
+def load_factory(spec: str) -> Callable[..., Any]:
+    """The callable a MODULE:FACTORY spec names (a dotted FACTORY walks attributes)."""
+    module_name, sep, attr = spec.rpartition(":")
+    if not sep or not module_name or not attr:
+        raise UsageError(f"--model {spec!r}: expected MODULE:FACTORY (module or .py path)")
+    module = _import(spec, module_name)
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise UsageError(f"--model {spec}: {module_name} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise UsageError(f"--model {spec}: {attr} is a {type(obj).__name__}, not a callable")
+    return obj
+
+
+def _import(spec: str, name: str):
+    if name.endswith(".py") or "/" in name or "\\" in name:
+        return _import_path(spec, Path(name))
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        raise UsageError(f"--model {spec}: no module named {exc.name!r}") from None
+    except Exception as exc:  # the user's module failed while importing
+        raise UsageError(f"--model {spec}: importing {name} raised {_one_line(exc)}") from None
+
+
+def _import_path(spec: str, path: Path):
+    """A .py file as a module, under a name unique to its resolved path (imported once)."""
+    if not path.is_file():
+        raise UsageError(f"--model {spec}: no such file {path}")
+    resolved = path.resolve()
+    name = f"scalelab_user_{path.stem}_{hashlib.sha1(str(resolved).encode()).hexdigest()[:8]}"
+    if name in sys.modules:
+        return sys.modules[name]
+    loader_spec = importlib.util.spec_from_file_location(name, resolved)
+    module = importlib.util.module_from_spec(loader_spec)
+    sys.modules[name] = module  # dataclasses and pickling look the module up by name
+    try:
+        loader_spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[name]
+        raise UsageError(f"--model {spec}: importing {path} raised {_one_line(exc)}") from None
+    return module
+
+
+def call_factory(spec: str, factory: Callable[..., Any], kwargs: dict[str, Any]) -> nn.Module:
+    """factory(**kwargs), refused in one line unless it returns an nn.Module."""
+    try:
+        module = factory(**kwargs)
+    except Exception as exc:
+        raise UsageError(f"--model {spec}: the factory raised {_one_line(exc)}") from None
+    if not isinstance(module, nn.Module):
+        raise UsageError(
+            f"--model {spec}: the factory returned {type(module).__name__}, not a torch.nn.Module"
+        )
+    return module
+
+
+def registered_models() -> dict[str, str]:
+    """Entry points of group `scalelab.workloads`: workload name -> "module:factory"."""
+    return {ep.name: ep.value for ep in entry_points(group=GROUP)}
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__

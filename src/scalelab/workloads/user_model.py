@@ -1,0 +1,255 @@
+"""Your own network as a workload: `--model MODULE:FACTORY` (or an entry point of group
+`scalelab.workloads`), run under every strategy that applies and checked against float64.
+
+Inputs (`--input-shape C,H,W` / `C,L` / `F` per item):
+  --input-dtype float32  synthetic N(0, 1) float32 values, seeded by the run's seed; they cross
+                         the wire as float32 and reach the model in its precision (fp64 runs
+                         widen them exactly, so the float64 reference sees the same values)
+  --input-dtype int64    token ids uniform in [0, --vocab), int64 on the wire; the model gets
+                         them as integers (a forward pre-hook turns the strategies' float cast
+                         back into exact ids: < 2**24, exact in float32)
+Labels are uniform in [0, K) where K, the number of classes, is read from the output (N, K).
+
+The reference is the module itself: the same weights loaded into a fresh build, in float64 on
+the CPU in eval mode (record field `reference: "module-fp64"`); for training, one float64
+process is the reference the tests compare ranks with. Training minimises the module's own
+`loss(output, target)` when it defines one, else cross-entropy over the output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import cached_property
+from typing import ClassVar
+
+import numpy as np
+import torch
+from torch import nn
+
+from scalelab.errors import UsageError
+from scalelab.workloads import model_spec
+from scalelab.workloads import module_layers as ml
+from scalelab.workloads.base import WORKLOADS, Inputs, LayerCost, Workload
+from scalelab.workloads.layers import Layer
+
+DTYPES = {"float32": torch.float32, "int64": torch.int64}
+
+
+class TokenIds(nn.Module):
+    """Glue: the strategies hand every input over as floats; token ids go back to int64."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x if not x.is_floating_point() else x.round().long()
+
+
+def _ids_hook(module: nn.Module, args: tuple) -> tuple:
+    return (TokenIds()(args[0]), *args[1:])
+
+
+def _dtype_hook(module: nn.Module, args: tuple) -> tuple:
+    """Float inputs in the weights' precision (the training loop hands prepare()'s float32 to
+    an fp64 model), as the shipped workloads' forwards do."""
+    x = args[0]
+    weight = next((p for p in module.parameters() if p.is_floating_point()), None)
+    if weight is None or not x.is_floating_point() or x.dtype == weight.dtype:
+        return None
+    return (x.to(weight.dtype), *args[1:])
+
+
+@WORKLOADS.register("model", "your own nn.Module: --model MODULE:FACTORY --input-shape C,H,W")
+class UserModel(Workload):
+    name = "model"
+    item = "items"
+    reference_kind: ClassVar[str] = "module-fp64"
+    loss_reads_output_only = True  # loss(output, target): a pipeline's last stage computes it
+    default_spec: ClassVar[str | None] = None  # set for entry-point workloads
+
+    @property
+    def spec(self) -> str:
+        return self.cfg.model or self.default_spec
+
+    def validate(self) -> None:
+        if self.spec is None:
+            raise UsageError("workload model needs --model MODULE:FACTORY")
+        if self.cfg.input_dtype not in DTYPES:
+            raise UsageError(f"--input-dtype must be float32 or int64, got {self.cfg.input_dtype}")
+        if (self.cfg.vocab is None) == (self.cfg.input_dtype == "int64"):
+            raise UsageError("--vocab N goes with --input-dtype int64 (token ids in [0, N))")
+        self.shape  # noqa: B018 (parses --input-shape)
+        self.probe  # noqa: B018 (builds the model and runs one item through it)
+
+    # --- the model -----------------------------------------------------------------------
+    @cached_property
+    def factory(self):
+        return model_spec.load_factory(self.spec)
+
+    def _build(self) -> nn.Module:
+        kwargs = model_spec.parse_model_args(self.cfg.model_arg)
+        module = model_spec.call_factory(self.spec, self.factory, kwargs)
+        hook = _ids_hook if self.cfg.input_dtype == "int64" else _dtype_hook
+        module.register_forward_pre_hook(hook)
+        return module
+
+    @cached_property
+    def shape(self) -> tuple[int, ...]:
+        text = self.cfg.input_shape
+        if text is None:
+            raise UsageError(f"--model {self.spec}: give one item's shape, --input-shape C,H,W")
+        try:
+            shape = tuple(int(part) for part in text.split(","))
+        except ValueError:
+            raise UsageError(f"--input-shape {text!r}: expected sizes like 3,32,32") from None
+        if not shape or min(shape) < 1:
+            raise UsageError(f"--input-shape {text!r}: sizes must be >= 1")
+        return shape
+
+    @cached_property
+    def probe(self) -> ml.Call:
+        """One item through the model in eval mode: the call tree every view derives from."""
+        model = self.build_model()
+        x = self.prepare(self.synthetic_inputs(1, self.cfg.seed).x)
+        try:
+            call = ml.trace(model, x)
+        except Exception as exc:
+            got = f"({', '.join(map(str, x.shape))}) {self.cfg.input_dtype}"
+            raise UsageError(
+                f"--model {self.spec}: a {got} input fails in its forward: "
+                f"{model_spec._one_line(exc)} (check --input-shape/--input-dtype)"
+            ) from None
+        out = call.output
+        if not torch.is_tensor(out) or out.dim() != 2 or not out.is_floating_point():
+            what = tuple(out.shape) if torch.is_tensor(out) else type(out).__name__
+            raise UsageError(f"--model {self.spec}: the output is {what}; scalelab needs (N, K)")
+        return call
+
+    @property
+    def num_classes(self) -> int:
+        return self.probe.output.shape[1]
+
+    @property
+    def image_size(self) -> int | None:
+        return self.shape[1] if len(self.shape) >= 2 else None
+
+    # --- inputs --------------------------------------------------------------------------
+    def synthetic_inputs(self, n: int, seed: int) -> Inputs:
+        gen = torch.Generator().manual_seed(seed)
+        if self.cfg.input_dtype == "int64":
+            x = torch.randint(0, self.cfg.vocab, (n, *self.shape), generator=gen)
+        else:
+            x = torch.randn((n, *self.shape), generator=gen, dtype=torch.float32)
+        # Labels after the inputs: the classes come from the probe, which needs inputs first.
+        classes = self.num_classes if "probe" in self.__dict__ else 1
+        return Inputs(x, torch.randint(0, classes, (n,), generator=gen))
+
+    def prepare(self, x: torch.Tensor) -> torch.Tensor:
+        """Transport form -> model input: float32 stays; token ids become floats the strategies
+        cast to their precision (exact below 2**24), turned back into ids by the model's hook."""
+        return x if x.is_floating_point() else x.to(torch.float32)
+
+    # --- the one layer description ---------------------------------------------------------
+    def layers(self, model: nn.Module) -> list[Layer]:
+        """model's layers in forward order (its own submodules, same parameters)."""
+        layers, _, _ = ml.derive_layers(self.probe)
+        modules = dict(model.named_modules())
+        out = [replace(x, module=modules[x.path]) if x.path is not None else x for x in layers]
+        if self.cfg.input_dtype == "int64":
+            out.insert(0, Layer("ids", "cast", TokenIds(), "point"))
+        return out
+
+    def chain_problem(self) -> str | None:
+        """Why the model is not a chain of layers a pipeline can cut (None: it is one)."""
+        layers, _, why = ml.derive_layers(self.probe)
+        return why if len(layers) == 1 else None
+
+    def check_strategy(self, strategy: str, cfg) -> None:
+        """One line naming the layer that stops a strategy this model cannot run under."""
+        if strategy == "pipeline" and self.chain_problem() is not None:
+            raise UsageError(f"pipeline: cannot cut the model into stages: {self.chain_problem()}")
+        if strategy == "tensor" and cfg.engine == "torch" and not self.linear_pairs(None):
+            raise UsageError(f"tensor: nothing to shard: {self._why_no_pairs()}")
+
+    def linear_pairs(self, model: nn.Module | None) -> list[tuple[str, str]]:
+        """(column-wise, row-wise) Linear pairs joined by element-wise layers only, from the
+        front: what tensor parallelism (DTensor) shards. By module path."""
+        pairs, open_ = [], None
+        for layer in ml.derive_layers(self.probe)[0]:
+            if layer.kind == "linear":
+                if open_ is not None:
+                    pairs.append((open_, layer.path))
+                open_ = None if open_ is not None else layer.path
+            elif not ml.is_elementwise(layer):
+                open_ = None
+        return pairs
+
+    def _why_no_pairs(self) -> str:
+        layers = ml.derive_layers(self.probe)[0]
+        linear = [i for i, x in enumerate(layers) if x.kind == "linear"]
+        if not linear:
+            kinds = sorted({x.kind for x in layers})
+            return f"the model has no Linear layer (its layers: {', '.join(kinds)})"
+        for i in linear:
+            nxt = next((x for x in layers[i + 1 :] if not ml.is_elementwise(x)), None)
+            if nxt is not None and nxt.kind != "linear":
+                return (f"{layers[i].name} is followed by {nxt.name} ({nxt.kind}), not another "
+                        "Linear through element-wise layers only")  # fmt: skip
+        return f"{layers[linear[-1]].name} is the last Linear, with none to pair it with"
+
+    def first_nonlocal(self) -> Layer | None:
+        """The first layer that reads beyond a window along the split axis (None: none)."""
+        layers, _, _ = ml.derive_layers(self.probe)
+        return next((x for x in layers if x.reach not in ("window", "point")), None)
+
+    # --- cost model: FlopCounter per module, from the traced forward ----------------------
+    def layer_costs(self) -> list[tuple[Layer, LayerCost]]:
+        layers, calls, _ = ml.derive_layers(self.probe)
+        out, counted = [], set()
+        prev = self.probe.inputs[0]
+        if self.cfg.input_dtype == "int64":  # the ids cast: layers() starts with it
+            ids = Layer("ids", "cast", TokenIds(), "point")
+            n = ml.per_item_elems(prev)
+            out.append((ids, LayerCost("ids", "cast", tuple(prev.shape[1:]), 0, 0, n, n)))
+        for layer, call in zip(layers, calls):
+            params = 0
+            if call is not None and id(call.module) not in counted:
+                counted.add(id(call.module))
+                params = sum(p.numel() for p in call.module.parameters())
+            after = call.output if call is not None else prev.reshape(1, *layer.module.shape)
+            out.append((layer, LayerCost(
+                layer.name, layer.kind, tuple(after.shape[1:]), params,
+                ml.layer_flops(layer, call), ml.per_item_elems(prev), ml.per_item_elems(after),
+                layer.path)))  # fmt: skip
+            prev = after
+        return out
+
+    # --- oracle: the module itself in float64 --------------------------------------------
+    def reference_forward(self, params: dict[str, np.ndarray], x: np.ndarray) -> np.ndarray:
+        """The same module, a fresh build with these weights, float64, CPU, eval mode."""
+        model = self.build_model().double().eval()
+        model.load_state_dict({k: torch.from_numpy(v) for k, v in params.items()}, strict=True)
+        inputs = torch.from_numpy(x)
+        inputs = inputs.double() if inputs.is_floating_point() else inputs
+        with torch.no_grad():
+            return model(inputs).numpy()
+
+    # --- training ------------------------------------------------------------------------
+    def loss(self, model: nn.Module, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The module's own loss(output, target) where it defines one, else cross-entropy."""
+        own = getattr(getattr(model, "module", model), "loss", None)
+        if not callable(own):
+            own = getattr(self._loss_owner, "loss", None)
+        return own(logits, y) if callable(own) else super().loss(model, logits, y)
+
+    @cached_property
+    def _loss_owner(self) -> nn.Module:
+        return self.probe.module
+
+
+def entry_point_workloads() -> dict[str, type[UserModel]]:
+    """A workload class per `scalelab.workloads` entry point (a name -> MODULE:FACTORY)."""
+    out: dict[str, type[UserModel]] = {}
+    for name, value in model_spec.registered_models().items():
+        if name in WORKLOADS:
+            continue  # a shipped name wins
+        cls = type(f"UserModel[{name}]", (UserModel,), {"default_spec": value})
+        out[name] = WORKLOADS.register(name, f"entry point {value} (scalelab.workloads)")(cls)
+    return out
