@@ -22,6 +22,7 @@ import torch
 from programs.train_helpers import PROGRAMS, launcher, records_and_weights, relerr, run
 from programs.user_nets import rescnn
 from scalelab.config import RunConfig
+from scalelab.record import read_records
 from scalelab.runner import execute
 
 NETS = PROGRAMS / "user_nets.py"
@@ -121,7 +122,6 @@ def test_torchrun_ranks_nccl_ddp_pipeline_and_tensor(tmp_path):
 @pytest.mark.parametrize(
     "name, args, needle",
     [
-        ("rescnn", SPATIAL, "stops at res, block"),
         ("tokconv", SPATIAL, "stops at ids, cast: its items have no channel axis"),
         ("mlp", SPATIAL, "stops at fc1.reshape, reshape"),
         ("rescnn", ["--strategy", "tensor", "--engine", "torch"], "fc is the last Linear"),
@@ -132,6 +132,18 @@ def test_strategies_that_cannot_apply_say_which_layer_stops_them(cli, name, args
     code, out, err = cli("run", *_flags(MODELS[name]), *args, "--no-record")
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
     assert needle in err
+
+
+def test_spatial_splits_the_local_run_and_gathers_the_rest(cli, tmp_path):
+    """The residual CNN's stem (conv, BatchNorm, ReLU) is cut into row slabs with halos; the
+    residual block and the head run on the root after the gather: fp64 equals the module."""
+    out = tmp_path / "runs.jsonl"
+    code, _, err = cli("run", *_flags(MODELS["rescnn"]), *SPATIAL, "--dtype", "fp64",
+                       "--check", "--out", out)  # fmt: skip
+    assert code == 0, err
+    (rec,) = read_records(out)
+    assert rec["check_passed"] and rec["relerr"] < 1e-12 and rec["split"] == "spatial"
+    assert rec["reference"] == "module-fp64"
 
 
 def test_a_model_that_is_not_a_chain_is_not_cut(cli):
