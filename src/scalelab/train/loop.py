@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import sys
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -133,6 +134,83 @@ def train_step(
     return loss.detach() * len(local)
 
 
+class TrainStep(ABC):
+    """The pluggable step: one optimizer step on this rank's share of a batch, and the state
+    that step keeps (weights, optimizer buffers) for checkpoints. The Trainer runs the epochs,
+    guards, checkpoints, resume and progress around any of them: torch's autograd step
+    (TorchStep), the float64 NumPy reference (serial), a pipeline schedule's step."""
+
+    @abstractmethod
+    def __call__(self, step: Step) -> torch.Tensor:
+        """The summed loss (loss * local items, detached, float64-able, on the device)."""
+
+    @abstractmethod
+    def weights(self) -> list[torch.Tensor]:
+        """This rank's trained tensors (the NaN guard checks them before a checkpoint)."""
+
+    @abstractmethod
+    def export_state(self) -> tuple[dict, dict] | None:
+        """(model state_dict as one process holds it, optimizer state) on the root; None
+        elsewhere. Collective."""
+
+    @abstractmethod
+    def import_state(self, model: dict, optimizer: dict) -> None:
+        """Load a checkpoint's state; this run's hyperparameters (--lr, ...) win."""
+
+    def scaler_state(self) -> dict:
+        return {}
+
+    def load_scaler(self, state: dict) -> None:
+        """Loss-scaler state (fp16 on CUDA only)."""
+
+    def lap(self, timer: PhaseTimer) -> dict[str, float]:
+        """The phases of the epoch just ended (a step that laps per step overrides this)."""
+        return timer.lap()
+
+
+class TorchStep(TrainStep):
+    """One autograd step: forward, backward, the strategy's gradient reduction, the optimizer."""
+
+    def __init__(
+        self, strategy: TorchStrategy, workload: Workload, model: nn.Module, plan: TrainPlan
+    ) -> None:
+        self.strategy, self.model, self.plan, self.timer = strategy, model, plan, strategy.timer
+        self.opt = workload.optimizer(model)
+        self.scaler = grad_scaler(strategy)
+
+    def __call__(self, step: Step) -> torch.Tensor:
+        return train_step(
+            self.strategy, self.plan, self.model, self.opt, step, self.timer, self.scaler
+        )
+
+    def weights(self) -> list[torch.Tensor]:
+        return [p.detach() for p in self.model.parameters()]
+
+    def export_state(self) -> tuple[dict, dict] | None:
+        if self.plan.export_state is not None:
+            return self.plan.export_state(self.model, self.opt)
+        if not self.strategy.is_root:
+            return None
+        return self.plan.module.state_dict(), self.opt.state_dict()
+
+    def import_state(self, model: dict, optimizer: dict) -> None:
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.opt.param_groups]
+        if self.plan.import_state is not None:
+            self.plan.import_state(self.model, self.opt, model, optimizer)
+        else:
+            self.plan.module.load_state_dict(model)
+            self.opt.load_state_dict(optimizer)
+        for group, h in zip(self.opt.param_groups, hyper):
+            group.update(h)
+
+    def scaler_state(self) -> dict:
+        return self.scaler.state_dict()
+
+    def load_scaler(self, state: dict) -> None:
+        if self.scaler.is_enabled() and state:
+            self.scaler.load_state_dict(state)
+
+
 def _zero_grads(model: nn.Module) -> torch.Tensor:
     for p in model.parameters():
         if p.requires_grad:
@@ -201,11 +279,11 @@ class Trainer:
         plan: TrainPlan,
         timer: PhaseTimer,
         history: TrainHistory,
+        step: TrainStep | None = None,
     ) -> None:
         self.strategy, self.cfg, self.model, self.plan = strategy, strategy.cfg, model, plan
         self.timer, self.history, self.workload = timer, history, workload
-        self.opt = workload.optimizer(model)
-        self.scaler = grad_scaler(strategy)
+        self.stepper = step if step is not None else TorchStep(strategy, workload, model, plan)
         self.pos = Position(loss_sum=torch.zeros((), device=strategy.device, dtype=torch.float64))
         self.guard = NonFiniteGuard(strategy.device)
         self.saver = ckpt.Checkpointer.for_run(self.cfg, strategy.is_root)
@@ -218,6 +296,11 @@ class Trainer:
         self.excluded = 0.0  # seconds inside an epoch spent on checkpoints, not training
         self.first_step = 0  # history.steps when this process started (resume)
         self.progress = self._progress()
+
+    @property
+    def opt(self) -> torch.optim.Optimizer:
+        """The torch step's optimizer (--fast captures it into its graph)."""
+        return self.stepper.opt
 
     def _progress(self) -> TrainProgress:
         enabled = self.strategy.is_root and not self.cfg.quiet
@@ -264,14 +347,11 @@ class Trainer:
             if self.finished:
                 break
         self.sync()
-        return time.perf_counter() - start - self.excluded, self.timer.lap()
+        return time.perf_counter() - start - self.excluded, self.stepper.lap(self.timer)
 
     def train_step(self, step: Step) -> torch.Tensor:
-        """One optimizer step; a strategy whose forward and backward run as one schedule
-        (pipeline --engine torch) overrides this and keeps the rest of the loop."""
-        return train_step(
-            self.strategy, self.plan, self.model, self.opt, step, self.timer, self.scaler
-        )
+        """One optimizer step, by the pluggable step (tests stop a run here)."""
+        return self.stepper(step)
 
     def _after_step(self, loss: torch.Tensor, step: Step) -> None:
         self._mark()
@@ -310,7 +390,7 @@ class Trainer:
     def _checkpoint(self) -> None:
         start = time.perf_counter()
         self._check_finite()
-        if not all_finite(self.model, self.strategy.comm):
+        if not all_finite(self.stepper.weights(), self.strategy.comm):
             where = self.saver.path if self.saver.written else None
             raise TrainingDiverged.weights(self.history.steps, where)
         state = ckpt.export_training_state(self)
@@ -340,13 +420,17 @@ def run_training(
     plan: TrainPlan,
     result_model: nn.Module | None = None,
     make_trainer: Callable[..., Trainer] | None = None,
+    step: TrainStep | None = None,
 ) -> RunOutput:
     """Train with plan and package the run for the runner (phases gathered on the root).
-    make_trainer: a Trainer subclass (or partial) that runs the steps its own way (--fast)."""
+    make_trainer: a Trainer subclass (or partial) that runs the steps its own way (--fast);
+    step: the pluggable step (None: TorchStep, torch's autograd step on model)."""
     from scalelab.strategies.base import RunOutput, TrainHistory
 
     history = TrainHistory()
-    trainer = (make_trainer or Trainer)(strategy, workload, model, plan, strategy.timer, history)
+    make = make_trainer or Trainer
+    extra = {} if step is None else {"step": step}
+    trainer = make(strategy, workload, model, plan, strategy.timer, history, **extra)
     timings = trainer.run()
     notes = {**plan.notes, "global_batch": plan.source.global_batch}
     if trainer.saver.written:

@@ -10,7 +10,7 @@ m = B / M, run by the GPipe or 1F1B schedule.
                nearest m, so the per-step fixed cost of a 64-image step is not scaled down to
                m) split over the cost table's layers by their measured times (a per-layer
                record) or roofline shares at m; s's share is the sum over its layers
-    schedule   the same op lists the run executes (strategies/pipeline_schedule.py),
+    schedule   the same op lists the run executes (planning/schedule.py),
                simulated with forward t_s / 3 and backward 2 t_s / 3 per op (training FLOPs
                are 3x the forward; inference: forward t_s) and the activation send of one
                micro-batch across a cut on every dependency between stages
@@ -28,6 +28,7 @@ import dataclasses
 import torch
 
 from scalelab.errors import UsageError
+from scalelab.planning.schedule import simulate
 from scalelab.precision import get_precision
 from scalelab.predict.compute_model import ComputeModel, build_workload, roofline_layers
 from scalelab.predict.models.base import MODELS, Context, StrategyModel
@@ -41,7 +42,6 @@ from scalelab.strategies.partition import (
     model_layers,
     parse_balance,
 )
-from scalelab.strategies.pipeline_schedule import simulate
 
 # torch module class -> the cost table's `kind` of the row it computes (other modules: casts,
 # flatten, dropout, compute no row)
