@@ -5,13 +5,13 @@ boundary, learnt by running one item through stage after stage."""
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from scalelab.comm.base import even_counts
-from scalelab.instrument.progress import Progress
 from scalelab.strategies import partition as part
 from scalelab.strategies.pipeline.stage import Meta, make_lanes
 from scalelab.strategies.pipeline.stage_plan import StagePlan
@@ -24,10 +24,9 @@ __all__ = ["initial_plan", "make_lanes", "probe_shapes", "rebalance"]
 
 
 def _say(s: PipelineStrategy, done: int, total: int, what: str) -> None:
-    """A line on the root before each slow setup stage (CPU: tens of seconds each)."""
-    Progress(total, f"pipeline setup: {what}", enabled=s.is_root and not s.cfg.quiet).milestone(
-        done
-    )
+    """A line on the root before each slow setup stage (CPU: seconds to minutes each)."""
+    if s.is_root and not s.cfg.quiet:
+        print(f"pipeline setup {done}/{total}: {what}", file=sys.stderr, flush=True)
 
 
 def initial_plan(
@@ -39,7 +38,7 @@ def initial_plan(
     plan = StagePlan(layers, counts or [], auto=counts is None)
     if counts is None:
         if s.is_root:
-            _say(s, 0, 1 + cfg.rebalance, f"timing {len(layers)} layers on one micro-batch")
+            _say(s, 1, 2 + cfg.rebalance, f"timing {len(layers)} layers on one micro-batch")
             auto_counts(s, plan, sample)
         plan.counts = s.comm.bcast_object(plan.counts if s.is_root else None)
     return plan
@@ -69,7 +68,7 @@ def rebalance(s: PipelineStrategy, sample: torch.Tensor | None) -> None:
     timed: dict[tuple[int, ...], float] = {}  # cut -> its slowest stage's seconds
     plan, rounds = s.plan, s.cfg.rebalance
     for round_ in range(rounds + 1):
-        _say(s, round_ + 1, 1 + rounds, f"timing the cut {plan.counts} in a pipelined pass")
+        _say(s, round_ + 2, 2 + rounds, f"timing the cut {plan.counts} in a pipelined pass")
         measured = s.comm.gather_object(time_stage(s, sample))
         decision = None
         if s.is_root:
