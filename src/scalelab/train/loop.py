@@ -129,7 +129,8 @@ class TrainProgress:
         self.item = item
         self._t, self._items = time.perf_counter(), 0
 
-    def step(self, done: int, loss_sum: torch.Tensor, n_local: int, items: int) -> None:
+    def step(self, done: int, loss_sum: torch.Tensor | None, n_local: int, items: int) -> None:
+        """loss_sum: this rank's summed step loss, or None where the loss lives elsewhere."""
         now = time.perf_counter()
         if not self.enabled:
             return
@@ -139,7 +140,9 @@ class TrainProgress:
             return
         rate = (items - self._items) / max(now - self._t, 1e-9)
         self._t, self._items = now, items
-        fields = {"loss": float(loss_sum) / max(n_local, 1), f"{self.item}_per_s": rate}
+        fields = {f"{self.item}_per_s": rate}
+        if loss_sum is not None:
+            fields = {"loss": float(loss_sum) / max(n_local, 1), **fields}
         (self.bar.update if self.live else self.bar.milestone)(done, **fields)
 
     def milestone(self, done: int, **fields: float) -> None:
@@ -246,7 +249,8 @@ class Trainer:
         notify_step()
         done = self.history.steps
         self.guard.observe(loss, done)
-        self.progress.step(done - self.first_step, loss, len(step.local), self.trained)
+        shown = loss if self.stepper.loss_here else None
+        self.progress.step(done - self.first_step, shown, len(step.local), self.trained)
         if self.saver.due(done, last=self.finished):
             self._checkpoint()
         elif self.guard.full():

@@ -61,7 +61,12 @@ class TrainStep(ABC):
     """The pluggable step: one optimizer step on this rank's share of a batch, and the state
     that step keeps (weights, optimizer buffers) for checkpoints. The Trainer runs the epochs,
     guards, checkpoints, resume and progress around any of them: torch's autograd step
-    (TorchStep), the float64 NumPy reference (serial), a pipeline schedule's step."""
+    (TorchStep), the float64 NumPy reference (serial), a pipeline schedule's step.
+
+    loss_here: whether this rank's returned loss is the step's (a pipeline's lives on the
+    last stage; the progress line on rank 0 then leaves the loss out)."""
+
+    loss_here: bool = True
 
     @abstractmethod
     def __call__(self, step: Step) -> torch.Tensor:

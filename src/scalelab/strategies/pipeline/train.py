@@ -134,6 +134,7 @@ class ScheduledStep(TrainStep):
         self, s: PipelineStrategy, workload: Workload, model: nn.Module, source: RootBatches
     ) -> None:
         self.s, self.model, self.source = s, model, source
+        self.loss_here = s.placed.ctx.last
         self.opt = workload.optimizer(s.placed.module)
         self.laps: list[dict[str, float]] = []
         self.walls: list[float] = []
