@@ -88,9 +88,9 @@ def time_stage(s: PipelineStrategy, sample: torch.Tensor | None) -> float:
     pass of the sample batch, schedule and point-to-point and all (training: zero labels,
     no optimizer step, the gradients dropped). The second of two passes counts: the first
     allocates, autotunes and, under --compile, compiles the cut (CPU: one pass). Timed
-    alone, a stage does not run as it runs in place: VGG-16's FC stage took ~1.5x its in-pipeline time
-    per micro-batch on an H200 (cause not found), and a re-cut from those times kept a
-    60/40 split of the work (docs/PERFORMANCE.md)."""
+    alone, a stage does not run as it runs in place: VGG-16's FC stage took ~1.5x its
+    in-pipeline time per micro-batch on an H200 (cause not found), and a re-cut from those
+    times kept a 60/40 split of the work (docs/PERFORMANCE.md)."""
     n = s.comm.bcast_object(len(sample) if s.is_root else None)
     # On a CPU nothing autotunes or compiles (without --compile): one pass is as good as
     # two there, and a rebalance round of a 5-step CPU run cost as much as the steps.
