@@ -2,6 +2,7 @@
 NaN/inf stop, reproducibility, comma-list studies, progress and the CPU-vs-GPU report."""
 
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ SMALL = dict(
     workload="mlp", train=True, hidden=8, train_size=150, heldout_size=40, batch=32,
     epochs=2, lr=0.5, momentum=0.9, quiet=True,
 )  # fmt: skip
+SCALELAB = [sys.executable, "-m", "scalelab"]
 ARGS = [
     "run", "mlp", "--train", "--hidden", "8", "--train-size", "150", "--heldout-size", "40",
     "--batch", "32", "--epochs", "2", "--lr", "0.5", "--momentum", "0.9", "--quiet",
@@ -250,3 +252,59 @@ def test_compare_cpu_and_gpu_fp32(cli, tmp_path):
     rows = rec["compare"]
     assert all(0 < row["relerr"]["all"] < 1e-2 for row in rows)
     assert rows[-1]["loss"][1] == pytest.approx(rows[-1]["loss"][0], rel=1e-3)
+
+
+# --- kill and resume: serial and the pipeline run in the same Trainer ------------------------
+def _kill_and_resume(tmp_path, args, kill_at, kill_rank, launch, expect_ckpt_step):
+    """Train straight; train again with checkpoints and SIGKILL one rank before its
+    kill_at-th step; resume from the last checkpoint: the weights equal the straight run's.
+    Returns (the straight run's record, the resumed run's record, the checkpoint)."""
+    from programs.train_helpers import PROGRAMS, run
+
+    args = [*args, "--out", str(tmp_path / "runs.jsonl")]
+    ck = ["--ckpt-every", "3", "--ckpt-dir", str(tmp_path / "ck")]
+    whole = run([*SCALELAB, *args, "--save-weights", str(tmp_path / "a.pt")])
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    killed = run([*launch, str(PROGRAMS / "train_killed.py"), str(kill_at), str(kill_rank),
+                  *args, *ck])  # fmt: skip
+    assert killed.returncode != 0
+    (path,) = (tmp_path / "ck").glob("*.pt")
+    state = torch.load(path)
+    assert state["position"]["steps"] == expect_ckpt_step
+    resumed = run([*SCALELAB, *args, *ck, "--resume", str(path),
+                   "--save-weights", str(tmp_path / "b.pt")])  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a, b = torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "b.pt")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    first, last = (r for r in read_records(tmp_path / "runs.jsonl") if r["status"] == "ok")
+    assert first["loss"] == last["loss"] and first["accuracy"] == last["accuracy"]
+    return first, last, state
+
+
+def test_serial_kill_and_resume_is_bitwise(tmp_path):
+    """serial's float64 NumPy SGD in the shared Trainer: checkpoints and --resume (before,
+    both were ignored and a "resumed" run trained from scratch)."""
+    args = [a for a in ARGS if a not in ("--momentum", "0.9")] + ["--strategy", "serial"]
+    whole, resumed, state = _kill_and_resume(tmp_path, args, 8, 0, [sys.executable], 6)
+    assert whole["steps"] == resumed["steps"] == 10 and resumed["resumed_from"]
+    assert resumed["items"] == 150 - 32  # trained after the resume: epoch 2 from its step 2
+    assert state["model"]["fc1.weight"].dtype == torch.float64  # the oracle's own numbers
+
+
+@pytest.mark.mpi
+def test_pipeline_kill_and_resume_is_bitwise(tmp_path):
+    """2 stages on gloo with momentum (each stage's optimizer buffers travel in the
+    checkpoint): stage 1 SIGKILLed before its 8th step, resumed from step 6."""
+    from programs.train_helpers import launcher
+
+    args = [
+        "run", "deepstack", "--strategy", "pipeline", "--ranks", "2", "--train",
+        "--image-size", "8", "--convs", "3", "--fcs", "1", "--num-classes", "10",
+        "--batch", "8", "--microbatches", "2", "--train-size", "40", "--heldout-size", "8",
+        "--epochs", "2", "--lr", "0.05", "--momentum", "0.9", "--balance", "7,7",
+        "--threads", "1", "--quiet",
+    ]  # fmt: skip
+    whole, resumed, state = _kill_and_resume(tmp_path, args, 8, 1, launcher("torchrun", 2), 6)
+    assert whole["steps"] == resumed["steps"] == 10 and resumed["resumed_from"]
+    momentum = state["optimizer"]["state"]
+    assert len(momentum) == len(state["optimizer"]["param_groups"][0]["params"]) > 0

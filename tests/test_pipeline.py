@@ -19,15 +19,15 @@ import torch
 
 from scalelab.comm.launch import torchrun_command
 from scalelab.config import RunConfig
-from scalelab.record import read_records
-from scalelab.runner import execute
-from scalelab.strategies import partition as part
-from scalelab.strategies.pipeline_report import stage_summary
-from scalelab.strategies.pipeline_schedule import (
+from scalelab.planning.schedule import (
     SCHEDULES,
     bubble_formula,
     simulate,
 )
+from scalelab.record import read_records
+from scalelab.runner import execute
+from scalelab.strategies import partition as part
+from scalelab.strategies.pipeline.report import stage_summary
 from scalelab.workloads import WORKLOADS
 from scalelab.workloads.layers import describe
 
@@ -105,7 +105,9 @@ def test_measured_bubble_from_synthetic_phases():
     lap = {"forward": 0.6, "backward": 1.2, "recv": 0.2, "step": 0.1, "h2d": 0.05}
     laps = [{"forward": 9.0, "step": 9.0}] + [lap] * 3
     walls = [20.0] + [2.15] * 3
-    row = stage_summary(_FakeStrategy(train=True), laps, walls)
+    fake = _FakeStrategy(train=True)
+    names = [layer.name for layer in fake.layers[:3]]
+    row = stage_summary(fake.cfg, 0, fake.device, names, 6, laps, walls)
     assert row["span_s"] == pytest.approx(2.0)
     assert row["bubble"] == pytest.approx(0.1)
     assert row["layers"] == ["l0", "l2"] and row["n_layers"] == 3

@@ -21,8 +21,8 @@ from scalelab.config import RunConfig
 from scalelab.instrument.collective_bench import bandwidths, parse_nccl_tests
 from scalelab.instrument.spans import SPANS, SpanLog, annotate, slow_rank_delay
 from scalelab.instrument.timer import PhaseTimer
+from scalelab.planning.schedule import SCHEDULES
 from scalelab.record import read_records
-from scalelab.strategies.pipeline_schedule import SCHEDULES
 from scalelab.workloads import WORKLOADS
 
 MS = 1e-3

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from scalelab.strategies.pipeline_torch_sim import replay, simulated_bubble
+from scalelab.strategies.pipeline.torch_sim import replay, simulated_bubble
 from torchpp_helpers import check_training, torchrun
 
 # torch 2.13: with the split backward (I then W) the mlp's cut into 4 stages, three of them

@@ -177,7 +177,7 @@ class RunConfig:
     placement: str = opt(
         "pipeline", "pipeline: 'pipeline' (ranks, micro-batches) or 'manual' (GPUs of one process)."
     )
-    # Model parallelism on torch's engines (strategies/pipeline_torch.py, tensor_dtensor.py).
+    # Model parallelism on torch's engines (strategies/pipeline/torch_engine.py, tensor_dtensor.py).
     engine: str = opt(
         "scalelab",
         "pipeline/tensor: 'scalelab' (the hand-written engines) or 'torch' "

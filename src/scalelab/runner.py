@@ -47,7 +47,7 @@ def execute(cfg: RunConfig, results: Path | None) -> RunReport:
     if cfg.check and cfg.train:
         raise UsageError("--check compares inference outputs with the oracle; drop --train")
     workload = WORKLOADS.get(cfg.workload)(cfg)
-    strategy = STRATEGIES.get(cfg.strategy)(cfg)
+    strategy = STRATEGIES.get(cfg.strategy).build(cfg)
     try:
         _check(cfg, workload, strategy)
     except UsageError:

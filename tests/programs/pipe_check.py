@@ -161,7 +161,7 @@ def recorded(name: str, kw: dict, stages: int, out: str) -> dict | None:
 
 def compare(name: str, kw: dict, rank: int, stages: int) -> dict | None:
     pipe_cfg = config(name, kw, stages, "pipeline")
-    pipe = run(pipe_cfg, STRATEGIES.get("pipeline")(pipe_cfg), rank == 0)
+    pipe = run(pipe_cfg, STRATEGIES.get("pipeline").build(pipe_cfg), rank == 0)
     if rank != 0:
         return None
     local_cfg = config(name, kw, stages, "local")

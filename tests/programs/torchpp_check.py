@@ -93,7 +93,7 @@ def run(cfg: RunConfig, strategy, root: bool):
 
 def compare(name: str, kw: dict, rank: int, world: int) -> dict | None:
     cfg = config(name, kw, world, True)
-    strategy = STRATEGIES.get(cfg.strategy)(cfg)
+    strategy = STRATEGIES.get(cfg.strategy).build(cfg)
     strategy.close = lambda: None
     try:
         out = run(cfg, strategy, rank == 0)

@@ -17,10 +17,10 @@ from typing import Any
 
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
+from scalelab.planning.schedule import steady_step
 from scalelab.predict.calibration import CalPoint, MultiPoint, Pool
 from scalelab.predict.hosts import Host
 from scalelab.predict.scenario import PER_RANK_BATCH, Scenario
-from scalelab.strategies.pipeline_report import steady_step
 
 CEILINGS = "scalelab.ceilings/1"
 RUN = "scalelab.run/1"

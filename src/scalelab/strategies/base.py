@@ -29,6 +29,12 @@ class Strategy(ABC):
     launcher: ClassVar[str | None] = None  # "mpi" or "torchrun": who starts its ranks
     compiles: ClassVar[bool] = False  # honours --compile (torch.compile of what it runs)
 
+    @classmethod
+    def build(cls, cfg: RunConfig) -> Strategy:
+        """The strategy object for cfg; a strategy with several implementations picks one
+        here (pipeline: its placement registry)."""
+        return cls(cfg)
+
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
         self.precision: Precision = get_precision(cfg.dtype)

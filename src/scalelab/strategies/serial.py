@@ -6,7 +6,6 @@ as a strategy: its output is the float64 reference by construction.
 
 from __future__ import annotations
 
-import time
 from contextlib import AbstractContextManager, nullcontext
 
 import numpy as np
@@ -14,12 +13,12 @@ import torch
 from torch import nn
 
 from scalelab.errors import UsageError
-from scalelab.instrument.progress import Progress
-from scalelab.instrument.timer import PhaseTimer, Timings, timed_iterations
+from scalelab.instrument.timer import PhaseTimer, timed_iterations
 from scalelab.precision import get_precision
-from scalelab.results import RunOutput, TrainHistory
+from scalelab.results import RunOutput
 from scalelab.strategies.base import STRATEGIES, Strategy
-from scalelab.train.loop import batch_order, batch_slices, total_steps
+from scalelab.train.loop import GlobalBatches, TrainPlan, TrainStep, require_labels, run_training
+from scalelab.train.sources import Step
 from scalelab.workloads.base import WORKLOADS, Inputs, Workload, state_dict_float64
 
 
@@ -35,6 +34,7 @@ def single_blas_thread() -> AbstractContextManager:
 @STRATEGIES.register("serial", "NumPy float64 reference, one process, one thread (seed V1)")
 class SerialStrategy(Strategy):
     name = "serial"
+    device = torch.device("cpu")
 
     def __init__(self, cfg) -> None:
         super().__init__(cfg)
@@ -66,52 +66,56 @@ class SerialStrategy(Strategy):
     def train(
         self, workload: Workload, model: nn.Module, data: tuple[Inputs, Inputs] | None
     ) -> RunOutput:
+        """The shared Trainer (the same batches in the same order as the torch strategies;
+        checkpoints, --resume, the NaN stop) with the float64 NumPy SGD step."""
         assert data is not None
         train, heldout = data
-        params = state_dict_float64(model)
-        history = TrainHistory()
-        with single_blas_thread():
-            timings = self._train_epochs(workload, params, train, heldout, history)
-        model.load_state_dict({k: torch.from_numpy(v) for k, v in params.items()})
-        items = round(history.items / max(len(timings.walls), 1))
-        return RunOutput(
-            timings, [timings.phase_totals()], None, items, history=history, model=model
+        require_labels(train, heldout)
+        step = ReferenceStep(self, workload, state_dict_float64(model))
+        plan = TrainPlan(
+            source=GlobalBatches(self, train, self.cfg.batch, self.cfg.seed),
+            evaluate=lambda _: reference_accuracy(workload, step.params, heldout),
+            module=model,
+            prepare=workload.prepare,
+            loss=workload.loss,
+            n_train=len(train),
         )
+        with single_blas_thread():
+            out = run_training(self, workload, model, plan, step=step)
+        model.load_state_dict({k: torch.from_numpy(v) for k, v in step.params.items()})
+        out.model = model
+        return out
 
-    def _train_epochs(
-        self,
-        workload: Workload,
-        params: dict[str, np.ndarray],
-        train: Inputs,
-        heldout: Inputs,
-        history: TrainHistory,
-    ) -> Timings:
-        """The same batches in the same order as the torch loop, in float64 NumPy."""
-        cfg = self.cfg
-        n_steps = total_steps(len(train), cfg.batch, cfg.epochs, cfg.steps)
-        progress = Progress(n_steps, "train (serial)", enabled=not cfg.quiet)
-        timings = Timings()
-        for epoch in range(cfg.epochs):
-            order, loss_sum, items = batch_order(len(train), epoch, cfg.seed).numpy(), 0.0, 0
-            start = time.perf_counter()
-            for part in batch_slices(len(train), cfg.batch):
-                idx = order[part]
-                with self.timer.phase("compute"):
-                    loss = workload.reference_train_step(
-                        params, train.x[idx].numpy(), train.y[idx].numpy()
-                    )
-                loss_sum, items = loss_sum + loss * len(idx), items + len(idx)
-                history.steps += 1
-                progress.update(history.steps)
-                if history.steps >= n_steps:
-                    break
-            timings.add(time.perf_counter() - start, self.timer.lap())
-            history.end_epoch(
-                items, loss_sum / items, reference_accuracy(workload, params, heldout), progress
-            )
-            if history.steps >= n_steps:
-                break
-        return timings
+    # --- what the shared training loop asks of a strategy ----------------------------------
+    def shard(self, batch: Inputs) -> Inputs:
+        return batch
+
+    def all_sum(self, value: float) -> float:
+        return value
+
+
+class ReferenceStep(TrainStep):
+    """One float64 SGD step by the workload's hand-derived NumPy backward. The state is the
+    float64 parameters themselves (plain SGD: no optimizer buffers)."""
+
+    def __init__(self, strategy: SerialStrategy, workload: Workload, params: dict) -> None:
+        self.timer, self.workload, self.params = strategy.timer, workload, params
+
+    def __call__(self, step: Step) -> torch.Tensor:
+        local = step.local
+        with self.timer.phase("compute"):
+            loss = self.workload.reference_train_step(self.params, local.x.numpy(), local.y.numpy())
+        return torch.tensor(loss * len(local), dtype=torch.float64)
+
+    def weights(self) -> list[torch.Tensor]:
+        return [torch.from_numpy(v) for v in self.params.values()]
+
+    def export_state(self) -> tuple[dict, dict]:
+        model = {k: torch.from_numpy(v.copy()) for k, v in self.params.items()}
+        return model, {"state": {}, "param_groups": []}
+
+    def import_state(self, model: dict, optimizer: dict) -> None:
+        self.params.update({k: v.double().numpy().copy() for k, v in model.items()})
 
 
 def reference_accuracy(workload: Workload, params: dict[str, np.ndarray], data: Inputs) -> float:

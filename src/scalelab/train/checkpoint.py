@@ -239,12 +239,7 @@ def export_training_state(t: Trainer) -> dict[str, Any] | None:
     mine = float(t.pos.loss_sum)
     sums = t.strategy.comm.gather_object(mine)
     total = t.strategy.all_sum(mine)
-    if t.plan.export_state is not None:
-        pair = t.plan.export_state(t.model, t.opt)
-    elif t.strategy.is_root:
-        pair = (t.plan.module.state_dict(), t.opt.state_dict())
-    else:
-        pair = None
+    pair = t.stepper.export_state()
     if pair is None:
         return None
     model_state, opt_state = pair
@@ -261,7 +256,7 @@ def export_training_state(t: Trainer) -> dict[str, Any] | None:
         },
         "model": {k: v.detach().cpu().clone() for k, v in model_state.items()},
         "optimizer": opt_state,
-        "scaler": t.scaler.state_dict(),
+        "scaler": t.stepper.scaler_state(),
         "position": {
             "epoch": t.pos.epoch,
             "step": t.pos.step,
@@ -279,16 +274,8 @@ def export_training_state(t: Trainer) -> dict[str, Any] | None:
 def import_training_state(t: Trainer, state: dict[str, Any], skip: int) -> None:
     """Load state into the trainer; the run's own hyperparameters (--lr, ...) win over the
     checkpoint's, the optimizer's buffers (momentum) come from it."""
-    hyper = [{k: v for k, v in g.items() if k != "params"} for g in t.opt.param_groups]
-    if t.plan.import_state is not None:
-        t.plan.import_state(t.model, t.opt, state["model"], state["optimizer"])
-    else:
-        t.plan.module.load_state_dict(state["model"])
-        t.opt.load_state_dict(state["optimizer"])
-    for group, h in zip(t.opt.param_groups, hyper):
-        group.update(h)
-    if t.scaler.is_enabled() and state["scaler"]:
-        t.scaler.load_state_dict(state["scaler"])
+    t.stepper.import_state(state["model"], state["optimizer"])
+    t.stepper.load_scaler(state["scaler"])
     pos = state["position"]
     t.pos.epoch, t.pos.step, t.pos.items = pos["epoch"], skip, pos["items"]
     t.pos.loss_sum.fill_(_loss_share(state, t.strategy.comm))

@@ -13,7 +13,6 @@ import math
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from scalelab.comm import Comm
 
@@ -73,9 +72,9 @@ class NonFiniteGuard:
         return None if first == -math.inf else int(-first)
 
 
-def all_finite(model: nn.Module, comm: Comm) -> bool:
-    """Whether every parameter on every rank is finite (one host sync, one reduction)."""
-    checks = [torch.isfinite(p.detach()).all() for p in model.parameters()]
+def all_finite(weights: list[torch.Tensor], comm: Comm) -> bool:
+    """Whether every weight on every rank is finite (one host sync, one reduction)."""
+    checks = [torch.isfinite(w.detach()).all() for w in weights]
     ok = torch.stack(checks).all() if checks else torch.tensor(True)
     bad = torch.tensor([0.0 if bool(ok) else 1.0], dtype=torch.float64)
     return float(comm.allreduce(bad.to(comm.device), op="max").cpu()[0]) == 0.0

@@ -35,6 +35,7 @@ from scalelab.train.sources import (  # noqa: F401  (batch_order: re-exported, a
     batch_order,
     batch_slices,
 )
+from scalelab.train.steps import TorchStep, TrainStep, grad_scaler, train_step  # noqa: F401
 from scalelab.workloads.base import Inputs, Workload
 
 if TYPE_CHECKING:
@@ -96,50 +97,6 @@ def default_plan(
     )
 
 
-# --- one step ----------------------------------------------------------------------------------
-def grad_scaler(strategy: TorchStrategy) -> torch.amp.GradScaler:
-    """fp16 autocast on CUDA needs loss scaling; everywhere else the scaler is a no-op."""
-    fp16 = strategy.precision.autocast is torch.float16 and strategy.device.type == "cuda"
-    return torch.amp.GradScaler(strategy.device.type, enabled=fp16)
-
-
-def train_step(
-    strategy: TorchStrategy,
-    plan: TrainPlan,
-    model: nn.Module,
-    opt: torch.optim.Optimizer,
-    step: Step,
-    timer: PhaseTimer,
-    scaler: torch.amp.GradScaler,
-) -> torch.Tensor:
-    """One optimizer step on this rank's share; returns the summed loss (loss * local items,
-    detached, on the device) so epoch means weigh short batches correctly."""
-    local = step.local
-    with timer.phase("h2d"):
-        x, y = strategy.to_device(local.x), strategy.to_device(local.y)
-    with timer.phase("compute"):
-        if len(local) == 0:  # a short last batch left this rank nothing; it still reduces
-            loss = _zero_grads(model)
-        else:
-            with timer.phase("forward"), strategy.autocast():
-                loss = plan.loss(model, model(plan.prepare(x)), y)
-            with timer.phase("backward"):
-                scaler.scale(loss if step.weight == 1.0 else loss * step.weight).backward()
-        strategy.reduce_gradients(model, timer)
-        with timer.phase("step"):
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad(set_to_none=True)
-    return loss.detach() * len(local)
-
-
-def _zero_grads(model: nn.Module) -> torch.Tensor:
-    for p in model.parameters():
-        if p.requires_grad:
-            p.grad = torch.zeros_like(p)
-    return torch.zeros((), device=next(model.parameters()).device)
-
-
 @torch.no_grad()
 def evaluate(
     strategy: TorchStrategy, workload: Workload, model: nn.Module, data: Inputs, batch: int
@@ -159,22 +116,34 @@ def evaluate(
 # --- the run -----------------------------------------------------------------------------------
 class TrainProgress:
     """Rank 0's live line (steps, loss, items/s, ETA), refreshed at most every 0.5 s on a
-    terminal; the loss is read from the device only when the line is drawn."""
+    terminal; off a terminal (a log, a pipe), a line whenever SLOW_S passed since the last,
+    so a run of slow steps (a CPU pipeline) is never silent for long. The loss is read from
+    the device only when a line is drawn."""
+
+    SLOW_S = 5.0
 
     def __init__(self, total: int, item: str, enabled: bool) -> None:
         self.bar = Progress(total, "train", enabled=enabled)
+        self.enabled = enabled
         self.live = enabled and self.bar.tty
         self.item = item
         self._t, self._items = time.perf_counter(), 0
 
-    def step(self, done: int, loss_sum: torch.Tensor, n_local: int, items: int) -> None:
+    def step(self, done: int, loss_sum: torch.Tensor | None, n_local: int, items: int) -> None:
+        """loss_sum: this rank's summed step loss, or None where the loss lives elsewhere."""
         now = time.perf_counter()
-        if not self.live or (now - self._t < 0.5 and done < self.bar.total):
+        if not self.enabled:
+            return
+        if self.live and now - self._t < 0.5 and done < self.bar.total:
+            return
+        if not self.live and now - self._t < self.SLOW_S:
             return
         rate = (items - self._items) / max(now - self._t, 1e-9)
         self._t, self._items = now, items
-        fields = {"loss": float(loss_sum) / max(n_local, 1), f"{self.item}_per_s": rate}
-        self.bar.update(done, **fields)
+        fields = {f"{self.item}_per_s": rate}
+        if loss_sum is not None:
+            fields = {"loss": float(loss_sum) / max(n_local, 1), **fields}
+        (self.bar.update if self.live else self.bar.milestone)(done, **fields)
 
     def milestone(self, done: int, **fields: float) -> None:
         self.bar.milestone(done, **fields)
@@ -201,11 +170,11 @@ class Trainer:
         plan: TrainPlan,
         timer: PhaseTimer,
         history: TrainHistory,
+        step: TrainStep | None = None,
     ) -> None:
         self.strategy, self.cfg, self.model, self.plan = strategy, strategy.cfg, model, plan
         self.timer, self.history, self.workload = timer, history, workload
-        self.opt = workload.optimizer(model)
-        self.scaler = grad_scaler(strategy)
+        self.stepper = step if step is not None else TorchStep(strategy, workload, model, plan)
         self.pos = Position(loss_sum=torch.zeros((), device=strategy.device, dtype=torch.float64))
         self.guard = NonFiniteGuard(strategy.device)
         self.saver = ckpt.Checkpointer.for_run(self.cfg, strategy.is_root)
@@ -218,6 +187,11 @@ class Trainer:
         self.excluded = 0.0  # seconds inside an epoch spent on checkpoints, not training
         self.first_step = 0  # history.steps when this process started (resume)
         self.progress = self._progress()
+
+    @property
+    def opt(self) -> torch.optim.Optimizer:
+        """The torch step's optimizer (--fast captures it into its graph)."""
+        return self.stepper.opt
 
     def _progress(self) -> TrainProgress:
         enabled = self.strategy.is_root and not self.cfg.quiet
@@ -264,21 +238,19 @@ class Trainer:
             if self.finished:
                 break
         self.sync()
-        return time.perf_counter() - start - self.excluded, self.timer.lap()
+        return time.perf_counter() - start - self.excluded, self.stepper.lap(self.timer)
 
     def train_step(self, step: Step) -> torch.Tensor:
-        """One optimizer step; a strategy whose forward and backward run as one schedule
-        (pipeline --engine torch) overrides this and keeps the rest of the loop."""
-        return train_step(
-            self.strategy, self.plan, self.model, self.opt, step, self.timer, self.scaler
-        )
+        """One optimizer step, by the pluggable step (tests stop a run here)."""
+        return self.stepper(step)
 
     def _after_step(self, loss: torch.Tensor, step: Step) -> None:
         self._mark()
         notify_step()
         done = self.history.steps
         self.guard.observe(loss, done)
-        self.progress.step(done - self.first_step, loss, len(step.local), self.trained)
+        shown = loss if self.stepper.loss_here else None
+        self.progress.step(done - self.first_step, shown, len(step.local), self.trained)
         if self.saver.due(done, last=self.finished):
             self._checkpoint()
         elif self.guard.full():
@@ -310,7 +282,7 @@ class Trainer:
     def _checkpoint(self) -> None:
         start = time.perf_counter()
         self._check_finite()
-        if not all_finite(self.model, self.strategy.comm):
+        if not all_finite(self.stepper.weights(), self.strategy.comm):
             where = self.saver.path if self.saver.written else None
             raise TrainingDiverged.weights(self.history.steps, where)
         state = ckpt.export_training_state(self)
@@ -340,11 +312,15 @@ def run_training(
     plan: TrainPlan,
     result_model: nn.Module | None = None,
     make_trainer: Callable[..., Trainer] | None = None,
+    step: TrainStep | None = None,
 ) -> RunOutput:
     """Train with plan and package the run for the runner (phases gathered on the root).
-    make_trainer: a Trainer subclass (or partial) that runs the steps its own way (--fast)."""
+    make_trainer: a Trainer subclass (or partial) that runs the steps its own way (--fast);
+    step: the pluggable step (None: TorchStep, torch's autograd step on model)."""
     history = TrainHistory()
-    trainer = (make_trainer or Trainer)(strategy, workload, model, plan, strategy.timer, history)
+    make = make_trainer or Trainer
+    extra = {} if step is None else {"step": step}
+    trainer = make(strategy, workload, model, plan, strategy.timer, history, **extra)
     timings = trainer.run()
     notes = {**plan.notes, "global_batch": plan.source.global_batch}
     if trainer.saver.written:

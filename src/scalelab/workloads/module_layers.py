@@ -28,9 +28,13 @@ BATCHNORM = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 MAXPOOL = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d)
 AVGPOOL = (nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d)
-GLOBAL_KINDS = ((nn.Linear, "linear"), (nn.Flatten, "flatten"), (nn.Embedding, "embedding"),
-                ((nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d), "avgpool"),
-                ((nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d), "maxpool"))
+GLOBAL_KINDS = (
+    (nn.Linear, "linear"),
+    (nn.Flatten, "flatten"),
+    (nn.Embedding, "embedding"),
+    ((nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d), "avgpool"),
+    ((nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d), "maxpool"),
+)
 NORM_FLOPS = {"batchnorm": 2, "layernorm": 5}  # per element (eval BN: x * scale + shift)
 
 

@@ -10,7 +10,7 @@ m = B / M, run by the GPipe or 1F1B schedule.
                nearest m, so the per-step fixed cost of a 64-image step is not scaled down to
                m) split over the cost table's layers by their measured times (a per-layer
                record) or roofline shares at m; s's share is the sum over its layers
-    schedule   the same op lists the run executes (strategies/pipeline_schedule.py),
+    schedule   the same op lists the run executes (planning/schedule.py),
                simulated with forward t_s / 3 and backward 2 t_s / 3 per op (training FLOPs
                are 3x the forward; inference: forward t_s) and the activation send of one
                micro-batch across a cut on every dependency between stages
@@ -33,12 +33,12 @@ from scalelab.planning.partition import (
     memory_model,
     parse_balance,
 )
+from scalelab.planning.schedule import simulate
 from scalelab.precision import get_precision
 from scalelab.predict.compute_model import ComputeModel, build_workload, roofline_layers
 from scalelab.predict.models.base import MODELS, Context, StrategyModel
 from scalelab.predict.models.mesh2d import replicated
 from scalelab.predict.scenario import Prediction, Scenario
-from scalelab.strategies.pipeline_schedule import simulate
 
 FORWARD_SHARE = 1 / 3  # a training op: forward 1, backward 2 forward-equivalents
 

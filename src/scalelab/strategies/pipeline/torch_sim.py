@@ -6,7 +6,7 @@ An action is (stage, kind, m): kind F (forward), B (full backward), I (input gra
 The multi-stage schedules carry their lists (`schedule.pipeline_order`, rank -> actions, None
 for an idle slot; DualPipeV's OVERLAP_F_B pairs run their two sub-actions one after the other
 here, as they do on a CPU). GPipe's list is torch's; 1F1B's is scalelab's own 1F1B
-(strategies/pipeline_schedule.py: the same order torch's Schedule1F1B executes), because
+(planning/schedule.py: the same order torch's Schedule1F1B executes), because
 torch 2.13's `Schedule1F1B.pipeline_order` shifts the last rank's forwards by one micro-batch
 (it lists 1F4 for 4 micro-batches: a list drawn for visualisation, not the one it runs).
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from scalelab.strategies.pipeline_schedule import one_f_one_b_ops
+from scalelab.planning.schedule import one_f_one_b_ops
 
 Action = tuple[int, str, int]  # (stage, kind, micro-batch)
 COMPUTE = ("F", "B", "I", "W")

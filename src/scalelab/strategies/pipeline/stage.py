@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from scalelab.instrument.spans import annotate
-from scalelab.strategies.pipeline_schedule import Op
+from scalelab.planning.schedule import Op
 
 Meta = tuple[tuple[int, ...], torch.dtype]  # per-item shape and dtype of a stage's output
 

@@ -17,7 +17,9 @@ from typing import Any
 
 import torch
 
-from scalelab.strategies.pipeline_schedule import bubble_formula, measured_bubble, simulate
+from scalelab.config import RunConfig
+from scalelab.planning.schedule import bubble_formula, measured_bubble, simulate, steady_step
+from scalelab.strategies.pipeline.stage_plan import StagePlan
 
 OUTSIDE_SCHEDULE = ("h2d", "step", "d2h")
 
@@ -27,26 +29,32 @@ def _medians(laps: list[dict[str, float]]) -> dict[str, float]:
     return {n: statistics.median(lap.get(n, 0.0) for lap in laps) for n in names}
 
 
-def stage_summary(strategy: Any, laps: list[dict[str, float]], walls: list[float]) -> dict:
-    """This rank's stage: medians over iterations (training: over steps after the first,
-    which pays for allocation and autotuning, when there are at least three)."""
-    spans = getattr(strategy, "step_spans", None) or [[]] * len(laps)
-    if strategy.cfg.train and len(laps) > 2:
+def stage_summary(
+    cfg: RunConfig,
+    rank: int,
+    device: torch.device,
+    layers: list[str],
+    params: int,
+    laps: list[dict[str, float]],
+    walls: list[float],
+    spans: list[list] | None = None,
+) -> dict:
+    """This rank's stage (layers: its layer names; params: its parameter count): medians over
+    iterations (training: over steps after the first, which pays for allocation and
+    autotuning, when there are at least three)."""
+    spans = spans or [[]] * len(laps)
+    if cfg.train and len(laps) > 2:
         laps, walls, spans = laps[1:], walls[1:], spans[1:]
     med = _medians(laps)
     wall = statistics.median(walls) if walls else 0.0
     busy = med.get("forward", 0.0) + med.get("backward", 0.0)
     span = wall - sum(med.get(p, 0.0) for p in OUTSIDE_SCHEDULE)
-    device = strategy.device
-    names = [layer.name for layer in strategy.layers]
-    start = sum(strategy.counts[: strategy.comm.rank])
-    mine = names[start : start + strategy.counts[strategy.comm.rank]]
     return {
-        "rank": strategy.comm.rank,
+        "rank": rank,
         "device": str(device),
-        "layers": [mine[0], mine[-1]],
-        "n_layers": len(mine),
-        "params": sum(p.numel() for p in strategy.stage.parameters()),
+        "layers": [layers[0], layers[-1]],
+        "n_layers": len(layers),
+        "params": params,
         "forward_s": med.get("forward", 0.0),
         "backward_s": med.get("backward", 0.0),
         "recv_s": med.get("recv", 0.0),
@@ -57,12 +65,12 @@ def stage_summary(strategy: Any, laps: list[dict[str, float]], walls: list[float
         "peak_mem_bytes": torch.cuda.max_memory_allocated(device)
         if device.type == "cuda"
         else None,
-        "step_s": list(walls) if strategy.cfg.train else None,
+        "step_s": list(walls) if cfg.train else None,
         # CUDA training: the median step's phases [name, start ms, end ms] on this stage's
         # clock from its first phase, in the order they ran (the gaps are waits nothing timed).
-        "timeline_ms": _median_step_spans(walls, spans) if strategy.cfg.train else None,
+        "timeline_ms": _median_step_spans(walls, spans) if cfg.train else None,
         # --compile: graphs Dynamo handed to Inductor in this process (0 means it ran eager).
-        "compiled_graphs": compiled_graphs() if strategy.cfg.compile else None,
+        "compiled_graphs": compiled_graphs() if cfg.compile else None,
     }
 
 
@@ -73,26 +81,18 @@ def _median_step_spans(walls: list[float], spans: list[list]) -> list | None:
     return [[name, round(a, 4), round(b, 4)] for name, a, b in spans[order[len(order) // 2]]]
 
 
-def steady_step(stages: list[dict]) -> float | None:
-    """The pipeline's period: the slowest stage's median step. Steps are coupled, so every
-    stage has the same period on average; a stage whose own step wall leaves out host work
-    between steps (before that was counted, the root's batch gather: ~8 ms of a 48 ms VGG-16
-    step on 2 H200s) reads short, so the maximum is the honest one."""
-    medians = [statistics.median(s["step_s"]) for s in stages if s.get("step_s")]
-    return max(medians) if medians else None
-
-
 def compiled_graphs() -> int:
     from torch._dynamo.utils import counters  # private but stable since 2.0; only read here
 
     return int(counters["stats"]["unique_graphs"])
 
 
-def pipeline_notes(strategy: Any, stages: list[dict] | None, train: bool) -> dict[str, Any]:
+def pipeline_notes(
+    cfg: RunConfig, plan: StagePlan, stages: list[dict] | None, train: bool
+) -> dict[str, Any]:
     """The record's `pipeline` field (root rank; {} elsewhere)."""
     if stages is None:
         return {}
-    cfg = strategy.cfg
     k, m = len(stages), min(cfg.microbatches, cfg.batch)
     t_fwd = [s["forward_s"] / m for s in stages]
     t_bwd = [s["backward_s"] / m for s in stages]
@@ -103,7 +103,7 @@ def pipeline_notes(strategy: Any, stages: list[dict] | None, train: bool) -> dic
         "microbatches": m,
         "schedule": cfg.schedule,
         "compiled": bool(cfg.compile),
-        "balance": list(strategy.counts),
+        "balance": list(plan.counts),
         "bubble_formula": bubble_formula(k, m),
         "bubble_simulated": sim.mean_bubble,
         "bubble_measured": statistics.mean(s["bubble"] for s in stages),
@@ -114,9 +114,9 @@ def pipeline_notes(strategy: Any, stages: list[dict] | None, train: bool) -> dic
         # host_prefetch: the root gathers the next batch during this step (records without
         # it gathered between steps, inside the period).
         notes.update(steady_step_s=step, steady_throughput=cfg.batch / step, host_prefetch=True)
-    if strategy.balance_rounds:  # --rebalance: the cuts tried, each with its stage times
-        notes["balance_rounds"] = strategy.balance_rounds
-    if strategy.profile is not None:
+    if plan.rounds:  # --rebalance: the cuts tried, each with its stage times
+        notes["balance_rounds"] = plan.rounds
+    if plan.profile is not None:
         notes["layer_profile"] = [
             {
                 "layer": p.name,
@@ -124,7 +124,7 @@ def pipeline_notes(strategy: Any, stages: list[dict] | None, train: bool) -> dic
                 "param_bytes": p.param_bytes,
                 "act_bytes": p.act_bytes,
             }
-            for p in strategy.profile
+            for p in plan.profile
         ]
     return {"pipeline": notes}
 

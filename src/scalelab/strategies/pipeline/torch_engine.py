@@ -16,7 +16,7 @@ Checkpoints and --save-weights gather each stage's parameters from replica 0 ont
 The record's `pipeline` field carries what the hand engine's does (per-stage times, bubble
 measured and simulated, timelines) plus engine, virtual stages and the mesh: the simulation
 replays the schedule's own action lists with the measured per-stage times
-(strategies/pipeline_torch_sim.py).
+(strategies/pipeline/torch_sim.py).
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from scalelab.strategies import partition as part
 from scalelab.strategies import penalty as pen
 from scalelab.strategies.ddp import init_group
 from scalelab.strategies.mesh import Layout, MeshGroups
-from scalelab.strategies.pipeline_torch_report import RunLog, torch_pipeline_notes
-from scalelab.strategies.pipeline_torch_stages import (
+from scalelab.strategies.pipeline.torch_report import RunLog, torch_pipeline_notes
+from scalelab.strategies.pipeline.torch_stages import (
     NO_EVAL,
     SCHEDULES,
     SPLIT_BACKWARD,
@@ -50,7 +50,7 @@ from scalelab.strategies.pipeline_torch_stages import (
     virtual_stages,
 )
 from scalelab.strategies.torch_base import TorchStrategy
-from scalelab.train.loop import GlobalBatches, Trainer, TrainPlan, require_labels, run_training
+from scalelab.train.loop import GlobalBatches, TorchStep, TrainPlan, require_labels, run_training
 from scalelab.train.sources import Step
 from scalelab.workloads.base import Inputs, Workload
 
@@ -279,7 +279,7 @@ class TorchPipeline(TorchStrategy):
         train, heldout = data
         require_labels(train, heldout)
         self.setup(workload, model, train.x[: self.cfg.batch])
-        from scalelab.strategies.pipeline_torch_state import export_state, import_state
+        from scalelab.strategies.pipeline.torch_state import export_state, import_state
 
         plan = TrainPlan(
             source=GlobalBatches(self, train, self.cfg.batch, self.cfg.seed),
@@ -291,7 +291,8 @@ class TorchPipeline(TorchStrategy):
             export_state=lambda m, opt: export_state(self, opt),
             import_state=lambda m, opt, s, o: import_state(self, opt, s, o),
         )
-        out = run_training(self, workload, self.model, plan, make_trainer=PipelineTrainer)
+        step = PipelineStep(self, workload, self.model, plan)
+        out = run_training(self, workload, self.model, plan, step=step)
         whole = export_state(self, None)
         if whole is not None:
             self.model.load_state_dict(whole[0])
@@ -315,10 +316,11 @@ class TorchPipeline(TorchStrategy):
         return self.all_sum(correct) / max(len(heldout), 1)
 
 
-class PipelineTrainer(Trainer):
-    """The training loop with the pipelined step."""
+class PipelineStep(TorchStep):
+    """The Trainer's pluggable step: the schedule's forward and backward of every
+    micro-batch, the dp sum, the penalty, SGD (the optimizer spans the whole model)."""
 
-    def train_step(self, step: Step) -> torch.Tensor:
+    def __call__(self, step: Step) -> torch.Tensor:
         s: TorchPipeline = self.strategy
         with self.timer.phase("schedule"):
             _, loss_sum = s._run_pass(step.local, step.items, True)

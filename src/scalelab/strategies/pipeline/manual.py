@@ -23,7 +23,7 @@ from scalelab.errors import UsageError
 from scalelab.instrument.timer import PhaseTimer
 from scalelab.results import RunOutput
 from scalelab.strategies import partition as part
-from scalelab.strategies.pipeline_report import summary_line
+from scalelab.strategies.pipeline.report import summary_line
 from scalelab.strategies.torch_base import TorchStrategy
 from scalelab.workloads.base import Inputs, Workload
 
