@@ -20,10 +20,7 @@ index copy and one graph launch.
 
 from __future__ import annotations
 
-import datetime as dt
 import inspect
-import itertools
-import os
 from collections.abc import Callable
 from contextlib import nullcontext
 
@@ -33,9 +30,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from scalelab.comm import Comm, even_counts
-from scalelab.comm.launch import inside_torchrun
-from scalelab.comm.torchdist import TIMEOUT_S, TorchDistComm
+from scalelab.comm import even_counts
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
 from scalelab.instrument.spans import SPANS
@@ -44,7 +39,7 @@ from scalelab.precision import get_precision
 from scalelab.results import RunOutput
 from scalelab.strategies.base import STRATEGIES
 from scalelab.strategies.ddp_comm import BucketTimer
-from scalelab.strategies.torch_base import TorchStrategy, resolve_device
+from scalelab.strategies.torchdist_base import TorchDistStrategy
 from scalelab.train.data import LoaderShards, ResidentShards
 from scalelab.train.loop import Trainer, TrainPlan, evaluate, require_labels, run_training
 from scalelab.workloads.base import Inputs, Workload
@@ -66,31 +61,6 @@ NO_FORWARD_BUFFER_SYNC = (
     if "forward_sync_buffers" in _DDP_ARGS
     else {"broadcast_buffers": False}
 )
-
-
-_RUNS = itertools.count()  # process groups this process has started (one per run)
-
-
-def init_group(backend: str) -> None:
-    """Start the default process group ourselves.
-
-    One process without a launcher gets a private in-memory store (no port, no environment).
-    Under torchrun every run of this process (a --lr study runs several) uses a fresh key
-    prefix in torchrun's store: a second group on the first one's keys could read a peer's
-    stale address and fail to connect."""
-    if dist.is_initialized():
-        return
-    if not inside_torchrun():
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-        return
-    env, timeout = os.environ, dt.timedelta(seconds=TIMEOUT_S)
-    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-    hosts = env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and rank == 0
-    store = dist.TCPStore(
-        env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=hosts, timeout=timeout
-    )
-    prefixed = dist.PrefixStore(f"scalelab/run{next(_RUNS)}", store)
-    dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world, timeout=timeout)
 
 
 def check_options(cfg: RunConfig) -> None:
@@ -143,9 +113,8 @@ class ChannelsLast(nn.Module):
 @STRATEGIES.register(
     "ddp", "torch DistributedDataParallel training under torchrun (gloo on CPU, NCCL on GPU)"
 )
-class DDPStrategy(TorchStrategy):
+class DDPStrategy(TorchDistStrategy):
     name = "ddp"
-    launcher = "torchrun"
     compiles = True
     needs_data_everywhere = True
 
@@ -164,19 +133,6 @@ class DDPStrategy(TorchStrategy):
         """Check options before torchrun starts; returns the global batch."""
         check_options(cfg)
         return per_rank_batch(cfg, cfg.ranks) * cfg.ranks
-
-    def make_comm(self) -> Comm:
-        backend = "nccl" if self.cfg.device == "cuda" else "gloo"
-        if backend == "nccl":
-            resolve_device("cuda")  # one clear line when there is no GPU
-        init_group(backend)
-        return TorchDistComm(backend)
-
-    def pick_device(self) -> torch.device:
-        if self.cfg.device != "cuda":
-            return resolve_device(self.cfg.device)
-        resolve_device("cuda")
-        return torch.device("cuda", self.comm.local_rank % torch.cuda.device_count())
 
     def all_sum(self, value: float) -> float:
         t = torch.tensor([value], dtype=torch.float64, device=self.comm.device)

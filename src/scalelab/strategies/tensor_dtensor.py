@@ -26,15 +26,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from scalelab.comm import Comm
-from scalelab.comm.torchdist import TorchDistComm
 from scalelab.errors import UsageError
 from scalelab.instrument.timer import timed_iterations
 from scalelab.results import RunOutput
 from scalelab.strategies import penalty as pen
-from scalelab.strategies.ddp import init_group
 from scalelab.strategies.mesh import Layout, MeshGroups
-from scalelab.strategies.torch_base import TorchStrategy
+from scalelab.strategies.torchdist_base import TorchDistStrategy
 from scalelab.train.loop import default_plan, require_labels, run_training
 from scalelab.workloads.base import Inputs, Workload
 
@@ -73,9 +70,8 @@ def _sharded(t: torch.Tensor) -> bool:
     return isinstance(t, DTensor) and any(isinstance(p, Shard) for p in t.placements)
 
 
-class DTensorParallel(TorchStrategy):
+class DTensorParallel(TorchDistStrategy):
     name = "tensor"
-    launcher = "torchrun"
     needs_data_everywhere = True
 
     def __init__(self, cfg) -> None:
@@ -90,17 +86,6 @@ class DTensorParallel(TorchStrategy):
                 f"tensor: --dp {cfg.dp} x --tp {cfg.tp} needs --ranks {cfg.tp * cfg.dp}"
             )
         return cfg.batch
-
-    def make_comm(self) -> Comm:
-        backend = "nccl" if self.cfg.device == "cuda" else "gloo"
-        init_group(backend)
-        return TorchDistComm(backend)
-
-    def pick_device(self) -> torch.device:
-        device = super().pick_device()
-        if device.type == "cuda":
-            device = torch.device("cuda", self.comm.local_rank % torch.cuda.device_count())
-        return device
 
     def validate(self, workload: Workload) -> None:
         self.layout.check(self.comm.size, "tensor --engine torch")

@@ -28,14 +28,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from scalelab.comm import Comm
-from scalelab.comm.torchdist import TorchDistComm
 from scalelab.errors import UsageError
 from scalelab.instrument.timer import device_sync, timed_iterations
 from scalelab.results import RunOutput
 from scalelab.strategies import partition as part
 from scalelab.strategies import penalty as pen
-from scalelab.strategies.ddp import init_group
 from scalelab.strategies.mesh import Layout, MeshGroups
 from scalelab.strategies.pipeline.torch_report import RunLog, torch_pipeline_notes
 from scalelab.strategies.pipeline.torch_stages import (
@@ -49,32 +46,20 @@ from scalelab.strategies.pipeline.torch_stages import (
     stage_ids,
     virtual_stages,
 )
-from scalelab.strategies.torch_base import TorchStrategy
+from scalelab.strategies.torchdist_base import TorchDistStrategy
 from scalelab.train.loop import GlobalBatches, TorchStep, TrainPlan, require_labels, run_training
 from scalelab.train.sources import Step
 from scalelab.workloads.base import Inputs, Workload
 
 
-class TorchPipeline(TorchStrategy):
+class TorchPipeline(TorchDistStrategy):
     name = "pipeline"
-    launcher = "torchrun"
     needs_data_everywhere = True
 
     def __init__(self, cfg) -> None:
         super().__init__(cfg)
         self.layout = Layout(cfg.dp, cfg.stages, "pp")
         self.log = RunLog()
-
-    def make_comm(self) -> Comm:
-        backend = "nccl" if self.cfg.device == "cuda" else "gloo"
-        init_group(backend)  # one process without a launcher: an in-memory store
-        return TorchDistComm(backend)
-
-    def pick_device(self) -> torch.device:
-        device = super().pick_device()
-        if device.type == "cuda":
-            device = torch.device("cuda", self.comm.local_rank % torch.cuda.device_count())
-        return device
 
     # --- checks ---------------------------------------------------------------------------
     def validate(self, workload: Workload) -> None:
