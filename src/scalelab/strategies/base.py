@@ -65,12 +65,24 @@ class Strategy(ABC):
     name: ClassVar[str]
     needs_data_everywhere: ClassVar[bool] = False  # every rank reads the training data itself
     launcher: ClassVar[str | None] = None  # "mpi" or "torchrun": who starts its ranks
-    compiles: ClassVar[bool] = False  # honours --compile (torch.compile of what it runs)
+    # Config sections it reads beyond those every run reads (config_sections.ALWAYS and
+    # the mode's); a non-default option of any other section is refused before any work.
+    reads: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
         self.precision: Precision = get_precision(cfg.dtype)
         self.comm: Comm = self.make_comm()
+
+    @classmethod
+    def reads_for(cls, cfg: RunConfig) -> tuple[str, ...]:
+        """The sections a run of cfg reads (a strategy with two engines says per engine)."""
+        return cls.reads
+
+    @classmethod
+    def describe(cls, cfg: RunConfig) -> str:
+        """Who does not read an option, for the refusal's line."""
+        return f"the {cls.name} strategy"
 
     def make_comm(self) -> Comm:
         return SelfComm()

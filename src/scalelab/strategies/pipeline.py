@@ -64,14 +64,24 @@ from scalelab.workloads.base import Inputs, Workload
 )
 class PipelineStrategy(TorchStrategy):
     launcher = "torchrun"
-    compiles = True
+    reads = ("pipeline", "placement", "engine", "gpus", "layout", "compile")
+
+    @classmethod
+    def reads_for(cls, cfg) -> tuple[str, ...]:
+        if cfg.engine == "torch":
+            from scalelab.strategies.pipeline_torch import TorchPipeline
+
+            return TorchPipeline.reads
+        return ManualPlacement.reads if cfg.placement == "manual" else cls.reads
+
+    @classmethod
+    def describe(cls, cfg) -> str:
+        if cfg.engine == "torch":
+            return "the pipeline strategy with --engine torch"
+        return f"the pipeline strategy with --placement {cfg.placement}"
 
     def __new__(cls, cfg) -> Strategy:
-        placement = PLACEMENTS.get(cfg.placement)
-        if placement is None:
-            raise UsageError(
-                f"unknown --placement {cfg.placement!r} (known: {', '.join(PLACEMENTS)})"
-            )
+        placement = PLACEMENTS[cfg.placement]  # a known name (config_sections)
         if cfg.engine == "torch":
             from scalelab.strategies.pipeline_torch import TorchPipeline
 
@@ -104,18 +114,10 @@ class PipelineStrategy(TorchStrategy):
     # --- checks ---------------------------------------------------------------------------
     def validate(self, workload: Workload) -> None:
         cfg, k = self.cfg, self.cfg.stages
-        if k < 1 or cfg.microbatches < 1:
-            raise UsageError("--stages and --microbatches must be >= 1")
         if self.comm.size != k:
             raise UsageError(
                 f"pipeline: --stages {k} runs one rank per stage; pass --ranks {k} "
                 f"(got {self.comm.size})"
-            )
-        if cfg.schedule not in SCHEDULES:
-            raise UsageError(f"unknown --schedule {cfg.schedule!r} (known: gpipe, 1f1b)")
-        if cfg.batch < cfg.microbatches:
-            raise UsageError(
-                f"--batch {cfg.batch} is smaller than --microbatches {cfg.microbatches}"
             )
         gpus = torch.cuda.device_count() if self.device.type == "cuda" else 0
         if self.device.type == "cuda" and k > gpus and not cfg.oversubscribe_gpus:

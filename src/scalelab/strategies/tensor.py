@@ -28,14 +28,13 @@ from scalelab.config import RunConfig
 from scalelab.errors import UsageError
 from scalelab.instrument.timer import PhaseTimer, timed_iterations
 from scalelab.strategies.base import STRATEGIES, RunOutput
-from scalelab.strategies.mpi_dp import OnMPIRanks, host_stage, refuse_options, staged_allreduce
+from scalelab.strategies.mpi_dp import OnMPIRanks, host_stage, staged_allreduce
 from scalelab.train.loop import default_plan, require_labels, run_training
 from scalelab.workloads.base import Inputs, Workload
 
 # How each MLP tensor is split over ranks: dim 0 (rows), dim 1 (columns) or replicated.
 LAYOUT: dict[str, int | None] = {"fc1.weight": 0, "fc1.bias": 0, "fc2.weight": 1, "fc2.bias": None}
 PARAMS = list(LAYOUT)  # parameter order of the MLP and of ShardedMLP (optimizer state keys)
-NONBLOCKING = {"nonblocking": ("--nonblocking", "tensor's backward sends nothing")}
 
 
 class _SumOverRanks(torch.autograd.Function):
@@ -98,6 +97,19 @@ def slice_for(t: torch.Tensor, dim: int | None, rows: slice) -> torch.Tensor:
 )
 class TensorParallel(OnMPIRanks):
     name = "tensor"
+    reads = ("engine", "checkpoint")
+
+    @classmethod
+    def reads_for(cls, cfg: RunConfig) -> tuple[str, ...]:
+        if cfg.engine == "torch":
+            from scalelab.strategies.tensor_dtensor import DTensorParallel
+
+            return DTensorParallel.reads
+        return cls.reads
+
+    @classmethod
+    def describe(cls, cfg: RunConfig) -> str:
+        return f"the tensor strategy with --engine {cfg.engine}"
 
     def __new__(cls, cfg: RunConfig):
         if cfg.engine == "torch":  # DTensor's ColwiseParallel/RowwiseParallel, under torchrun
@@ -124,7 +136,6 @@ class TensorParallel(OnMPIRanks):
             from scalelab.strategies.tensor_dtensor import DTensorParallel
 
             return DTensorParallel.preflight(cfg)
-        refuse_options(cfg, "tensor", NONBLOCKING)
         if cfg.workload != "mlp":
             raise UsageError(f"tensor splits the seed's MLP only (mlp), not {cfg.workload}")
         if cfg.hidden < cfg.ranks:
