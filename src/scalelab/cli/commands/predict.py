@@ -160,7 +160,7 @@ def _header(s, network) -> str:
 
 
 def _shown(table):
-    drop = [c for c in ("global_batch",) if c in table]
+    drop = [c for c in ("global_batch",) if c in table]  # the header names it
     return table.drop(columns=drop)
 
 
