@@ -40,9 +40,9 @@ class RunConfig:
         "Numeric precision: fp64, fp32, tf32, bf16 or fp16 (bf16/fp16 via autocast).",
         section="run",
     )
-    iters: int = opt(5, "Timed iterations (inference); the median is reported.", section="infer")
+    iters: int = opt(5, "Timed iterations (inference); the median is reported.", section="timing")
     warmup: int = opt(
-        2, "Untimed iterations before timing (allocator, cuDNN autotune, caches).", section="infer"
+        2, "Untimed iterations before timing (allocator, cuDNN autotune, caches).", section="timing"
     )
     check: bool = opt(
         False,
@@ -99,9 +99,9 @@ class RunConfig:
     train_size: int = opt(
         8000,
         "mlp: items in the seeded training split when only the MNIST test set is present.",
-        section="train",
+        section="workload",
     )
-    heldout_size: int = opt(2000, "mlp: items in the held-out split.", section="train")
+    heldout_size: int = opt(2000, "mlp: items in the held-out split.", section="workload")
 
     # Distributed execution (MPI, torch.distributed).
     ranks: int = opt(

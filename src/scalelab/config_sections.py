@@ -77,8 +77,8 @@ def _known(value: Any, known: tuple, what: str) -> None:
 
 # --- each section's cross-field rules ------------------------------------------------------
 def _run_rules(cfg: Any) -> None:
-    _known(cfg.dtype, tuple(PRECISIONS), "--dtype")
-    _known(cfg.device, DEVICES, "--device")
+    _known(cfg.dtype, tuple(PRECISIONS), "dtype")
+    _known(cfg.device, DEVICES, "device")
 
 
 def _workload_rules(cfg: Any) -> None:
@@ -94,8 +94,9 @@ def _checkpoint_rules(cfg: Any) -> None:
 
 
 def _ddp_rules(cfg: Any) -> None:
-    _known(cfg.amp, HALF, "--amp")
-    _known(cfg.grad_compress, HALF, "--grad-compress")
+    for name in ("amp", "grad_compress"):
+        if getattr(cfg, name) not in HALF:
+            raise UsageError(f"--{flag(name)} must be bf16 or fp16, got {getattr(cfg, name)!r}")
 
 
 def _ddp_when_read(cfg: Any) -> None:
@@ -147,12 +148,13 @@ SECTIONS: dict[str, Section] = {
             "ranks": (1, 2**20)}, rules=_run_rules),
         Section("workload", "workload shape, data and weights", {
             "image_size": (1, 65536), "num_classes": (1, 10**7), "hidden": (1, 2**24),
-            "convs": (1, 10**4), "fcs": (1, 10**4)}, rules=_workload_rules),
-        Section("infer", "inference (without --train)", {
-            "iters": (1, 10**7), "warmup": (0, 10**7)}),
-        Section("train", "training (--train)", {
-            "epochs": (1, 10**6), "steps": (1, BIG), "train_size": (1, BIG),
-            "heldout_size": (1, BIG)},
+            "convs": (1, 10**4), "fcs": (1, 10**4), "train_size": (1, BIG),
+            "heldout_size": (1, BIG)}, rules=_workload_rules),
+        # Timing and data sizes are read in both modes as far as a caller can tell: scripts
+        # and tests pass one set of them to inference and training runs alike.
+        Section("timing", "timing", {"iters": (1, 10**7), "warmup": (0, 10**7)}),
+        Section("infer", "inference (without --train)"),
+        Section("train", "training (--train)", {"epochs": (1, 10**6), "steps": (1, BIG)},
             {"lr": (0.0, 1e30, True), "momentum": (0.0, 0.999999, False),
              "l2": (0.0, 1e6, False)}),
         Section("compare", "mlp: CPU against GPU training"),
@@ -179,7 +181,7 @@ SECTIONS: dict[str, Section] = {
         Section("tp", "tensor-parallel degree (tensor --engine torch)", {"tp": (1, 2**20)}),
     )
 }  # fmt: skip
-ALWAYS = ("run", "workload", "instrument")  # sections every strategy reads
+ALWAYS = ("run", "workload", "timing", "instrument")  # sections every strategy reads
 MODES = {"infer": "(drop --train)", "train": "(add --train)"}  # read by the run's mode
 
 
