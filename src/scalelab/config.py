@@ -201,7 +201,7 @@ class RunConfig:
     tp: int | None = opt(
         None,
         "tensor --engine torch: ranks per tensor-parallel group (default: --ranks / --dp).",
-        section="tp",
+        section="tensor",
     )
     dp: int = opt(
         1,

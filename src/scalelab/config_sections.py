@@ -178,7 +178,7 @@ SECTIONS: dict[str, Section] = {
         Section("mesh", "2-D mesh (--engine torch)", {"dp": (1, 2**20)}),
         Section("interleave", "virtual stages (pipeline --engine torch)",
                 {"virtual_stages": (1, 64)}),
-        Section("tp", "tensor-parallel degree (tensor --engine torch)", {"tp": (1, 2**20)}),
+        Section("tensor", "tensor-parallel degree (tensor --engine torch)", {"tp": (1, 2**20)}),
     )
 }  # fmt: skip
 ALWAYS = ("run", "workload", "timing", "instrument")  # sections every strategy reads
@@ -251,7 +251,9 @@ def refuse_unread(cfg: Any, strategy: type) -> None:
             and name in set(strategy.reads_for(cfg))
         ):
             raise UsageError(f"{what}; an inference run does not read it (add --train)")
-        raise UsageError(f"{what}; {strategy.describe(cfg)} does not read it")
+        needs = strategy.read_with(cfg, name)
+        hint = f" (--{flag(f.name)} needs {needs})" if needs else ""
+        raise UsageError(f"{what}; {strategy.describe(cfg)} does not read it{hint}")
 
 
 def _article(name: str) -> str:

@@ -84,6 +84,11 @@ class Strategy(ABC):
         """Who does not read an option, for the refusal's line."""
         return f"the {cls.name} strategy"
 
+    @classmethod
+    def read_with(cls, cfg: RunConfig, section: str) -> str | None:
+        """The flag under which this strategy does read section (None: under none)."""
+        return None
+
     def make_comm(self) -> Comm:
         return SelfComm()
 

@@ -80,6 +80,14 @@ class PipelineStrategy(TorchStrategy):
             return "the pipeline strategy with --engine torch"
         return f"the pipeline strategy with --placement {cfg.placement}"
 
+    @classmethod
+    def read_with(cls, cfg, section: str) -> str | None:
+        from scalelab.strategies.pipeline_torch import TorchPipeline
+
+        if cfg.engine != "torch" and section in TorchPipeline.reads:
+            return "--engine torch"
+        return "--engine scalelab" if cfg.engine == "torch" and section in cls.reads else None
+
     def __new__(cls, cfg) -> Strategy:
         placement = PLACEMENTS[cfg.placement]  # a known name (config_sections)
         if cfg.engine == "torch":

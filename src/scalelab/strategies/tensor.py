@@ -111,6 +111,14 @@ class TensorParallel(OnMPIRanks):
     def describe(cls, cfg: RunConfig) -> str:
         return f"the tensor strategy with --engine {cfg.engine}"
 
+    @classmethod
+    def read_with(cls, cfg: RunConfig, section: str) -> str | None:
+        from scalelab.strategies.tensor_dtensor import DTensorParallel
+
+        if cfg.engine != "torch" and section in DTensorParallel.reads:
+            return "--engine torch"
+        return None
+
     def __new__(cls, cfg: RunConfig):
         if cfg.engine == "torch":  # DTensor's ColwiseParallel/RowwiseParallel, under torchrun
             from scalelab.strategies.tensor_dtensor import DTensorParallel

@@ -74,7 +74,7 @@ def _sharded(t: torch.Tensor) -> bool:
 class DTensorParallel(TorchStrategy):
     name = "tensor"
     launcher = "torchrun"
-    reads = ("engine", "mesh", "tp", "checkpoint")
+    reads = ("engine", "mesh", "tensor", "checkpoint")
     needs_data_everywhere = True
 
     def __init__(self, cfg) -> None:
