@@ -252,7 +252,8 @@ def refuse_unread(cfg: Any, strategy: type) -> None:
         ):
             raise UsageError(f"{what}; an inference run does not read it (add --train)")
         needs = strategy.read_with(cfg, name)
-        hint = f" (--{flag(f.name)} needs {needs})" if needs else ""
+        readers = ", ".join(strategy.readers(cfg, name)) or "no strategy"
+        hint = f" (--{flag(f.name)} needs {needs})" if needs else f" (read by {readers})"
         raise UsageError(f"{what}; {strategy.describe(cfg)} does not read it{hint}")
 
 

@@ -89,6 +89,17 @@ class Strategy(ABC):
         """The flag under which this strategy does read section (None: under none)."""
         return None
 
+    @staticmethod
+    def readers(cfg: RunConfig, section: str) -> list[str]:
+        """The registered strategies that read section with cfg, or with another engine."""
+        out = []
+        for name in STRATEGIES.names():
+            cls = STRATEGIES.get(name)
+            flag = None if section in cls.reads_for(cfg) else cls.read_with(cfg, section)
+            if flag is not None or section in cls.reads_for(cfg):
+                out.append(f"{name} {flag}" if flag else name)
+        return out
+
     def make_comm(self) -> Comm:
         return SelfComm()
 
