@@ -24,9 +24,9 @@ from scalelab.strategies.pipeline_report import steady_step
 
 CEILINGS = "scalelab.ceilings/1"
 RUN = "scalelab.run/1"
-# What benchmarks/ddp_scaling.py runs (its summary rows do not repeat it).
 # Strategies whose multi-rank records calibrate a per-step host cost (predict/models/ddp.py).
 HOST_CALIBRATED = frozenset({"ddp"})
+# What benchmarks/ddp_scaling.py runs (its summary rows do not repeat it).
 DDP_SUMMARY = {"workload": "resnet18", "amp": "bf16", "channels_last": True}
 
 
