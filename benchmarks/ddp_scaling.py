@@ -80,7 +80,7 @@ def ours(
     cmd = [
         sys.executable, "-m", "scalelab", "run", workload, "--strategy", "ddp", "--train",
         "--fast", "--device", "cuda", "--amp", "bf16", "--channels-last", "--momentum", "0.9",
-        "--ranks", str(gpus), "--global-batch", str(global_batch), "--train-size", str(n),
+        "--ranks", str(gpus), "--batch", str(global_batch), "--train-size", str(n),
         "--heldout-size", "512", "--epochs", str(EPOCHS), "--quiet", "--no-record", "--json",
         *extra,
     ]  # fmt: skip

@@ -113,7 +113,7 @@ def test_resume_refuses_other_workloads_and_foreign_files(cli, tmp_path, a_check
 
 def test_world_size_policy(a_checkpoint):
     """Another rank count is allowed and said; a position the new global batch cannot reach
-    is refused (ddp --batch is per rank: 2 -> 3 ranks changes the global batch)."""
+    is refused (a 3-rank run whose global batch is 48)."""
     state = torch.load(a_checkpoint)  # 1 rank, global batch 32, 64 items of epoch 2 done
     cfg = RunConfig(**SMALL)
     assert ckpt.resume_step(state, cfg, world=2, global_batch=32, n_train=150) == 2

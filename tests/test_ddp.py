@@ -1,5 +1,6 @@
 """ddp: torchrun with gloo trains what one process trains on the same global batch; its
-DataLoader path, --global-batch and one-rank path agree; bad input stops before any launch.
+DataLoader path and one-rank path agree (--batch is the global batch); bad input stops
+before any launch.
 
 References: the float64 NumPy SGD (oracle_weights) and torch in one process (`local`).
 """
@@ -25,7 +26,7 @@ from scalelab.config import RunConfig
 from scalelab.runner import execute
 
 EVEN = {**COMMON, "train_size": 202}  # W=2 divides it: no DistributedSampler padding
-DDP = {"strategy": "ddp", "train_size": 202, "batch": 16}  # 16 per rank = global 32
+DDP = {"strategy": "ddp", "train_size": 202, "batch": 32}  # global: 16 per rank
 
 
 @pytest.mark.mpi
@@ -33,7 +34,6 @@ def test_two_gloo_ranks_train_what_one_process_trains(tmp_path):
     runs = {
         "fp16grads": {**DDP, "grad_compress": "fp16"},
         "dd64": {**DDP, "dtype": "fp64"},
-        "global64": {**DDP, "dtype": "fp64", "batch": 8, "global_batch": 32},
         "loader64": {**DDP, "dtype": "fp64", "workers": 1},
         "dd32": DDP,
     }
@@ -41,7 +41,7 @@ def test_two_gloo_ranks_train_what_one_process_trains(tmp_path):
     ref = RunConfig(strategy="local", save_weights=str(tmp_path / "local" / "l.pt"), **EVEN)
     local = execute(ref, None).record
     oracle = oracle_weights(RunConfig(**EVEN))
-    for name in ("dd64", "global64", "loader64"):
+    for name in ("dd64", "loader64"):
         rec = recs[name]
         assert rec["ranks"] == 2 and rec["steps"] == 14 and rec["global_batch"] == 32, name
         assert relerr(weights[name], oracle) < 1e-10, name
@@ -102,7 +102,7 @@ def test_killed_rank_stops_all_and_resume_is_bitwise(tmp_path):
     rank 0's last checkpoint matches the uninterrupted run bit for bit (gloo, CPU)."""
     args = [
         "run", "mlp", "--strategy", "ddp", "--ranks", "2", "--train", "--hidden", "16",
-        "--train-size", "300", "--heldout-size", "50", "--batch", "16", "--epochs", "2",
+        "--train-size", "300", "--heldout-size", "50", "--batch", "32", "--epochs", "2",
         "--lr", "0.5", "--momentum", "0.9", "--threads", "1", "--quiet", "--ckpt-every", "4",
         "--ckpt-dir", str(tmp_path / "ckpt"), "--out", str(tmp_path / "runs.jsonl"),
     ]  # fmt: skip
@@ -135,8 +135,9 @@ def test_killed_rank_stops_all_and_resume_is_bitwise(tmp_path):
     [
         (["--strategy", "ddp", "--amp", "fp16"], "--amp fp16 needs a GPU"),
         (["--strategy", "ddp", "--amp", "bf16", "--dtype", "fp16"], "disagree"),
-        (["--strategy", "ddp", "--global-batch", "33", "--ranks", "2"], "does not divide"),
-        (["--strategy", "mpi-dp", "--amp", "bf16", "--ranks", "2"], "--amp does not apply"),
+        (["--strategy", "ddp", "--batch", "33", "--ranks", "2"], "does not divide"),
+        (["--strategy", "ddp", "--global-batch", "32", "--ranks", "2"], "pass --batch"),
+        (["--strategy", "mpi-dp", "--amp", "bf16", "--ranks", "2"], "--amp is a ddp option"),
         (["--strategy", "mpi-dp", "--batch", "2", "--ranks", "3"], "smaller than 3 ranks"),
         (["--strategy", "tensor", "--hidden", "2", "--ranks", "3"], "--hidden 2 < 3"),
         (["--strategy", "ddp"], "ddp trains"),
@@ -175,7 +176,7 @@ def test_two_gpus_bf16_follow_the_one_gpu_loss_curve(workload, lr, rtol, atol, t
     256, hence its looser bound)."""
     args = [
         "run", workload, "--strategy", "ddp", "--train", "--device", "cuda", "--amp", "bf16",
-        "--global-batch", "256", "--train-size", "1280", "--heldout-size", "256",
+        "--batch", "256", "--train-size", "1280", "--heldout-size", "256",
         "--epochs", "10", "--lr", lr, "--quiet", "--no-record", "--json",
     ]  # fmt: skip
     curves = []

@@ -55,4 +55,4 @@ def test_sequential_pairs_skip_non_elementwise_links():
 
 def test_tp_needs_the_torch_engine(cli):
     code, _, err = cli("run", "mlp", "--strategy", "tensor", "--tp", "2", "--no-record")
-    assert code == 2 and "--tp need --engine torch" in err
+    assert code == 2 and "--tp needs --engine torch" in err

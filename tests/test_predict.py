@@ -213,7 +213,7 @@ def test_cli_predicts_up_to_1024_gpus(cli, tmp_path):
     ranks = ",".join(str(2**i) for i in range(11))
     code, out, err = cli(
         "predict", "resnet18", "--strategy", "ddp", "--ranks", ranks, "--gpus-per-node", 8,
-        "--ceilings", CEILINGS, "--network", "ndr400", "--batch", 512, "--amp", "bf16",
+        "--ceilings", CEILINGS, "--network", "ndr400", "--per-rank-batch", 512, "--amp", "bf16",
         "--channels-last", "--calibrate", FIXTURES, "-o", tmp_path,
     )  # fmt: skip
     assert code == 0, err
@@ -263,7 +263,18 @@ def test_cli_missing_ceilings_figure_names_it_and_how(cli, tmp_path):
 
 def test_cli_multi_node_needs_a_network(cli):
     _usage_error(
-        cli("predict", "resnet18", "--strategy", "ddp", "--ranks", "16", "--ceilings", CEILINGS),
+        cli(
+            "predict",
+            "resnet18",
+            "--strategy",
+            "ddp",
+            "--ranks",
+            "16",
+            "--batch",
+            "64",
+            "--ceilings",
+            CEILINGS,
+        ),
         "give --network",
     )
 

@@ -21,7 +21,7 @@ strategy = ["local", "mpi", "ddp"]
 ranks = [8]
 [fixed]
 hidden = 16
-ckpt_dir = "my dir/it's $HOME"
+save_weights = "my dir/it's $HOME"
 """
 
 FAKES = {

@@ -34,7 +34,6 @@ split = ["batch", "spatial"]
 [fixed]
 image_size = 67
 iters = 2
-lr = 1
 """
 
 
@@ -86,8 +85,11 @@ def test_points_reproduce_their_config_through_the_cli(tmp_path):
     for p in pts:
         args = parser.parse_args(p.argv())
         assert config_from_args(args, workload=args.workload) == p.config
-    assert pts[0].config.lr == 1.0 and "--lr" in pts[0].argv()
-    assert json.dumps(pts[0].config.lr) == "1.0"  # float like the CLI's, so records match
+    # lr is a training option (an inference point refuses it): a training study for it
+    (one,) = points(load_study(_study(tmp_path, "[grid]\nworkload=['mlp']\n[fixed]\n"
+                                                "train=true\nlr=1")))  # fmt: skip
+    assert one.config.lr == 1.0 and "--lr" in one.argv()
+    assert json.dumps(one.config.lr) == "1.0"  # float like the CLI's, so records match
 
 
 def test_records_match_across_new_config_fields(tmp_path):

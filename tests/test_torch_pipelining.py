@@ -80,4 +80,4 @@ def test_bad_torch_pipeline_options_one_line_exit_2(cli, tmp_path, args, needle)
 
 def test_torch_only_flags_need_the_torch_engine(cli, tmp_path):
     code, _, err = cli("run", "mlp", "--strategy", "pipeline", "--dp", "2", "--no-record")
-    assert code == 2 and "--dp need --engine torch" in err
+    assert code == 2 and "--dp needs --engine torch" in err

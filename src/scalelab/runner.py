@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from scalelab import environment
+from scalelab import config_sections, environment
 from scalelab.comm import job_status
 from scalelab.config import RunConfig
 from scalelab.errors import RunFailed, UsageError
@@ -44,8 +44,7 @@ class RunReport:
 
 def execute(cfg: RunConfig, results: Path | None) -> RunReport:
     """Run cfg; append the record to results (root rank) unless results is None."""
-    if cfg.check and cfg.train:
-        raise UsageError("--check compares inference outputs with the oracle; drop --train")
+    check_config(cfg)  # every rank alike, before any process group or work
     workload = WORKLOADS.get(cfg.workload)(cfg)
     strategy = STRATEGIES.get(cfg.strategy).build(cfg)
     try:
@@ -77,6 +76,13 @@ def rank_failure_line(rank: int, exc: BaseException) -> tuple[int, str]:
     return code, f"scalelab run: rank {rank} failed: {type(exc).__name__}: {exc}"
 
 
+def check_config(cfg: RunConfig) -> None:
+    """The config under its strategy (config_sections.check): no option the strategy would
+    ignore, and the rules of the sections it reads. `scalelab run` calls this before it
+    starts a launcher, the runner again on every rank."""
+    config_sections.check(cfg, STRATEGIES.get(cfg.strategy))
+
+
 def _check(cfg: RunConfig, workload: Workload, strategy: Strategy) -> None:
     """The strategy's refusals (config, world size, each rank's devices), agreed by all ranks:
     when any rank refuses, every rank raises the first refusal, so the job ends with the
@@ -88,12 +94,6 @@ def _check(cfg: RunConfig, workload: Workload, strategy: Strategy) -> None:
             raise UsageError(f"--ranks {cfg.ranks} but the launcher started {strategy.comm.size}")
         workload.check_strategy(strategy.name, cfg)
         strategy.validate(workload)
-        if cfg.compile and not strategy.compiles:
-            able = [n for n in STRATEGIES.names() if STRATEGIES.get(n).compiles]
-            raise UsageError(
-                f"--compile: strategy {strategy.name} runs eager only (these compile: "
-                f"{', '.join(able)}); drop --compile"
-            )
     except UsageError as exc:
         refusal = exc
     comm = strategy.comm

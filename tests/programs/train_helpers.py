@@ -41,11 +41,18 @@ def launcher(kind: str, ranks: int) -> list[str]:
 
 def launch_runs(kind: str, ranks: int, runs: dict, out: Path) -> tuple[dict, dict]:
     """Run configs (COMMON + each run's fields) in one launch; (records, weights) by name."""
-    fields = {name: {**COMMON, "ranks": ranks, **kw} for name, kw in runs.items()}
+    fields = {name: _for_mode({**COMMON, "ranks": ranks, **kw}) for name, kw in runs.items()}
     cmd = [*launcher(kind, ranks), str(PROGRAMS / "train_runs.py"), str(out), json.dumps(fields)]
     proc = run(cmd)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return records_and_weights(out)
+
+
+def _for_mode(fields: dict) -> dict:
+    """An inference run without COMMON's training options (a run refuses what it ignores)."""
+    if fields.get("train", False):
+        return fields
+    return {k: v for k, v in fields.items() if k not in ("epochs", "lr", "l2")}
 
 
 def records_and_weights(out: Path) -> tuple[dict, dict]:

@@ -14,7 +14,7 @@ from typing import Any
 
 import pandas as pd
 
-from scalelab.config import RunConfig
+from scalelab.config import RunConfig, upgrade_record_config
 
 # Config fields that do not change what is measured, so runs differing only in them are
 # repeats of the same experiment (paths, verbosity, checkpointing, repetition counts).
@@ -85,7 +85,9 @@ def phase_scale(rec: dict[str, Any]) -> float:
 
 
 def config_of(rec: dict[str, Any]) -> dict[str, Any]:
-    return dict(rec.get("config") or {})
+    """The record's config as today's RunConfig reads it (older records upgraded: ddp's
+    per-rank batch becomes the global batch)."""
+    return upgrade_record_config(rec.get("config") or {})
 
 
 def experiment_key(rec: dict[str, Any], drop: frozenset[str] = frozenset()) -> str:

@@ -16,9 +16,10 @@ from collections.abc import Callable
 from typing import Any
 
 from scalelab.config import RunConfig
+from scalelab.config_sections import SECTIONS
 from scalelab.errors import UsageError
 
-SKIP = {"workload", "extra"}
+SKIP = {"workload"}
 # Fields only a real run reads (records, checkpoints, instrumentation, data): commands that
 # plan, predict or list do not show them in --help.
 RUN_ONLY = frozenset(
@@ -77,30 +78,41 @@ def add_config_options(
     lists: bool = False,
     only: set[str] | None = None,
 ) -> None:
-    """A flag per RunConfig field; only: just these (help shows what the command reads)."""
+    """A flag per RunConfig field, grouped in --help by the field's config section; only:
+    just these (help shows what the command reads)."""
     hints = typing.get_type_hints(RunConfig)
+    groups: dict[str, argparse._ArgumentGroup] = {}
     for f in dataclasses.fields(RunConfig):
         if f.name in SKIP or f.name in skip or (only is not None and f.name not in only):
             continue
-        flag = "--" + f.name.replace("_", "-")
-        kind = _base_type(hints[f.name])
-        help_text = f.metadata.get("help", "")
-        if kind is bool:
-            flags = ("-q", flag) if f.name == "quiet" else (flag,)
-            parser.add_argument(*flags, action="store_true", default=None, help=help_text)
-        elif typing.get_origin(kind) is tuple:  # repeatable: --model-arg a=1 --model-arg b=2
-            parser.add_argument(
-                flag, action=_AppendTuple, default=None, metavar="KEY=VALUE", help=help_text
-            )
-        else:
-            numeric = lists and kind in (int, float)
-            parser.add_argument(
-                flag,
-                type=_value_or_list(kind) if numeric else kind,
-                default=None,
-                metavar=f.name.upper() + (",..." if numeric else ""),
-                help=f"{help_text} (default: {f.default})",
-            )
+        section = f.metadata["section"]
+        if section not in groups:
+            groups[section] = parser.add_argument_group(f"{SECTIONS[section].title} options")
+        _add_option(groups[section], f, hints[f.name], lists)
+
+
+def _add_option(
+    parser: argparse._ArgumentGroup, f: dataclasses.Field, hint: Any, lists: bool
+) -> None:
+    flag = "--" + f.name.replace("_", "-")
+    kind = _base_type(hint)
+    help_text = f.metadata.get("help", "")
+    if kind is bool:
+        flags = ("-q", flag) if f.name == "quiet" else (flag,)
+        parser.add_argument(*flags, action="store_true", default=None, help=help_text)
+    elif typing.get_origin(kind) is tuple:  # repeatable: --model-arg a=1 --model-arg b=2
+        parser.add_argument(
+            flag, action=_AppendTuple, default=None, metavar="KEY=VALUE", help=help_text
+        )
+    else:
+        numeric = lists and kind in (int, float)
+        parser.add_argument(
+            flag,
+            type=_value_or_list(kind) if numeric else kind,
+            default=None,
+            metavar=f.name.upper() + (",..." if numeric else ""),
+            help=f"{help_text} (default: {f.default})",
+        )
 
 
 class _AppendTuple(argparse.Action):

@@ -38,8 +38,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from scalelab import config_sections
 from scalelab.comm.launch import mpiexec_command, torchrun_command
-from scalelab.config import RunConfig
+from scalelab.config import RunConfig, upgrade_record_config
 from scalelab.errors import UsageError
 from scalelab.orchestration.jobs import NOISE
 from scalelab.outputs import inside
@@ -102,6 +103,7 @@ def config_key(config: dict[str, Any]) -> str:
     """Identity of a resolved config. Fields a record predates take their defaults and fields
     it has that RunConfig lost are dropped, so records survive new config fields."""
     fields = {f.name: f for f in dataclasses.fields(RunConfig)}
+    config = upgrade_record_config(config)
     full = {}
     for name, f in fields.items():
         if name in IGNORED_IN_MATCH:
@@ -235,7 +237,8 @@ def points(study: Study) -> list[Point]:
             merged["batch"] = per_rank * merged.get("ranks", 1)
         try:
             cfg = RunConfig(**merged)
-            WORKLOADS.get(cfg.workload), STRATEGIES.get(cfg.strategy)  # names exist
+            WORKLOADS.get(cfg.workload)  # the name exists
+            config_sections.check(cfg, STRATEGIES.get(cfg.strategy))  # options it reads
         except UsageError as exc:
             desc = " ".join(f"{k}={v}" for k, v in values.items())
             raise UsageError(f"{study.source}: point {i} ({desc}): {exc}") from None

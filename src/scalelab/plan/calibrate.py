@@ -39,7 +39,7 @@ def needed_batch(cfg: RunConfig) -> int:
     if cfg.strategy == "pipeline":
         return max(1, cfg.batch // min(cfg.microbatches, cfg.batch))
     if cfg.strategy == "ddp":
-        return cfg.global_batch // cfg.ranks if cfg.global_batch else cfg.batch
+        return max(cfg.batch // cfg.ranks, 1)
     if cfg.strategy == "tensor" or cfg.split in ("spatial", "broadcast"):
         return cfg.batch
     return math.ceil(cfg.batch / cfg.ranks)

@@ -45,16 +45,14 @@ def plain(spec: PlanSpec) -> RunConfig:
 
 def _config(spec: PlanSpec, strategy: str, ranks: int, threads: int | None, precision: str,
             **knobs) -> RunConfig:  # fmt: skip
-    """The candidate's RunConfig: the batch rule per strategy (ddp counts --batch per rank,
-    the rest all ranks together) and the precision where the strategy takes it."""
+    """The candidate's RunConfig: --batch all ranks together (every strategy) and the
+    precision where the strategy takes it (ddp: autocast through --amp)."""
     batch = spec.batch_of(ranks)
     fields: dict = {"strategy": strategy, "ranks": ranks, "batch": batch, **knobs}
     if not spec.gpu:
         fields["threads"] = threads
-    if strategy == "ddp":
-        fields.update(batch=max(batch // ranks, 1), global_batch=batch)
-        if precision in HALF:
-            return spec.config(**fields, amp=precision, dtype="fp32")
+    if strategy == "ddp" and precision in HALF:
+        return spec.config(**fields, amp=precision, dtype="fp32")
     return spec.config(**fields, dtype=precision)
 
 

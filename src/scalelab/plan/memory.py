@@ -25,7 +25,7 @@ from scalelab.orchestration.fit import estimate_bytes
 def rank_share(cfg: RunConfig) -> tuple[float, float]:
     """(share of the parameters, items of activations) one rank holds."""
     n = cfg.ranks
-    batch = cfg.global_batch or cfg.batch * (n if cfg.strategy == "ddp" else 1)
+    batch = cfg.batch  # all ranks together, for every strategy
     if cfg.strategy in ("pipeline", "tensor"):
         return 1 / n, batch / n
     if cfg.split == "spatial" and cfg.strategy in ("mpi", "mpi-gpu", "nccl"):

@@ -26,7 +26,7 @@ from scalelab.predict.models import Context
 from scalelab.predict.scenario import Prediction, Scenario
 
 # Knobs shown in a candidate's label, in this order (strategy and ranks come first).
-KNOBS = ("split", "threads", "batch", "global_batch", "dtype", "amp", "nonblocking", "fast",
+KNOBS = ("split", "threads", "batch", "dtype", "amp", "nonblocking", "fast",
          "compile", "bucket_mb", "grad_compress", "microbatches", "schedule")  # fmt: skip
 SPLIT_STRATEGIES = ("mpi", "mpi-gpu", "nccl")
 OK = "ok"

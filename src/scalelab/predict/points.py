@@ -20,10 +20,12 @@ from scalelab.errors import UsageError
 from scalelab.planning.schedule import steady_step
 from scalelab.predict.calibration import CalPoint, MultiPoint, Pool
 from scalelab.predict.hosts import Host
-from scalelab.predict.scenario import PER_RANK_BATCH, Scenario
+from scalelab.predict.scenario import Scenario
 
 CEILINGS = "scalelab.ceilings/1"
 RUN = "scalelab.run/1"
+# Strategies whose multi-rank records calibrate a per-step host cost (predict/models/ddp.py).
+HOST_CALIBRATED = frozenset({"ddp"})
 # What benchmarks/ddp_scaling.py runs (its summary rows do not repeat it).
 DDP_SUMMARY = {"workload": "resnet18", "amp": "bf16", "channels_last": True}
 
@@ -131,7 +133,7 @@ def _run_record(found: Found, path: Path, where: str, rec: dict[str, Any]) -> No
     seconds = _step_seconds(rec, per_iteration(rec)[1])
     if ranks == 1:
         found.pool(path).singles.append(_cal_point(rec, scenario, seconds, phase_scale(rec), where))
-    elif cfg.strategy in PER_RANK_BATCH:
+    elif cfg.strategy in HOST_CALIBRATED:
         found.pool(path).multis.append(MultiPoint(scenario, seconds, where))
     if cfg.strategy not in MODELS:
         found.skipped[f"{cfg.strategy} runs (no model of that strategy)"] += 1
@@ -191,7 +193,8 @@ def _ddp_summary(found: Found, path: Path, obj: dict) -> None:
     found.saw_host(path, Host.of_summary(obj))
     for i, row in enumerate(obj["rows"]):
         gpus, name = int(row["gpus"]), str(row["config"])
-        s = Scenario(_summary_config(obj, row), gpus, per_node=gpus, series=name)
+        weak = None if str(row["config"]).startswith("strong") else int(row["per_gpu"])
+        s = Scenario(_summary_config(obj, row), gpus, per_node=gpus, series=name, weak_batch=weak)
         seconds, where = row["global"] / row["ours"], f"{path.name}[{i}] {name} x{gpus}"
         if gpus == 1:
             point = CalPoint(
@@ -209,12 +212,10 @@ def _summary_config(obj: dict, row: dict) -> RunConfig:
     """The `scalelab run` a summary row measured. Rows that name their workload come from
     the script that runs ours with --fast (CUDA-graph step); older summaries ran eager."""
     fast = bool(row.get("fast", obj.get("fast", "workload" in row)))
-    strong = str(row["config"]).startswith("strong")
     return RunConfig(
         workload=row.get("workload", obj.get("workload", DDP_SUMMARY["workload"])),
         strategy="ddp", device="cuda", train=True, fast=fast,
-        amp=obj.get("amp", DDP_SUMMARY["amp"]), batch=int(row["per_gpu"]),
-        global_batch=int(row["global"]) if strong else None, ranks=int(row["gpus"]),
+        amp=obj.get("amp", DDP_SUMMARY["amp"]), batch=int(row["global"]), ranks=int(row["gpus"]),
         channels_last=obj.get("channels_last", DDP_SUMMARY["channels_last"]),
     )  # fmt: skip
 

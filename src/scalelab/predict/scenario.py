@@ -26,8 +26,6 @@ MATCH_KEYS = (
     "fast",
     "swap_relu_pool",
 )
-# Strategies whose --batch counts items per rank (the rest: all ranks together).
-PER_RANK_BATCH = frozenset({"ddp"})
 
 
 @dataclass(frozen=True)
@@ -42,6 +40,9 @@ class Scenario:
     nics: int | None = None  # network ports per node; None: one per rank on GPUs, 1 on CPUs
     series: str | None = None
     balance: tuple[int, ...] | None = None  # pipeline: layers per stage the run used
+    # Weak scaling: items per rank, the global batch growing with the ranks (a benchmark
+    # summary's "weak-512" rows); None: strong, cfg.batch all ranks together at any count.
+    weak_batch: int | None = None
 
     @property
     def precision(self) -> str:
@@ -49,15 +50,14 @@ class Scenario:
 
     @property
     def global_batch(self) -> int:
-        cfg = self.cfg
-        if cfg.strategy in PER_RANK_BATCH:
-            return cfg.global_batch if cfg.global_batch is not None else cfg.batch * self.ranks
-        return cfg.batch
+        if self.weak_batch is not None:
+            return self.weak_batch * self.ranks
+        return self.cfg.batch
 
     @property
     def strong(self) -> bool:
         """Strong scaling: the global batch stays fixed as ranks grow."""
-        return self.cfg.strategy not in PER_RANK_BATCH or self.cfg.global_batch is not None
+        return self.weak_batch is None
 
     @property
     def rank_batch(self) -> float:

@@ -27,7 +27,9 @@ class Strategy(ABC):
     name: ClassVar[str]
     needs_data_everywhere: ClassVar[bool] = False  # every rank reads the training data itself
     launcher: ClassVar[str | None] = None  # "mpi" or "torchrun": who starts its ranks
-    compiles: ClassVar[bool] = False  # honours --compile (torch.compile of what it runs)
+    # Config sections it reads beyond those every run reads (config_sections.ALWAYS and
+    # the mode's); a non-default option of any other section is refused before any work.
+    reads: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def build(cls, cfg: RunConfig) -> Strategy:
@@ -39,6 +41,32 @@ class Strategy(ABC):
         self.cfg = cfg
         self.precision: Precision = get_precision(cfg.dtype)
         self.comm: Comm = self.make_comm()
+
+    @classmethod
+    def reads_for(cls, cfg: RunConfig) -> tuple[str, ...]:
+        """The sections a run of cfg reads (a strategy with two engines says per engine)."""
+        return cls.reads
+
+    @classmethod
+    def describe(cls, cfg: RunConfig) -> str:
+        """Who does not read an option, for the refusal's line."""
+        return f"the {cls.name} strategy"
+
+    @classmethod
+    def read_with(cls, cfg: RunConfig, section: str) -> str | None:
+        """The flag under which this strategy does read section (None: under none)."""
+        return None
+
+    @staticmethod
+    def readers(cfg: RunConfig, section: str) -> list[str]:
+        """The registered strategies that read section with cfg, or with another engine."""
+        out = []
+        for name in STRATEGIES.names():
+            cls = STRATEGIES.get(name)
+            flag = None if section in cls.reads_for(cfg) else cls.read_with(cfg, section)
+            if flag is not None or section in cls.reads_for(cfg):
+                out.append(f"{name} {flag}" if flag else name)
+        return out
 
     def make_comm(self) -> Comm:
         return SelfComm()

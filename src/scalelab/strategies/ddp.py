@@ -3,8 +3,8 @@
 Every rank holds the whole model and reads the training set itself; DDP all-reduces the
 gradients in buckets while backward still runs (gloo on CPU, NCCL on GPU). The data follow
 torch's DistributedSampler (train/data.py), so W ranks at B per rank train on the same global
-batches as one process at B*W. `--batch` is per rank (weak scaling); `--global-batch G` fixes
-the batch over all ranks (strong scaling) and must divide by the rank count.
+batches as one process at B*W. `--batch` is the global batch, as for every strategy: W ranks
+get B/W items each, so B must divide by the rank count.
 
 What keeps the GPU busy (benchmarks/ddp_scaling.py measures the result): the prepared training
 set lives on the device (no host work per step); no host sync inside a step (losses stay on
@@ -63,38 +63,14 @@ NO_FORWARD_BUFFER_SYNC = (
 )
 
 
-def check_options(cfg: RunConfig) -> None:
-    """Options that are wrong whatever the ranks (run before any rank starts)."""
-    if cfg.amp is not None:
-        if cfg.amp == "fp16" and cfg.device == "cpu":
-            raise UsageError(
-                "--amp fp16 needs a GPU (fp16 gradients need a grad scaler, which runs on "
-                "CUDA); use --amp bf16 on the CPU"
-            )
-        if cfg.dtype not in ("fp32", cfg.amp):
-            raise UsageError(f"--amp {cfg.amp} and --dtype {cfg.dtype} disagree; give one")
-    if cfg.grad_compress == "bf16" and cfg.device == "cpu":
-        raise UsageError(
-            "--grad-compress bf16 needs NCCL (torch's bf16 hook does not run on gloo); "
-            "use --grad-compress fp16 on the CPU"
-        )
-    if cfg.global_batch is not None and cfg.global_batch < 1:
-        raise UsageError(f"--global-batch must be >= 1, got {cfg.global_batch}")
-    if cfg.bucket_mb <= 0:
-        raise UsageError(f"--bucket-mb must be > 0, got {cfg.bucket_mb}")
-    if cfg.workers < 0:
-        raise UsageError(f"--workers must be >= 0, got {cfg.workers}")
-
-
 def per_rank_batch(cfg: RunConfig, world: int) -> int:
-    if cfg.global_batch is None:
-        return cfg.batch
-    if cfg.global_batch % world:
+    """Each rank's share of the global --batch (DistributedSampler's shares are equal)."""
+    if cfg.batch % world:
         raise UsageError(
-            f"--global-batch {cfg.global_batch} does not divide over {world} ranks "
+            f"--batch {cfg.batch} (the global batch) does not divide over {world} ranks "
             f"(ddp gives every rank the same share); use a multiple of {world}"
         )
-    return cfg.global_batch // world
+    return cfg.batch // world
 
 
 class ChannelsLast(nn.Module):
@@ -115,11 +91,10 @@ class ChannelsLast(nn.Module):
 )
 class DDPStrategy(TorchDistStrategy):
     name = "ddp"
-    compiles = True
+    reads = ("ddp", "layout", "compile", "fast", "checkpoint")
     needs_data_everywhere = True
 
     def __init__(self, cfg: RunConfig) -> None:
-        check_options(cfg)
         super().__init__(cfg)
         if cfg.amp is not None:
             self.precision = get_precision(cfg.amp)
@@ -130,9 +105,9 @@ class DDPStrategy(TorchDistStrategy):
 
     @classmethod
     def preflight(cls, cfg: RunConfig) -> int:
-        """Check options before torchrun starts; returns the global batch."""
-        check_options(cfg)
-        return per_rank_batch(cfg, cfg.ranks) * cfg.ranks
+        """Check the batch's shares before torchrun starts; returns the global batch."""
+        per_rank_batch(cfg, cfg.ranks)
+        return cfg.batch
 
     def all_sum(self, value: float) -> float:
         t = torch.tensor([value], dtype=torch.float64, device=self.comm.device)

@@ -7,3 +7,4 @@ from scalelab.strategies.torch_base import TorchStrategy
 @STRATEGIES.register("local", "torch on one device (--device cpu|cuda), inference or training")
 class LocalStrategy(TorchStrategy):
     name = "local"
+    reads = ("fast", "checkpoint", "compare")

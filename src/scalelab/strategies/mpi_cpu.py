@@ -23,6 +23,7 @@ from scalelab.strategies.split import SplitStrategy
 @STRATEGIES.register("mpi", "CPU ranks under mpiexec, --split broadcast|batch|spatial (seed V2)")
 class MPIStrategy(SplitStrategy):
     launcher = "mpi"
+    reads = ("split",)  # CPU ranks: no GPUs to oversubscribe
 
     @classmethod
     def check_devices(cls, cfg: RunConfig) -> None:

@@ -35,28 +35,12 @@ from scalelab.train.loop import TrainPlan, evaluate, require_labels, run_trainin
 from scalelab.train.sources import BatchSource, Step, batch_order, batch_slices
 from scalelab.workloads.base import Inputs, Workload
 
-# Flags the MPI training strategies would otherwise ignore silently: field -> (flag, hint).
-NOT_HERE = {
-    "amp": ("--amp", "use --dtype bf16 for autocast"),
-    "compile": ("--compile", "a ddp option"),
-    "channels_last": ("--channels-last", "a ddp option"),
-    "global_batch": ("--global-batch", "--batch is already the global batch"),
-}
-
-
-def refuse_options(
-    cfg: RunConfig, name: str, extra: dict[str, tuple[str, str]] | None = None
-) -> None:
-    for field, (flag, hint) in {**NOT_HERE, **(extra or {})}.items():
-        if getattr(cfg, field) not in (None, False):
-            raise UsageError(f"{flag} does not apply to {name} ({hint})")
-
 
 def batch_covers_ranks(batch: int, ranks: int) -> None:
     if batch < ranks:
         raise UsageError(
             f"--batch {batch} is smaller than {ranks} ranks: some ranks would have no items "
-            "(mpi-dp's --batch is the global batch)"
+            "(--batch is the global batch)"
         )
 
 
@@ -264,16 +248,15 @@ class ScatteredBatches(BatchSource):
 )
 class MPIDataParallel(OnMPIRanks):
     name = "mpi-dp"
+    reads = ("mpi-dp", "checkpoint")
 
     def __init__(self, cfg: RunConfig) -> None:
-        refuse_options(cfg, "mpi-dp")
         super().__init__(cfg)
         self.reducer: FlatReduce | LayerwiseReduce | None = None
 
     @classmethod
     def preflight(cls, cfg: RunConfig) -> int:
         """Checks that need no ranks; returns the global batch."""
-        refuse_options(cfg, "mpi-dp")
         batch_covers_ranks(cfg.batch, cfg.ranks)
         return cfg.batch
 

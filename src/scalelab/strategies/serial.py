@@ -35,6 +35,7 @@ def single_blas_thread() -> AbstractContextManager:
 class SerialStrategy(Strategy):
     name = "serial"
     device = torch.device("cpu")
+    reads = ("checkpoint",)  # the one training loop checkpoints its NumPy step too
 
     def __init__(self, cfg) -> None:
         super().__init__(cfg)

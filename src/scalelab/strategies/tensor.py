@@ -29,14 +29,13 @@ from scalelab.errors import UsageError
 from scalelab.instrument.timer import PhaseTimer, timed_iterations
 from scalelab.results import RunOutput
 from scalelab.strategies.base import STRATEGIES
-from scalelab.strategies.mpi_dp import OnMPIRanks, host_stage, refuse_options, staged_allreduce
+from scalelab.strategies.mpi_dp import OnMPIRanks, host_stage, staged_allreduce
 from scalelab.train.loop import default_plan, require_labels, run_training
 from scalelab.workloads.base import Inputs, Workload
 
 # How each MLP tensor is split over ranks: dim 0 (rows), dim 1 (columns) or replicated.
 LAYOUT: dict[str, int | None] = {"fc1.weight": 0, "fc1.bias": 0, "fc2.weight": 1, "fc2.bias": None}
 PARAMS = list(LAYOUT)  # parameter order of the MLP and of ShardedMLP (optimizer state keys)
-NONBLOCKING = {"nonblocking": ("--nonblocking", "tensor's backward sends nothing")}
 
 
 class _SumOverRanks(torch.autograd.Function):
@@ -99,6 +98,27 @@ def slice_for(t: torch.Tensor, dim: int | None, rows: slice) -> torch.Tensor:
 )
 class TensorParallel(OnMPIRanks):
     name = "tensor"
+    reads = ("engine", "checkpoint")
+
+    @classmethod
+    def reads_for(cls, cfg: RunConfig) -> tuple[str, ...]:
+        if cfg.engine == "torch":
+            from scalelab.strategies.tensor_dtensor import DTensorParallel
+
+            return DTensorParallel.reads
+        return cls.reads
+
+    @classmethod
+    def describe(cls, cfg: RunConfig) -> str:
+        return f"the tensor strategy with --engine {cfg.engine}"
+
+    @classmethod
+    def read_with(cls, cfg: RunConfig, section: str) -> str | None:
+        from scalelab.strategies.tensor_dtensor import DTensorParallel
+
+        if cfg.engine != "torch" and section in DTensorParallel.reads:
+            return "--engine torch"
+        return None
 
     def __new__(cls, cfg: RunConfig):
         if cfg.engine == "torch":  # DTensor's ColwiseParallel/RowwiseParallel, under torchrun
@@ -125,7 +145,6 @@ class TensorParallel(OnMPIRanks):
             from scalelab.strategies.tensor_dtensor import DTensorParallel
 
             return DTensorParallel.preflight(cfg)
-        refuse_options(cfg, "tensor", NONBLOCKING)
         if cfg.workload != "mlp":
             raise UsageError(
                 f"tensor splits the seed's MLP only (mlp), not {cfg.workload}; --engine torch "

@@ -72,6 +72,7 @@ def _sharded(t: torch.Tensor) -> bool:
 
 class DTensorParallel(TorchDistStrategy):
     name = "tensor"
+    reads = ("engine", "mesh", "tensor", "checkpoint")
     needs_data_everywhere = True
 
     def __init__(self, cfg) -> None:

@@ -61,8 +61,6 @@ class Checkpointer:
 
     @classmethod
     def for_run(cls, cfg: RunConfig, is_root: bool) -> Checkpointer:
-        if cfg.ckpt_every is not None and cfg.ckpt_every < 1:
-            raise UsageError(f"--ckpt-every must be >= 1, got {cfg.ckpt_every}")
         wanted = cfg.ckpt_every is not None or cfg.ckpt_dir is not None
         return cls(checkpoint_path(cfg) if wanted else None, cfg.ckpt_every, is_root)
 

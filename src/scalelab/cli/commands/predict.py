@@ -8,6 +8,7 @@ The model: scalelab.predict (docs/PREDICT.md).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -60,6 +61,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--drop-warned", action="store_true",
         help="--validate: leave out runs whose records carry warnings (busy host, ...)",
+    )  # fmt: skip
+    p.add_argument(
+        "--per-rank-batch", type=int, default=None, metavar="B",
+        help="weak scaling: B items per rank, the global batch growing with --ranks (--batch "
+        "is the global batch, fixed: strong scaling)",
     )  # fmt: skip
     p.add_argument("-o", "--out", default=None, help="folder for predict.csv/.json and the plot")
     p.add_argument("--no-plots", action="store_true", help="table and files only")
@@ -130,7 +136,12 @@ def _scenario(args: argparse.Namespace, figures):
     per_node = args.gpus_per_node or (GPUS_PER_NODE if gpu else int(cores))
     if per_node < 1 or (args.nics_per_node is not None and args.nics_per_node < 1):
         raise UsageError("--gpus-per-node and --nics-per-node must be >= 1")
-    return Scenario(cfg, 1, per_node, args.nics_per_node)
+    weak = args.per_rank_batch
+    if weak is not None and (weak < 1 or args.batch is not None):
+        raise UsageError("--per-rank-batch must be >= 1 and not given with --batch")
+    if weak is not None:
+        cfg = dataclasses.replace(cfg, batch=weak)
+    return Scenario(cfg, 1, per_node, args.nics_per_node, weak_batch=weak)
 
 
 def _calibration_pool(path: str | None):
@@ -161,7 +172,7 @@ def _header(s, network) -> str:
 
 
 def _shown(table):
-    drop = [c for c in ("global_batch",) if c in table]
+    drop = [c for c in ("global_batch",) if c in table]  # the header names it
     return table.drop(columns=drop)
 
 

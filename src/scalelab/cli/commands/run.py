@@ -28,7 +28,7 @@ from scalelab.errors import UsageError
 from scalelab.orchestration.jobs import JobOutcome, relaunch_job, run_job
 from scalelab.outputs import check_run_outputs
 from scalelab.record import DEFAULT_RESULTS, append_record, failed_record
-from scalelab.runner import execute, format_summary
+from scalelab.runner import check_config, execute, format_summary
 from scalelab.strategies import STRATEGIES
 from scalelab.train import checkpoint
 from scalelab.train.guards import TrainingDiverged
@@ -41,6 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     add_workload_argument(p)
     add_config_options(p, lists=True)
+    p.add_argument("--global-batch", help=argparse.SUPPRESS)  # gone: refused with a pointer
     p.add_argument(
         "--out",
         default=str(DEFAULT_RESULTS),
@@ -61,6 +62,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.global_batch is not None:
+        raise UsageError(
+            "--global-batch is gone: --batch is the global batch for every strategy "
+            "(ddp splits it over the ranks); pass --batch instead"
+        )
     combos = expand_lists(args)
     if len(combos) == 1:
         code, record = run_one(args)
@@ -69,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         return code
     runs = [single_run(args, combo) for combo in combos]
     for one in runs:  # bad values fail before anything runs
-        config_from_args(one, workload=workload_name(one))
+        check_config(config_from_args(one, workload=workload_name(one)))
     rows = []
     for i, (one, combo) in enumerate(zip(runs, combos), 1):
         label = " ".join(f"{flag_of(k)} {v}" for k, v in combo.items())
@@ -208,9 +214,9 @@ def _defaults(args: argparse.Namespace) -> dict[str, Any]:
 
 def preflight(strategy: type, cfg: RunConfig) -> None:
     """Checks a strategy can make without ranks (so a launcher never starts for bad input)."""
+    check_config(cfg)
     check = getattr(strategy, "preflight", None)
     global_batch = check(cfg) if check is not None else cfg.batch
-    checkpoint.Checkpointer.for_run(cfg, is_root=True)  # --ckpt-every >= 1
     if cfg.resume is not None:
         checkpoint.preflight(cfg, cfg.ranks, global_batch)
 

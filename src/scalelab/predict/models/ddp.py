@@ -42,8 +42,8 @@ NO_HOST_COST = (
 @MODELS.register("ddp", "DistributedDataParallel: bucketed all-reduce under backward")
 class DDPModel(StrategyModel):
     def infeasible(self, scenario: Scenario) -> str | None:
-        g = scenario.cfg.global_batch
-        if g is not None and g % scenario.ranks:
+        g = scenario.global_batch
+        if g % scenario.ranks:
             return f"global batch {g} does not divide over {scenario.ranks} ranks"
         return None
 

@@ -65,6 +65,8 @@ class ManualPlacement(TorchStrategy):
     """Registered through `pipeline` (`--placement manual`)."""
 
     name = "pipeline"
+    reads = ("pipeline", "placement", "engine", "checkpoint")
+    reads = ("pipeline", "placement", "engine", "checkpoint")
 
     def make_comm(self) -> Comm:
         return SelfComm()
@@ -81,8 +83,6 @@ class ManualPlacement(TorchStrategy):
     def validate(self, workload: Workload) -> None:
         if self.cfg.ranks != 1:
             raise UsageError("--placement manual runs one process over several GPUs; drop --ranks")
-        if self.cfg.compile:
-            raise UsageError("--placement manual does not support --compile")
 
     def place(self, model: nn.Module) -> nn.Module:
         cfg = self.cfg

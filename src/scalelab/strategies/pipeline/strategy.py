@@ -53,12 +53,31 @@ from scalelab.workloads.base import Inputs, Workload
 )
 class PipelineStrategy(TorchStrategy):
     launcher = "torchrun"
-    compiles = True
+    reads = ("pipeline", "placement", "engine", "gpus", "layout", "compile", "checkpoint")
 
     @classmethod
     def build(cls, cfg: RunConfig) -> Strategy:
         """The placement the config names (placements.PLACEMENTS), constructed."""
         return PLACEMENTS[placement_name(cfg)].load()(cfg)
+
+    @classmethod
+    def reads_for(cls, cfg: RunConfig) -> tuple[str, ...]:
+        """The sections of the placement the config names."""
+        return PLACEMENTS[placement_name(cfg)].load().reads
+
+    @classmethod
+    def describe(cls, cfg: RunConfig) -> str:
+        if cfg.engine == "torch":
+            return "the pipeline strategy with --engine torch"
+        return f"the pipeline strategy with --placement {cfg.placement}"
+
+    @classmethod
+    def read_with(cls, cfg: RunConfig, section: str) -> str | None:
+        """The flag under which a section this run does not read would be read."""
+        torch_reads = PLACEMENTS["torch"].load().reads
+        if cfg.engine != "torch" and section in torch_reads:
+            return "--engine torch"
+        return "--engine scalelab" if cfg.engine == "torch" and section in cls.reads else None
 
     def __init__(self, cfg) -> None:
         super().__init__(cfg)
@@ -88,18 +107,10 @@ class PipelineStrategy(TorchStrategy):
     # --- checks ---------------------------------------------------------------------------
     def validate(self, workload: Workload) -> None:
         cfg, k = self.cfg, self.cfg.stages
-        if k < 1 or cfg.microbatches < 1:
-            raise UsageError("--stages and --microbatches must be >= 1")
         if self.comm.size != k:
             raise UsageError(
                 f"pipeline: --stages {k} runs one rank per stage; pass --ranks {k} "
                 f"(got {self.comm.size})"
-            )
-        if cfg.schedule not in SCHEDULES:
-            raise UsageError(f"unknown --schedule {cfg.schedule!r} (known: gpipe, 1f1b)")
-        if cfg.batch < cfg.microbatches:
-            raise UsageError(
-                f"--batch {cfg.batch} is smaller than --microbatches {cfg.microbatches}"
             )
         gpus = torch.cuda.device_count() if self.device.type == "cuda" else 0
         if self.device.type == "cuda" and k > gpus and not cfg.oversubscribe_gpus:

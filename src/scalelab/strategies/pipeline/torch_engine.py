@@ -37,7 +37,6 @@ from scalelab.strategies.mesh import Layout, MeshGroups
 from scalelab.strategies.pipeline.torch_report import RunLog, torch_pipeline_notes
 from scalelab.strategies.pipeline.torch_stages import (
     NO_EVAL,
-    SCHEDULES,
     SPLIT_BACKWARD,
     Clock,
     Pass,
@@ -54,6 +53,7 @@ from scalelab.workloads.base import Inputs, Workload
 
 class TorchPipeline(TorchDistStrategy):
     name = "pipeline"
+    reads = ("pipeline", "engine", "mesh", "interleave", "checkpoint")
     needs_data_everywhere = True
 
     def __init__(self, cfg) -> None:
@@ -64,19 +64,8 @@ class TorchPipeline(TorchDistStrategy):
     # --- checks ---------------------------------------------------------------------------
     def validate(self, workload: Workload) -> None:
         cfg = self.cfg
-        if cfg.placement != "pipeline":
-            raise UsageError("--engine torch runs the pipeline on ranks; drop --placement manual")
-        if cfg.stages < 1 or cfg.microbatches < 1:
-            raise UsageError("--stages and --microbatches must be >= 1")
-        if cfg.schedule not in SCHEDULES:
-            raise UsageError(f"unknown --schedule {cfg.schedule!r} (known: {', '.join(SCHEDULES)})")
         self.v = virtual_stages(cfg.schedule, cfg.virtual_stages)
         self.layout.check(self.comm.size, "pipeline --engine torch")
-        if cfg.batch % (cfg.dp * cfg.microbatches):
-            raise UsageError(
-                f"--batch {cfg.batch} must split into --dp {cfg.dp} x --microbatches "
-                f"{cfg.microbatches} equal parts (torch's stages fix the micro-batch shape)"
-            )
         if self.precision.autocast is torch.float16 and cfg.train:
             raise UsageError("pipeline --engine torch trains in fp64/fp32/tf32/bf16; use bf16")
         self.groups = MeshGroups(self.layout, self.device.type)

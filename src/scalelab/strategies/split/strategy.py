@@ -34,6 +34,8 @@ from scalelab.workloads.base import WORKLOADS, Inputs, Workload
 class SplitStrategy(TorchStrategy):
     """Inference over ranks; `--split` picks how the batch is divided."""
 
+    reads = ("split", "gpus")
+
     def __init__(self, cfg) -> None:
         super().__init__(cfg)
         self.timer = TimelineTimer(device_sync(self.device), nvtx=self.device.type == "cuda")
@@ -42,8 +44,6 @@ class SplitStrategy(TorchStrategy):
 
     @staticmethod
     def split_class(cfg: RunConfig) -> type[Split]:
-        if cfg.overlap and cfg.split != "batch":
-            raise UsageError("--overlap pipelines the chunks of --split batch; drop one of them")
         return OverlapSplit if cfg.overlap else SPLITS.get(cfg.split)
 
     @classmethod
