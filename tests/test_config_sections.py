@@ -49,7 +49,7 @@ def _refused(cli, tmp_path, args, needle):
         # options of the other mode
         (["mlp", "--lr", "0.5"], "--lr is a train option; an inference run does not read it"),
         (["mlp", "--train", "--check"], "drop --train"),
-        (["mlp", "--strategy", "serial", "--train", "--ckpt-every", "2"], "checkpoint option"),
+        (["mlp", "--strategy", "serial", "--train", "--bucket-mb", "50"], "the serial strategy"),
         (["mlp", "--ckpt-every", "2"], "(add --train)"),
     ],
 )  # fmt: skip
