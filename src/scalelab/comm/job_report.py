@@ -167,23 +167,23 @@ def explain(
     """The one line: a rank's refusal first (exit 2: every rank refused alike), then a rank
     killed by a signal (the others' failures follow from it), then a rank's own failure line,
     then the rank the launcher saw exit, else the launcher's code."""
-    notes = _notes(folder)
-    refusals = [n for n in notes if n[0] == 2]
-    status = _statuses(folder)
+    said = notes(folder)
+    refusals = [n for n in said if n[0] == 2]
+    status = statuses(folder)
     dead = _dead_rank(captured, status)
     if refusals:
         return JobOutcome(2, refusals[0][1], captured)
     if dead is not None and dead[2] is not None:
-        return JobOutcome(1, _dead_line(dead, status, ended), captured)
-    if notes:
-        return JobOutcome(notes[0][0], notes[0][1], captured)
+        return JobOutcome(1, dead_line(dead, status, ended), captured)
+    if said:
+        return JobOutcome(said[0][0], said[0][1], captured)
     if dead is not None:
-        return JobOutcome(1, _dead_line(dead, status, ended), captured)
+        return JobOutcome(1, dead_line(dead, status, ended), captured)
     name = "mpiexec" if launcher == "mpi" else launcher
     return JobOutcome(1, f"scalelab: job failed: {name} exited with code {code}", captured)
 
 
-def _notes(folder: Path) -> list[tuple[int, str]]:
+def notes(folder: Path) -> list[tuple[int, str]]:
     """(exit code, line) the ranks handed over, lowest rank first."""
     out = []
     for path in sorted(folder.glob("note.rank*"), key=lambda p: int(p.name[len("note.rank") :])):
@@ -192,7 +192,7 @@ def _notes(folder: Path) -> list[tuple[int, str]]:
     return out
 
 
-def _dead_line(dead: tuple[int, str, int | None], status: dict, ended: float) -> str:
+def dead_line(dead: tuple[int, str, int | None], status: dict, ended: float) -> str:
     rank, host, signal = dead
     _, st_host, beat, phase = status.get(rank, (None, host, None, "setup"))
     after = f"; job aborted after {max(0.0, ended - beat):.1f} s" if beat else ""
@@ -200,7 +200,7 @@ def _dead_line(dead: tuple[int, str, int | None], status: dict, ended: float) ->
     return f"scalelab: rank {rank} on {host or st_host} {how} during {phase}{after}"
 
 
-def _statuses(folder: Path) -> dict[int, tuple[int, str, float, str]]:
+def statuses(folder: Path) -> dict[int, tuple[int, str, float, str]]:
     """rank -> (pid, host, time of the last phase change, phase)."""
     out = {}
     for path in folder.glob("rank*.status"):

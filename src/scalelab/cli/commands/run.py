@@ -15,6 +15,7 @@ from typing import Any
 
 from scalelab.cli.base import COMMANDS, Command
 from scalelab.cli.options import add_config_options, config_from_args, expand_lists, flag_of
+from scalelab.comm import srun_task
 from scalelab.comm.job_report import JobOutcome, run_job
 from scalelab.comm.launch import (
     inside_launcher,
@@ -140,6 +141,9 @@ def run_one(args: argparse.Namespace) -> tuple[int, dict[str, Any] | None]:
     if cfg.compare_devices:
         return _compare_devices(cfg, args)
     launcher = _launcher(strategy, cfg)
+    if srun_task.should_watch(launcher):  # srun's task: run the rank as a watched child
+        results = None if args.no_record else Path(args.out)
+        return srun_task.watch(args.argv, cfg, results), None
     if launcher is not None and cfg.ranks > 1 and not inside_launcher(launcher):
         results = None if args.no_record else Path(args.out)
         before = _lines(results)
