@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from scalelab.config import RunConfig
@@ -87,6 +88,35 @@ def test_json_stdout_is_one_document(cli, tmp_path):
     assert "final loss" in err  # the human summary went to stderr
     code, out, err = cli(*TRAIN, "--lr", "0.1,0.2", "--json", "--out", tmp_path / "r.jsonl")
     assert code == 0 and [r["config"]["lr"] for r in json.loads(out)] == [0.1, 0.2]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--strategy", "mpi-dp", "--lr", "0.1,0.2", "--no-record"],  # mpiexec, a comma list
+        ["--strategy", "ddp", "--lr", "0.1", "--out", "r.jsonl"],  # torchrun, one run
+    ],
+    ids=["mpiexec-list-no-record", "torchrun-one"],
+)
+def test_json_under_a_launcher_is_one_document(tmp_path, extra):
+    """The ranks print nothing on stdout: the root rank hands its record to the launching
+    process, which prints the one document (a list for a comma list) after the job."""
+    cmd = [sys.executable, "-m", "scalelab", *TRAIN, "--ranks", "2", "--json", *extra]
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)  # the whole of stdout
+    records = doc if isinstance(doc, list) else [doc]
+    want = [0.1, 0.2] if "0.1,0.2" in extra else [0.1]
+    assert [r["config"]["lr"] for r in records] == want
+    assert all(r["status"] == "ok" and r["ranks"] == 2 for r in records)
+    assert "final loss" in done.stderr  # the summaries went to stderr
+    assert ("r.jsonl" in extra) == (tmp_path / "r.jsonl").exists()
+
+
+def test_env_json_is_one_document(cli):
+    code, out, _ = cli("env", "--json")
+    assert code == 0 and isinstance(json.loads(out), dict)
 
 
 def test_quiet_keeps_progress_off(cli, tmp_path):

@@ -13,6 +13,7 @@ MPICH's BAD TERMINATION box, MPI_Abort lines) are read for the facts and not for
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
 import re
@@ -29,6 +30,7 @@ from pathlib import Path
 JOB_DIR_VAR = "SCALELAB_JOB_DIR"
 RANK_VARS = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
 STATUS_BYTES = 256
+RECORD_FILE = "record.json"
 _beacon: mmap.mmap | None = None
 
 
@@ -73,6 +75,23 @@ def report(line: str, code: int) -> bool:
     return True
 
 
+def hand_over_record(record: dict) -> bool:
+    """The root rank's record, for the launching process to print (True) when there is one:
+    under --json only it writes stdout, so stdout stays one JSON document."""
+    folder = os.environ.get(JOB_DIR_VAR)
+    if not folder or not Path(folder).is_dir():
+        return False
+    tmp = Path(folder) / f".record.{os.getpid()}"
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, Path(folder) / RECORD_FILE)
+    return True
+
+
+def handed_record(folder: Path) -> dict | None:
+    path = folder / RECORD_FILE
+    return json.loads(path.read_text()) if path.exists() else None
+
+
 # --- the launching side --------------------------------------------------------------------
 NOISE = [
     re.compile(p)
@@ -101,6 +120,7 @@ class JobOutcome:
     code: int
     message: str | None = None  # the one line printed for a failed job
     captured: list[str] = field(default_factory=list)  # the launcher's lines kept back
+    record: dict | None = None  # the record the root rank handed over (hand_over_record)
 
 
 def run_job(cmd: list[str], env: dict[str, str], launcher: str) -> JobOutcome:
@@ -121,9 +141,11 @@ def run_job(cmd: list[str], env: dict[str, str], launcher: str) -> JobOutcome:
         for t in pumps:
             t.join()
         ended = time.time()
+        record = handed_record(Path(folder))
         if code == 0:
-            return JobOutcome(0)
+            return JobOutcome(0, record=record)
         outcome = explain(Path(folder), captured, code, ended, launcher)
+        outcome.record = record
         sys.stderr.write(outcome.message + "\n")
         sys.stderr.flush()
         return outcome

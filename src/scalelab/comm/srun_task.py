@@ -52,8 +52,9 @@ def should_watch(launcher: str | None) -> bool:
     )
 
 
-def watch(argv: list[str], cfg: RunConfig, results: Path | None) -> int:
-    """Run `scalelab ARGV` as this task's rank; return the task's exit code."""
+def watch(argv: list[str], cfg: RunConfig, results: Path | None) -> tuple[int, dict | None]:
+    """Run `scalelab ARGV` as this task's rank: (the task's exit code, the record the rank
+    handed over: task 0's)."""
     folder = tempfile.mkdtemp(prefix="scalelab-task-")
     env = {**os.environ, CHILD_VAR: "1", job_report.JOB_DIR_VAR: folder}
     stopped: list[int] = []
@@ -63,7 +64,8 @@ def watch(argv: list[str], cfg: RunConfig, results: Path | None) -> int:
         cmd = [sys.executable, "-m", "scalelab", *argv]
         child = subprocess.Popen(cmd, env=env, close_fds=False)
         code = child.wait()
-        return _outcome(Path(folder), code, time.time(), stopped, cfg, results)
+        outcome = _outcome(Path(folder), code, time.time(), stopped, cfg, results)
+        return outcome, job_report.handed_record(Path(folder))
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
