@@ -6,6 +6,7 @@ the contract's."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -143,3 +144,18 @@ def test_an_internal_error_is_exit_3(cli, monkeypatch):
     monkeypatch.delenv("SCALELAB_DEBUG", raising=False)
     code, _, err = cli("layers", "alexnet")
     assert code == 3 and len(err.strip().splitlines()) == 1 and "internal error" in err
+
+
+@pytest.mark.parametrize(
+    "command,shown,hidden",
+    [
+        ("layers", ["--batch", "--hidden", "--image-size"], ["--lr", "--ranks", "--out"]),
+        ("fit", ["--convs", "--microbatches", "--mem-limit"], ["--split", "--bucket-mb", "--tp"]),
+        ("predict", ["--ranks", "--bucket-mb", "--stages"], ["--lr", "--seed", "--ckpt-dir"]),
+        ("versions", ["--batch", "--image-size", "--ranks"], ["--lr", "--stages", "--train"]),
+    ],
+)
+def test_help_shows_only_the_options_a_command_reads(cli, command, shown, hidden):
+    code, out, _ = cli(command, "--help")
+    flags = set(re.findall(r"^\s+(--[a-z-]+)", out, re.MULTILINE))
+    assert code == 0 and set(shown) <= flags and not set(hidden) & flags, sorted(flags)

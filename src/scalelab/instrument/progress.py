@@ -7,6 +7,7 @@ import sys
 import time
 
 log = logging.getLogger("scalelab.progress")
+LOG_EVERY_S = 10.0
 
 
 class Progress:
@@ -21,9 +22,16 @@ class Progress:
         self._last = 0.0
 
     def update(self, done: int, **fields: float) -> None:
-        if not (self.enabled and self.tty and log.isEnabledFor(logging.INFO)):
+        """The live line on a terminal; in a log (not a terminal) a line every LOG_EVERY_S
+        seconds, so a long epoch is not silent."""
+        if not (self.enabled and log.isEnabledFor(logging.INFO)):
             return
         now = time.perf_counter()
+        if not self.tty:
+            if now - max(self.start, self._last) >= LOG_EVERY_S and done < self.total:
+                self._last = now
+                self.milestone(done, **fields)
+            return
         if now - self._last < 0.2 and done < self.total:
             return
         self._last = now
@@ -35,6 +43,7 @@ class Progress:
         if not (self.enabled and log.isEnabledFor(logging.INFO)):  # -q: warnings only
             return
         line = self._line(done, fields)
+        self._last = time.perf_counter()
         sys.stderr.write(f"\r{line}\033[K\n" if self.tty else f"{line}\n")
         sys.stderr.flush()
 
