@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from scalelab.config import RunConfig
 
 CHILD_VAR = "SCALELAB_SRUN_CHILD"
+PEER_GRACE_S = 3.0
 WATCHED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCONT)
 
 
@@ -91,9 +92,21 @@ def _outcome(
         _end_step()
         return 1
     notes = job_report.notes(folder)
+    if notes and notes[0][0] != 2:
+        # A rank that failed because a peer died (gloo's "connection closed"): the dead
+        # rank's task is cancelling the step and says why; give its signal time to come.
+        _wait_for(stopped, PEER_GRACE_S)
+        if stopped:
+            return 128 + stopped[0]
     if notes and (notes[0][0] != 2 or rank == 0):
         _say(notes[0][1])
     return code
+
+
+def _wait_for(stopped: list[int], seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while not stopped and time.monotonic() < end:
+        time.sleep(0.05)
 
 
 def _say(line: str) -> None:
