@@ -30,6 +30,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import types
 import typing
@@ -344,6 +345,9 @@ def _failure(point: Point, error: str, code: int | None) -> dict[str, Any]:
     return failed_record(point.config, error, exit_code=code, source="sweep")
 
 
+SLOW_POINT_S = 5.0
+
+
 def run_study(
     study: Study, force: bool = False, echo: Callable[[str], None] = print
 ) -> list[Outcome]:
@@ -358,7 +362,14 @@ def run_study(
             echo(f"{head}: in {study.results} already, skipped")
             outcomes.append(Outcome(point, "done"))
             continue
-        out = run_point(point, study.results, study.timeout_s)
+        # A point still running after a few seconds says so (its own output is --quiet).
+        note = threading.Timer(SLOW_POINT_S, echo, args=(f"{head}: running...",))
+        note.daemon = True
+        note.start()
+        try:
+            out = run_point(point, study.results, study.timeout_s)
+        finally:
+            note.cancel()
         spent, ran = spent + out.seconds, ran + 1
         left = sum(1 for p in todo[point.index :] if p.match_key() not in done)
         echo(f"{head}: {_summary(out)} | eta {spent / ran * left:.0f} s")
