@@ -303,7 +303,8 @@ def test_resume_from_a_checkpoint_with_the_right_tag_and_wrong_contents(contents
 @functools.lru_cache(maxsize=1)
 def _real_checkpoint() -> bytes:
     """A checkpoint a real 2-step training wrote (made once)."""
-    with tempfile.TemporaryDirectory() as tmp, _cwd(tmp), contextlib.redirect_stderr(io.StringIO()):
+    quiet = contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO())
+    with tempfile.TemporaryDirectory() as tmp, _cwd(tmp), quiet[0], quiet[1]:
         argv = ["run", "mlp", *SMALL_RUN, "--train", "--steps", "2", "--no-record"]
         assert main([*argv, "--ckpt-every", "1", "--ckpt-dir", "c"]) == 0
         return max(Path("c").rglob("*.pt"), key=lambda p: p.stat().st_mtime).read_bytes()

@@ -135,7 +135,14 @@ def _shape_problem(state: dict[str, Any]) -> str | None:
     ints += [state["schedule"][k] for k in ("seed", "n_train", "global_batch")]
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ints):
         return "position and schedule must hold non-negative integers"
+    curves = [state["epoch_loss_sums"], state["history"]["loss"], state["history"]["accuracy"]]
+    if not all(isinstance(c, list) and all(_is_number(v) for v in c) for c in curves):
+        return "epoch losses and history must be lists of numbers"
     return None
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def check_model(state: dict[str, Any], cfg: RunConfig) -> None:
@@ -280,15 +287,19 @@ def import_training_state(t: Trainer, state: dict[str, Any], skip: int) -> None:
     """Load state into the trainer; the run's own hyperparameters (--lr, ...) win over the
     checkpoint's, the optimizer's buffers (momentum) come from it."""
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in t.opt.param_groups]
-    if t.plan.import_state is not None:
-        t.plan.import_state(t.model, t.opt, state["model"], state["optimizer"])
-    else:
-        t.plan.module.load_state_dict(state["model"])
-        t.opt.load_state_dict(state["optimizer"])
+    try:  # torch checks what the shape check cannot (groups, buffers): a refusal, not a bug
+        if t.plan.import_state is not None:
+            t.plan.import_state(t.model, t.opt, state["model"], state["optimizer"])
+        else:
+            t.plan.module.load_state_dict(state["model"])
+            t.opt.load_state_dict(state["optimizer"])
+        if t.scaler.is_enabled() and state["scaler"]:
+            t.scaler.load_state_dict(state["scaler"])
+    except (ValueError, RuntimeError, KeyError, TypeError, IndexError, AttributeError) as exc:
+        text = " ".join(str(exc).split())
+        raise UsageError(f"--resume: a scalelab checkpoint with wrong contents: {text}") from None
     for group, h in zip(t.opt.param_groups, hyper):
         group.update(h)
-    if t.scaler.is_enabled() and state["scaler"]:
-        t.scaler.load_state_dict(state["scaler"])
     pos = state["position"]
     t.pos.epoch, t.pos.step, t.pos.items = pos["epoch"], skip, pos["items"]
     t.pos.loss_sum.fill_(_loss_share(state, t.strategy.comm))
