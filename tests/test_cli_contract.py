@@ -6,6 +6,7 @@ written. Commands run in-process through `main` in a fresh folder per example.""
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import os
@@ -26,13 +27,15 @@ SETTINGS = settings(
     suppress_health_check=[HealthCheck.too_slow],
     database=None,
 )
+# Examples that train or read data sets cost about a second each on 2 cores: fewer of them.
+SLOW_SETTINGS = settings(SETTINGS, max_examples=max(3, SETTINGS.max_examples // 4))
 
 
 def contract(argv: list[str], files: dict[str, bytes]) -> tuple[int, str]:
     """Run `scalelab argv` in a fresh folder holding files; assert the contract."""
     with tempfile.TemporaryDirectory() as tmp, _cwd(tmp):
-        for name, data in files.items():
-            Path(name).write_bytes(data)
+        for name, data in files.items():  # None: a folder
+            Path(name).mkdir() if data is None else Path(name).write_bytes(data)
         before = _tree(Path(tmp))
         out, err = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -103,13 +106,53 @@ def mutated(draw, template: dict) -> dict:
     return rec
 
 
+@st.composite
+def not_utf8(draw, valid: bytes) -> bytes:
+    """A valid file with bytes that are not UTF-8 put somewhere inside (a Latin-1 name, a
+    truncated multi-byte character)."""
+    at = draw(st.integers(0, len(valid)))
+    return valid[:at] + draw(st.sampled_from([b"\xff", b"\xe9", b"\xc3", b"\x80\x80"])) + valid[at:]
+
+
 def records_file() -> st.SearchStrategy[bytes]:
     lines = st.lists(mutated(RECORD).map(json.dumps) | st.just(json.dumps(RECORD)), max_size=3)
-    return st.one_of(garbage_bytes(), lines.map(lambda ls: "\n".join(ls).encode()))
+    return st.one_of(
+        garbage_bytes(),
+        lines.map(lambda ls: "\n".join(ls).encode()),
+        not_utf8(json.dumps(RECORD).encode()),
+    )
 
 
 def ceilings_file() -> st.SearchStrategy[bytes]:
-    return st.one_of(garbage_bytes(), mutated(CEILINGS).map(lambda d: json.dumps(d).encode()))
+    return st.one_of(
+        garbage_bytes(),
+        mutated(CEILINGS).map(lambda d: json.dumps(d).encode()),
+        not_utf8(json.dumps(CEILINGS).encode()),
+    )
+
+
+@st.composite
+def safetensors_file(draw) -> bytes:
+    """The safetensors layout (8-byte little-endian header length, JSON header, data) with a
+    header of the wrong type, entries of the wrong kinds, or lengths and offsets that lie."""
+    entry = st.fixed_dictionaries(
+        {
+            "dtype": st.sampled_from(["F32", "F64", "I64", "BOOL", "F8", "x", 1, None]),
+            "shape": st.sampled_from([[4, 784], [784, 4], [-1], [], "x", [1e9], [2**40, 2**40]]),
+            "data_offsets": st.sampled_from([[0, 16], [16, 0], [0, 10**12], "a", None, [0]]),
+        }
+    )
+    names = st.sampled_from(["0.weight", "0.bias", "2.weight", "__metadata__", ""])
+    header = st.one_of(
+        st.dictionaries(names, entry | JSONISH, max_size=3),
+        JSONISH,
+        st.just({"__metadata__": {"format": 1}}),
+    )
+    text = json.dumps(draw(header)).encode()
+    if draw(st.booleans()):
+        text = draw(not_utf8(text))
+    size = draw(st.sampled_from([len(text), len(text) + 8, 0, 2**63, len(text) - 1]))
+    return size.to_bytes(8, "little", signed=False) + text + draw(st.binary(max_size=32))
 
 
 TOML_VALUES = st.sampled_from(
@@ -133,7 +176,12 @@ def study_file(draw) -> bytes:
             lines.append(f"{draw(TOML_KEYS)} = {draw(TOML_VALUES)}")
     if draw(st.booleans()):
         lines = ["[grid]", 'workload = ["mlp"]', "hidden = [4]"] + lines
-    return "\n".join(lines).encode()
+    text = "\n".join(lines).encode()
+    return draw(not_utf8(text)) if draw(st.integers(0, 5)) == 0 else text
+
+
+# Output locations that cannot be written: under a regular file, a file where a folder goes.
+OUT_DIRS = st.sampled_from(["outdir", "blocker/outdir", "blocker"])
 
 
 # --- the commands -------------------------------------------------------------------------
@@ -149,10 +197,12 @@ SMALL_RUN = ["--hidden", "4", "--batch", "2", "--iters", "1", "--warmup", "0",
     options=st.lists(st.tuples(st.sampled_from(RUN_FLAGS), NUMBERS), max_size=3),
     train=st.booleans(),
     workload=st.sampled_from(["mlp", "mlp", "nope"]),
-    weights=st.none() | garbage_bytes(),
+    weights=st.none() | garbage_bytes() | safetensors_file(),
     out=st.sampled_from([None, "a.jsonl", "blocker/x.jsonl", ".", "sub/dir/r.jsonl"]),
-)
-def test_run(options, train, workload, weights, out):
+    saved=st.sampled_from([[], ["--save-weights", "blocker/w.pt"], ["--save-weights", "."],
+                           ["--ckpt-every", "1", "--ckpt-dir", "blocker/c"]]),
+)  # fmt: skip
+def test_run(options, train, workload, weights, out, saved):
     argv = ["run", workload, *SMALL_RUN, *(["--train", "--steps", "2"] if train else [])]
     for flag, value in options:
         argv += [f"{flag}={value}"]
@@ -162,6 +212,7 @@ def test_run(options, train, workload, weights, out):
         argv += ["--weights", "w.safetensors"]
     if out is not None:
         argv += ["--out", out]
+    argv += saved if train or "--save-weights" in saved else []
     if "--ranks" in " ".join(argv):  # ranks > 1 would start a launcher: not in-process
         argv += ["--strategy", "local"]
     contract(argv, files)
@@ -180,7 +231,9 @@ def test_sweep(study, dry, sets):
     argv = ["sweep", "study.toml", *(["--dry-run"] if dry else ["--timeout", "60"])]
     for item in sets:
         argv += ["--set", item]
-    contract(argv, {"study.toml": study})
+    if not dry:  # the default results folder, or one under a regular file
+        argv += [] if len(sets) % 2 else ["--out", "blocker/r.jsonl"]
+    contract(argv, {"study.toml": study, "blocker": b"a regular file"})
 
 
 @SETTINGS
@@ -188,10 +241,11 @@ def test_sweep(study, dry, sets):
     command=st.sampled_from(["roofline", "scaling", "report"]),
     records=records_file(),
     ceilings=st.none() | ceilings_file(),
+    out=OUT_DIRS,
 )
-def test_analyses(command, records, ceilings):
-    argv = [command, "runs.jsonl", "--no-plots", "-o", "outdir"]
-    files = {"runs.jsonl": records}
+def test_analyses(command, records, ceilings, out):
+    argv = [command, "runs.jsonl", "--no-plots", "-o", out]
+    files = {"runs.jsonl": records, "blocker": b"a regular file"}
     if ceilings is not None and command != "scaling":
         files["c.json"] = ceilings
         argv += ["--ceilings", "c.json"]
@@ -204,10 +258,11 @@ def test_analyses(command, records, ceilings):
     ceilings=st.none() | ceilings_file(),
     calibrate=st.none() | records_file(),
     validate=st.booleans(),
+    out=st.none() | OUT_DIRS,
 )
-def test_predict(ranks, ceilings, calibrate, validate):
-    files: dict[str, bytes] = {}
-    argv = ["predict", "--no-plots"]
+def test_predict(ranks, ceilings, calibrate, validate, out):
+    files: dict[str, bytes] = {"blocker": b"a regular file"}
+    argv = ["predict", "--no-plots", *(["-o", out] if out else [])]
     if validate:
         argv += ["--validate", "runs.jsonl"]
         files["runs.jsonl"] = calibrate or b""
@@ -223,10 +278,10 @@ def test_predict(ranks, ceilings, calibrate, validate):
 
 
 @SETTINGS
-@given(study=study_file(), nodes=NUMBERS, gpus=NUMBERS)
-def test_slurm(study, nodes, gpus):
-    argv = ["slurm", "study.toml", "--nodes", nodes, "--gpus-per-node", gpus, "-o", "jobs"]
-    contract(argv, {"study.toml": study})
+@given(study=study_file(), nodes=NUMBERS, gpus=NUMBERS, out=OUT_DIRS)
+def test_slurm(study, nodes, gpus, out):
+    argv = ["slurm", "study.toml", "--nodes", nodes, "--gpus-per-node", gpus, "-o", out]
+    contract(argv, {"study.toml": study, "blocker": b"a regular file"})
 
 
 @SETTINGS
@@ -243,3 +298,59 @@ def test_resume_from_a_checkpoint_with_the_right_tag_and_wrong_contents(contents
     argv = ["run", "mlp", *SMALL_RUN, "--train", "--steps", "2", "--resume", "c.pt"]
     code, text = contract(argv, {"c.pt": buf.getvalue()})
     assert code == 2 and "--resume c.pt" in text
+
+
+@functools.lru_cache(maxsize=1)
+def _real_checkpoint() -> bytes:
+    """A checkpoint a real 2-step training wrote (made once)."""
+    quiet = contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO())
+    with tempfile.TemporaryDirectory() as tmp, _cwd(tmp), quiet[0], quiet[1]:
+        argv = ["run", "mlp", *SMALL_RUN, "--train", "--steps", "2", "--no-record"]
+        assert main([*argv, "--ckpt-every", "1", "--ckpt-dir", "c"]) == 0
+        return max(Path("c").rglob("*.pt"), key=lambda p: p.stat().st_mtime).read_bytes()
+
+
+@SLOW_SETTINGS
+@given(data=st.data())
+def test_resume_from_a_real_checkpoint_with_wrong_contents(data):
+    """The right tag and structure, one part wrong: a tensor of another shape or dtype, a key
+    missing or of the wrong kind, anywhere in the state."""
+    import torch
+
+    state = torch.load(io.BytesIO(_real_checkpoint()), weights_only=True)
+    key = data.draw(st.sampled_from(sorted(k for k in state if k != "format")))
+    part = state[key]
+    if isinstance(part, dict) and part and data.draw(st.booleans()):
+        inner = data.draw(st.sampled_from(sorted(part, key=str)))
+        part[inner] = data.draw(
+            st.sampled_from([torch.zeros(3, 5), torch.zeros(0), torch.ones(2, dtype=torch.int64),
+                             "x", None, 7, [1.5]])
+        )  # fmt: skip
+    elif data.draw(st.booleans()):
+        del state[key]
+    else:
+        state[key] = data.draw(JSONISH)
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    argv = ["run", "mlp", *SMALL_RUN, "--train", "--steps", "4", "--resume", "c.pt"]
+    contract(argv, {"c.pt": buf.getvalue()})
+
+
+AGNEWS = b'"Class Index","Title","Description"\n1,"a","b"\n'
+
+
+@SLOW_SETTINGS
+@given(
+    images=st.binary(max_size=40) | st.sampled_from([b"\x00\x00\x08\x03" + bytes(12)]),
+    labels=st.binary(max_size=16),
+    csv=st.text(max_size=80).map(str.encode) | not_utf8(AGNEWS),
+)
+def test_malformed_data_sets(images, labels, csv):
+    """MNIST IDX files and an AG News CSV that are truncated, mislabelled or not UTF-8."""
+    mnist = {}
+    for split in ("train", "t10k"):
+        mnist |= {f"d/{split}-images-idx3-ubyte": images, f"d/{split}-labels-idx1-ubyte": labels}
+    files = {"d": None, **mnist, "a": None, "a/train.csv": csv, "a/test.csv": csv}
+    contract(["run", "mlp", *SMALL_RUN, "--train", "--steps", "1", "--data-dir", "d"], files)
+    contract(["run", "charcnn", "--batch", "1", "--iters", "1", "--warmup", "0", "--quiet",
+              "--data-dir", "a"], files)  # fmt: skip

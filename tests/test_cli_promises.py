@@ -6,9 +6,11 @@ the contract's."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from scalelab.config import RunConfig
@@ -89,6 +91,35 @@ def test_json_stdout_is_one_document(cli, tmp_path):
     assert code == 0 and [r["config"]["lr"] for r in json.loads(out)] == [0.1, 0.2]
 
 
+@pytest.mark.mpi
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--strategy", "mpi-dp", "--lr", "0.1,0.2", "--no-record"],  # mpiexec, a comma list
+        ["--strategy", "ddp", "--lr", "0.1", "--out", "r.jsonl"],  # torchrun, one run
+    ],
+    ids=["mpiexec-list-no-record", "torchrun-one"],
+)
+def test_json_under_a_launcher_is_one_document(tmp_path, extra):
+    """The ranks print nothing on stdout: the root rank hands its record to the launching
+    process, which prints the one document (a list for a comma list) after the job."""
+    cmd = [sys.executable, "-m", "scalelab", *TRAIN, "--ranks", "2", "--json", *extra]
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)  # the whole of stdout
+    records = doc if isinstance(doc, list) else [doc]
+    want = [0.1, 0.2] if "0.1,0.2" in extra else [0.1]
+    assert [r["config"]["lr"] for r in records] == want
+    assert all(r["status"] == "ok" and r["ranks"] == 2 for r in records)
+    assert "final loss" in done.stderr  # the summaries went to stderr
+    assert ("r.jsonl" in extra) == (tmp_path / "r.jsonl").exists()
+
+
+def test_env_json_is_one_document(cli):
+    code, out, _ = cli("env", "--json")
+    assert code == 0 and isinstance(json.loads(out), dict)
+
+
 def test_quiet_keeps_progress_off(cli, tmp_path):
     _, _, loud = cli(*TRAIN, "--out", tmp_path / "r.jsonl")
     _, _, quiet = cli(*TRAIN, "-q", "--out", tmp_path / "r.jsonl")
@@ -113,3 +144,18 @@ def test_an_internal_error_is_exit_3(cli, monkeypatch):
     monkeypatch.delenv("SCALELAB_DEBUG", raising=False)
     code, _, err = cli("layers", "alexnet")
     assert code == 3 and len(err.strip().splitlines()) == 1 and "internal error" in err
+
+
+@pytest.mark.parametrize(
+    "command,shown,hidden",
+    [
+        ("layers", ["--batch", "--hidden", "--image-size"], ["--lr", "--ranks", "--out"]),
+        ("fit", ["--convs", "--microbatches", "--mem-limit"], ["--split", "--bucket-mb", "--tp"]),
+        ("predict", ["--ranks", "--bucket-mb", "--stages"], ["--lr", "--seed", "--ckpt-dir"]),
+        ("versions", ["--batch", "--image-size", "--ranks"], ["--lr", "--stages", "--train"]),
+    ],
+)
+def test_help_shows_only_the_options_a_command_reads(cli, command, shown, hidden):
+    code, out, _ = cli(command, "--help")
+    flags = set(re.findall(r"^\s+(--[a-z-]+)", out, re.MULTILINE))
+    assert code == 0 and set(shown) <= flags and not set(hidden) & flags, sorted(flags)

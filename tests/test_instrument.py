@@ -173,3 +173,44 @@ def test_nvml_and_per_layer_on_gpu(cli):
     assert "compute" in nvml["phases"] and rec["device_phases"]["compute"] > 0
     assert all(r["peak_bytes"] >= r["out_bytes"] for r in rec["layers"])
     assert all("power_w" in r for r in rec["layers"])
+
+
+def test_tick_reports_slow_loops_only(capsys, monkeypatch):
+    """Progress.tick in a log (not a terminal): nothing for a fast loop; for a slow one a line
+    each time `every_s` passed, and the last step."""
+    import logging
+    import time
+
+    from scalelab.instrument.progress import Progress
+
+    monkeypatch.setattr(logging.getLogger("scalelab"), "level", logging.INFO)
+    fast = Progress(5, "infer", enabled=True)
+    for i in range(5):
+        fast.tick(i + 1, every_s=60.0)
+    assert capsys.readouterr().err == ""
+    slow = Progress(3, "infer", enabled=True)
+    for i in range(3):
+        time.sleep(0.06)
+        slow.tick(i + 1, every_s=0.05)
+    lines = capsys.readouterr().err.splitlines()
+    assert [ln.split()[1] for ln in lines] == ["1/3", "2/3", "3/3"], lines
+
+
+def test_update_in_a_log_says_something_every_few_seconds(capsys, monkeypatch):
+    """A long epoch in a log file is not silent: update() writes a line once LOG_EVERY_S
+    passed (the live line is for terminals only), never for the last step (the epoch's
+    milestone says that)."""
+    import logging
+    import time
+
+    from scalelab.instrument import progress
+
+    monkeypatch.setattr(logging.getLogger("scalelab"), "level", logging.INFO)
+    monkeypatch.setattr(progress, "LOG_EVERY_S", 0.05)
+    bar = progress.Progress(4, "train", enabled=True)
+    for i in range(4):
+        time.sleep(0.06)
+        bar.update(i + 1, loss=1.0)
+    lines = capsys.readouterr().err.splitlines()
+    assert [ln.split()[1] for ln in lines] == ["1/4", "2/4", "3/4"], lines
+    assert all("loss=1" in ln for ln in lines)

@@ -209,6 +209,16 @@ def test_cli_validate_ends_with_mape(cli):
     assert "every point within 15%" in out
 
 
+def test_cli_validate_with_no_held_out_point_says_why(cli, tmp_path):
+    """One one-rank run: it calibrates the model, so nothing is left to validate against (the
+    MAPE would be over no point). One line, exit 2, no validate.csv."""
+    for name in ("scaling_weak.jsonl", "ceilings_cpu.json"):
+        shutil.copy(FIXTURES.parent / name, tmp_path / name)
+    result = cli("predict", "--validate", tmp_path, "--out", tmp_path / "v")
+    _usage_error(result, "nothing to validate")
+    assert result[1] == "" and not (tmp_path / "v").exists()
+
+
 def test_cli_predicts_up_to_1024_gpus(cli, tmp_path):
     ranks = ",".join(str(2**i) for i in range(11))
     code, out, err = cli(

@@ -5,9 +5,12 @@ cluster user would, and compared with the same run on one node."""
 from __future__ import annotations
 
 import os
+import re
+import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -87,6 +90,71 @@ def test_mpi_spatial_across_two_nodes_equals_one_node(slurm_conf, tmp_path):
         "debug",
     )
     assert job["job_id"].isdigit() and b["slurm"]["node_list"] == "n1"
+
+
+def test_a_rank_killed_under_srun_is_named_and_the_step_ends(slurm_conf, tmp_path):
+    """srun -N2 -n2 --mpi=pmi2, rank 1 (on n2) SIGKILLed mid-run: without a watcher srun only
+    says `task 1: Killed` and rank 0 waits in its halo exchange for ever. Now: one scalelab line
+    naming rank 1, n2, signal 9 and the phase; the step ends; a failed record saying so."""
+    token, out = uuid.uuid4().hex, tmp_path / "r.jsonl"
+    args = [*ALEXNET[:-5], "--iters", "1000000", "--warmup", "0", "--quiet", "--out", str(out)]
+    cmd = ["srun", "-N2", "-n2", "--ntasks-per-node=1", "--mpi=pmi2", PY, "-m", "scalelab", *args]
+    env = {**os.environ, "SCALELAB_TEST_TOKEN": token}
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        pid = _rank_pid(token, 1, timeout=180)
+        _past_setup(pid, timeout=180)
+        os.kill(pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    said = [ln for ln in stderr.splitlines() if ln.startswith("scalelab")]
+    assert len(said) == 1, stderr
+    dead = r"^scalelab: rank 1 on n2 died \(signal 9\) during (\S+); job aborted after [\d.]+ s$"
+    match = re.match(dead, said[0])
+    assert match and match.group(1) != "setup", stderr
+    assert proc.returncode != 0 and "Traceback" not in stderr and stdout == ""
+    (rec,) = read_records(out)
+    assert rec["status"] == "failed" and "rank 1 on n2 died (signal 9)" in rec["error"]
+
+
+def _rank_pid(token: str, rank: int, timeout: float) -> int:
+    """pid of the rank (the watched child, which has a job folder) of our srun step."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        for entry in Path("/proc").iterdir():
+            try:
+                env = (entry / "environ").read_bytes().split(b"\0")
+            except (OSError, ValueError):
+                continue
+            if (
+                f"SCALELAB_TEST_TOKEN={token}".encode() in env
+                and f"SLURM_PROCID={rank}".encode() in env
+                and any(v.startswith(b"SCALELAB_JOB_DIR=") for v in env)
+            ):
+                return int(entry.name)
+        time.sleep(0.2)
+    pytest.fail(f"rank {rank} never started")
+
+
+def _past_setup(pid: int, timeout: float) -> None:
+    """Until the rank's status page names a phase after setup."""
+    env = dict(
+        v.split(b"=", 1)
+        for v in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        if b"=" in v
+    )
+    status = Path(env[b"SCALELAB_JOB_DIR"].decode()) / "rank1.status"
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if status.exists() and status.read_bytes().split()[3:4] not in ([], [b"setup"]):
+            return
+        time.sleep(0.1)
+    pytest.fail("the rank never entered a phase")
 
 
 STUDY = """

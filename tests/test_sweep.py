@@ -185,3 +185,31 @@ def test_example_studies_are_valid():
     assert examples
     for path in examples:
         assert points(load_study(path)), path
+
+
+# The studies the seeds (/work/shared/seeds) describe: (seed, workload, what varies, the value
+# a point must hold). Each needs an example under examples/ that runs it.
+SEED_STUDIES = [
+    ("alexnet_mpi_cuda", "alexnet", "ranks", None),  # V2: MPI ranks, halo split
+    ("mnist_mlp learning rate", "mlp", "lr", None),
+    ("mnist_mlp hidden size", "mlp", "hidden", None),
+    ("mnist_mlp roofline", "mlp", "batch", None),
+    ("mnist_mlp W1 rows / W2 columns", "mlp", "strategy", "tensor"),
+    ("resnet18 ddp strong scaling", "resnet18-cifar", "ranks", None),
+    ("charcnn inference", "charcnn", "batch", None),
+    ("vgg ReLU/max-pool swap", "vgg16", "swap_relu_pool", True),
+    ("vgg model parallel (deep stack)", "deepstack", "schedule", None),
+]
+
+
+@pytest.mark.parametrize("seed,workload,key,value", SEED_STUDIES, ids=[s[0] for s in SEED_STUDIES])
+def test_every_seed_study_has_an_example(seed, workload, key, value):
+    """Some example's points run `workload` with `key` varying across them (or holding
+    `value` in one, where given)."""
+    examples = sorted((Path(__file__).parents[1] / "examples").glob("*.toml"))
+    for path in examples:
+        cfgs = [p.config for p in points(load_study(path)) if p.config.workload == workload]
+        seen = [getattr(c, key) for c in cfgs]
+        if (value is not None and value in seen) or (value is None and len(set(seen)) > 1):
+            return
+    pytest.fail(f"no example study under examples/ for the seed's {seed}")

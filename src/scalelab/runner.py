@@ -5,8 +5,11 @@ Every rank executes this; only the root rank checks, writes the record and print
 
 from __future__ import annotations
 
+import logging
 import sys
+import threading
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +33,8 @@ from scalelab.train.headline import headline
 from scalelab.weights import load_weights, save_weights
 from scalelab.workloads import WORKLOADS, Inputs, Workload
 from scalelab.workloads.base import state_dict_float64
+
+_log = logging.getLogger("scalelab.run")
 
 
 @dataclass
@@ -132,7 +137,10 @@ def _execute(
         raise RunFailed(bad)
     check = None
     if cfg.check:
-        ref = workload.reference_forward(reference_params, inputs.x.numpy())
+        ref = _slow_note(
+            f"check: the float64 oracle's forward pass over {len(inputs.x)} items...",
+            lambda: workload.reference_forward(reference_params, inputs.x.numpy()),
+        )
         check = check_output(
             output.output, ref, strategy.precision.tolerance, digest_tolerance(strategy.precision)
         )
@@ -145,6 +153,17 @@ def _execute(
         append_record(results, record)
     host_checks.emit(record["warnings"])
     return RunReport(record, check)
+
+
+def _slow_note(line: str, work: Callable[[], Any], after_s: float = 3.0) -> Any:
+    """work(), saying `line` on stderr if it is still going after `after_s` seconds."""
+    note = threading.Timer(after_s, _log.info, args=(line,))
+    note.daemon = True
+    note.start()
+    try:
+        return work()
+    finally:
+        note.cancel()
 
 
 def _rank_numbers(

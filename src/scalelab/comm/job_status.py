@@ -9,6 +9,7 @@ it. The launching side (orchestration/jobs.py) reads both when the job ends badl
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
 import socket
@@ -18,6 +19,7 @@ from pathlib import Path
 JOB_DIR_VAR = "SCALELAB_JOB_DIR"
 RANK_VARS = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
 STATUS_BYTES = 256
+RECORD_FILE = "record.json"
 _beacon: mmap.mmap | None = None
 
 
@@ -57,4 +59,16 @@ def report(line: str, code: int) -> bool:
     tmp = Path(folder) / f".note{this_rank()}.{os.getpid()}"
     tmp.write_text(f"{code}\n{line}")
     os.replace(tmp, Path(folder) / f"note.rank{this_rank()}")
+    return True
+
+
+def hand_over_record(record: dict) -> bool:
+    """The root rank's record, for the launching process to print (True) when there is one:
+    under --json only it writes stdout, so stdout stays one JSON document."""
+    folder = os.environ.get(JOB_DIR_VAR)
+    if not folder or not Path(folder).is_dir():
+        return False
+    tmp = Path(folder) / f".record.{os.getpid()}"
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, Path(folder) / RECORD_FILE)
     return True

@@ -7,6 +7,7 @@ import sys
 import time
 
 log = logging.getLogger("scalelab.progress")
+LOG_EVERY_S = 10.0
 
 
 class Progress:
@@ -21,9 +22,16 @@ class Progress:
         self._last = 0.0
 
     def update(self, done: int, **fields: float) -> None:
-        if not (self.enabled and self.tty and log.isEnabledFor(logging.INFO)):
+        """The live line on a terminal; in a log (not a terminal) a line every LOG_EVERY_S
+        seconds, so a long epoch is not silent."""
+        if not (self.enabled and log.isEnabledFor(logging.INFO)):
             return
         now = time.perf_counter()
+        if not self.tty:
+            if now - max(self.start, self._last) >= LOG_EVERY_S and done < self.total:
+                self._last = now
+                self.milestone(done, **fields)
+            return
         if now - self._last < 0.2 and done < self.total:
             return
         self._last = now
@@ -35,11 +43,25 @@ class Progress:
         if not (self.enabled and log.isEnabledFor(logging.INFO)):  # -q: warnings only
             return
         line = self._line(done, fields)
+        self._last = time.perf_counter()
         sys.stderr.write(f"\r{line}\033[K\n" if self.tty else f"{line}\n")
         sys.stderr.flush()
+
+    def tick(self, done: int, every_s: float = 3.0) -> None:
+        """For loops that are usually fast: the live line on a terminal; in a log, a line
+        only once `every_s` seconds passed since the start or the last line (a slow run shows
+        progress, a fast one prints nothing)."""
+        if self.tty:
+            self.update(done)
+            return
+        now = time.perf_counter()
+        if now - max(self.start, self._last) >= every_s or (done == self.total and self._last):
+            self._last = now
+            self.milestone(done)
 
     def _line(self, done: int, fields: dict[str, float]) -> str:
         elapsed = time.perf_counter() - self.start
         eta = elapsed / done * (self.total - done) if done else float("nan")
         extra = " ".join(f"{k}={v:.4g}" for k, v in fields.items())
-        return f"{self.label} {done}/{self.total} {extra} elapsed={elapsed:.1f}s eta={eta:.1f}s"
+        head = f"{self.label} {done}/{self.total}" + (f" {extra}" if extra else "")
+        return f"{head} elapsed={elapsed:.1f}s eta={eta:.1f}s"

@@ -283,12 +283,15 @@ def timed_iterations(
     the timed wall (the profiler's schedule advances there).
     """
     result = None
-    for _ in range(warmup):
+    progress = _iteration_progress(warmup, iters)
+    for i in range(warmup):
         result = step()
         notify_step()
+        progress.tick(i + 1)
     timer.lap()  # discard warm-up phases
     timings = Timings()
-    for _ in range(iters):
+    for i in range(iters):
+        progress.tick(warmup + i)  # before the barrier: outside the next timed wall
         timer.settle()
         barrier()
         start = time.perf_counter()
@@ -297,4 +300,15 @@ def timed_iterations(
         wall = time.perf_counter() - start
         timings.add(wall, timer.lap(), timer.last_device_lap)
         notify_step()
+    progress.tick(warmup + iters)
     return timings, result
+
+
+def _iteration_progress(warmup: int, iters: int):
+    """Rank 0's progress over warm-up + timed iterations (a line every few seconds when they
+    are slow: a big model on CPU)."""
+    from scalelab.comm.job_status import this_rank
+    from scalelab.instrument.progress import Progress
+
+    label = f"infer ({warmup} warm-up + {iters} timed)"
+    return Progress(warmup + iters, label, enabled=this_rank() == 0)

@@ -11,6 +11,7 @@ forwarded.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -22,8 +23,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from scalelab.comm.job_status import JOB_DIR_VAR
+from scalelab.comm.job_status import JOB_DIR_VAR, RECORD_FILE
 from scalelab.comm.launch import mpiexec_command, torchrun_command
+
+
+def handed_record(folder: Path) -> dict | None:
+    path = folder / RECORD_FILE
+    return json.loads(path.read_text()) if path.exists() else None
+
 
 # --- the launching side --------------------------------------------------------------------
 NOISE = [
@@ -53,6 +60,7 @@ class JobOutcome:
     code: int
     message: str | None = None  # the one line printed for a failed job
     captured: list[str] = field(default_factory=list)  # the launcher's lines kept back
+    record: dict | None = None  # the record the root rank handed over (hand_over_record)
 
 
 def run_job(cmd: list[str], env: dict[str, str], launcher: str) -> JobOutcome:
@@ -73,9 +81,11 @@ def run_job(cmd: list[str], env: dict[str, str], launcher: str) -> JobOutcome:
         for t in pumps:
             t.join()
         ended = time.time()
+        record = handed_record(Path(folder))
         if code == 0:
-            return JobOutcome(0)
+            return JobOutcome(0, record=record)
         outcome = explain(Path(folder), captured, code, ended, launcher)
+        outcome.record = record
         sys.stderr.write(outcome.message + "\n")
         sys.stderr.flush()
         return outcome
@@ -119,23 +129,23 @@ def explain(
     """The one line: a rank's refusal first (exit 2: every rank refused alike), then a rank
     killed by a signal (the others' failures follow from it), then a rank's own failure line,
     then the rank the launcher saw exit, else the launcher's code."""
-    notes = _notes(folder)
-    refusals = [n for n in notes if n[0] == 2]
-    status = _statuses(folder)
+    said = notes(folder)
+    refusals = [n for n in said if n[0] == 2]
+    status = statuses(folder)
     dead = _dead_rank(captured, status)
     if refusals:
         return JobOutcome(2, refusals[0][1], captured)
     if dead is not None and dead[2] is not None:
-        return JobOutcome(1, _dead_line(dead, status, ended), captured)
-    if notes:
-        return JobOutcome(notes[0][0], notes[0][1], captured)
+        return JobOutcome(1, dead_line(dead, status, ended), captured)
+    if said:
+        return JobOutcome(said[0][0], said[0][1], captured)
     if dead is not None:
-        return JobOutcome(1, _dead_line(dead, status, ended), captured)
+        return JobOutcome(1, dead_line(dead, status, ended), captured)
     name = "mpiexec" if launcher == "mpi" else launcher
     return JobOutcome(1, f"scalelab: job failed: {name} exited with code {code}", captured)
 
 
-def _notes(folder: Path) -> list[tuple[int, str]]:
+def notes(folder: Path) -> list[tuple[int, str]]:
     """(exit code, line) the ranks handed over, lowest rank first."""
     out = []
     for path in sorted(folder.glob("note.rank*"), key=lambda p: int(p.name[len("note.rank") :])):
@@ -144,7 +154,7 @@ def _notes(folder: Path) -> list[tuple[int, str]]:
     return out
 
 
-def _dead_line(dead: tuple[int, str, int | None], status: dict, ended: float) -> str:
+def dead_line(dead: tuple[int, str, int | None], status: dict, ended: float) -> str:
     rank, host, signal = dead
     _, st_host, beat, phase = status.get(rank, (None, host, None, "setup"))
     after = f"; job aborted after {max(0.0, ended - beat):.1f} s" if beat else ""
@@ -152,7 +162,7 @@ def _dead_line(dead: tuple[int, str, int | None], status: dict, ended: float) ->
     return f"scalelab: rank {rank} on {host or st_host} {how} during {phase}{after}"
 
 
-def _statuses(folder: Path) -> dict[int, tuple[int, str, float, str]]:
+def statuses(folder: Path) -> dict[int, tuple[int, str, float, str]]:
     """rank -> (pid, host, time of the last phase change, phase)."""
     out = {}
     for path in folder.glob("rank*.status"):

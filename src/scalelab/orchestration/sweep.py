@@ -23,6 +23,7 @@ exactly as on the command line, and a crash stays with its point.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -30,6 +31,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import types
 import typing
@@ -352,6 +354,21 @@ def _failure(point: Point, error: str, code: int | None) -> dict[str, Any]:
     return failed_record(point.config, error, exit_code=code, source="sweep")
 
 
+SLOW_POINT_S = 5.0
+
+
+@contextlib.contextmanager
+def slow_note(echo: Callable[[str], None], line: str, after_s: float = SLOW_POINT_S):
+    """echo(line) once if the block is still running after `after_s` seconds."""
+    note = threading.Timer(after_s, echo, args=(line,))
+    note.daemon = True
+    note.start()
+    try:
+        yield
+    finally:
+        note.cancel()
+
+
 def run_study(
     study: Study, force: bool = False, echo: Callable[[str], None] = print
 ) -> list[Outcome]:
@@ -366,7 +383,8 @@ def run_study(
             echo(f"{head}: in {study.results} already, skipped")
             outcomes.append(Outcome(point, "done"))
             continue
-        out = run_point(point, study.results, study.timeout_s)
+        with slow_note(echo, f"{head}: running..."):  # the point's own output is --quiet
+            out = run_point(point, study.results, study.timeout_s)
         spent, ran = spent + out.seconds, ran + 1
         left = sum(1 for p in todo[point.index :] if p.match_key() not in done)
         echo(f"{head}: {_summary(out)} | eta {spent / ran * left:.0f} s")

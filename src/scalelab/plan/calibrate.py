@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -26,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from scalelab.config import RunConfig
-from scalelab.orchestration.sweep import Point, run_point
+from scalelab.orchestration.sweep import Point, run_point, slow_note
 from scalelab.plan.space import PlanSpec
 from scalelab.predict.calibration import Pool
 from scalelab.predict.figures import Figures
@@ -98,7 +99,10 @@ def measure(cfg: RunConfig, results: Path, timeout: float | None = None) -> dict
     """Run cfg as `scalelab run` (its launcher started as on the command line), appending
     its record to `results`; the record, or the error line of a run that failed."""
     cfg = dataclasses.replace(cfg, quiet=True)
-    outcome = run_point(Point(0, {}, cfg), results, timeout)
+    point = Point(0, {}, cfg)
+    line = f"  running: scalelab {' '.join(point.argv())}..."
+    with slow_note(logging.getLogger("scalelab.plan").info, line):
+        outcome = run_point(point, results, timeout)
     return outcome.record if outcome.record is not None else (outcome.error or "failed")
 
 

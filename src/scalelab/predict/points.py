@@ -109,6 +109,11 @@ def _run_record(found: Found, path: Path, where: str, rec: dict[str, Any]) -> No
     if rec.get("status", "ok") != "ok" or "wall_s" not in rec:
         found.skipped["failed runs"] += 1
         return
+    from scalelab.record_schema import problem
+
+    if problem(rec) is not None:  # the record reader's own check, as read_records makes it
+        found.skipped["malformed run records"] += 1
+        return
     found.saw_host(path, Host.of_record(rec))
     cfg = run_config(rec)
     ranks = int(rec.get("ranks") or cfg.ranks)

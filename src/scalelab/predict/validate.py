@@ -17,6 +17,7 @@ from runs whose records carry warnings are shown with them, or left out with dro
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from difflib import SequenceMatcher
 from pathlib import Path
@@ -112,9 +113,23 @@ def validate(
                 rows.append(row)
     if not rows:
         raise UsageError(f"{root}: no point could be predicted ({dict(found.skipped)})")
+    _some_held_out(root, rows)
     used = {str(o.name): _named(c, d) for o, (c, d) in pairs.items()}
     borrowed = {o.name: d["_borrowed"] for o, (_, d) in pairs.items() if d.get("_borrowed")}
     return Validation(pd.DataFrame(rows), dict(found.skipped), used, borrowed)
+
+
+def _some_held_out(root: Path, rows: list[dict]) -> None:
+    """A validation needs a point the model predicts without having been fitted to it: with
+    none (every point calibrated it, or has no one-rank run to calibrate from), the MAPE would
+    be over nothing."""
+    if any(r["role"] == "predicted" for r in rows):
+        return
+    roles = ", ".join(f"{n} {role}" for role, n in sorted(Counter(r["role"] for r in rows).items()))
+    raise UsageError(
+        f"{root}: nothing to validate: no point the model did not calibrate from ({roles}); "
+        "add runs at more ranks than the one-rank runs of the same configuration"
+    )
 
 
 def _explicit(path: str | None):

@@ -133,7 +133,14 @@ def _shape_problem(state: dict[str, Any]) -> str | None:
     ints += [state["schedule"][k] for k in ("seed", "n_train", "global_batch")]
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ints):
         return "position and schedule must hold non-negative integers"
+    curves = [state["epoch_loss_sums"], state["history"]["loss"], state["history"]["accuracy"]]
+    if not all(isinstance(c, list) and all(_is_number(v) for v in c) for c in curves):
+        return "epoch losses and history must be lists of numbers"
     return None
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def check_model(state: dict[str, Any], cfg: RunConfig) -> None:
@@ -272,8 +279,12 @@ def export_training_state(t: Trainer) -> dict[str, Any] | None:
 def import_training_state(t: Trainer, state: dict[str, Any], skip: int) -> None:
     """Load state into the trainer; the run's own hyperparameters (--lr, ...) win over the
     checkpoint's, the optimizer's buffers (momentum) come from it."""
-    t.stepper.import_state(state["model"], state["optimizer"])
-    t.stepper.load_scaler(state["scaler"])
+    try:  # torch checks what the shape check cannot (groups, buffers): a refusal, not a bug
+        t.stepper.import_state(state["model"], state["optimizer"])
+        t.stepper.load_scaler(state["scaler"])
+    except (ValueError, RuntimeError, KeyError, TypeError, IndexError, AttributeError) as exc:
+        text = " ".join(str(exc).split())
+        raise UsageError(f"--resume: a scalelab checkpoint with wrong contents: {text}") from None
     pos = state["position"]
     t.pos.epoch, t.pos.step, t.pos.items = pos["epoch"], skip, pos["items"]
     t.pos.loss_sum.fill_(_loss_share(state, t.strategy.comm))

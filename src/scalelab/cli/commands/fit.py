@@ -67,7 +67,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_argument(p)
     # What a try reads: the model's shape and one training step (run-only fields hidden,
     # iters/warmup kept: a try times warm-up + iters steps).
-    add_config_options(p, skip=(RUN_ONLY - {"iters", "warmup", "steps"}) | {"ranks", "split"})
+    # (--run trains the proposal under `pipeline`: the other strategies' options are unread.)
+    unread = {"strategy", "ranks", "split", "overlap", "chunks", "nonblocking", "global_batch",
+              "amp", "bucket_mb", "grad_compress", "tp"}  # fmt: skip
+    add_config_options(p, skip=(RUN_ONLY - {"iters", "warmup", "steps"}) | unread)
     p.add_argument("--find", choices=("stack", "batch", "stages"), default=None)
     p.add_argument(
         "--mem-limit",

@@ -22,9 +22,11 @@ from scalelab.cli.options import (
     flag_of,
     workload_name,
 )
+from scalelab.comm import job_status
 from scalelab.comm.launch import inside_launcher, settle_config, torchrun_command
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
+from scalelab.orchestration import srun_task
 from scalelab.orchestration.jobs import JobOutcome, relaunch_job, run_job
 from scalelab.outputs import check_run_outputs
 from scalelab.record import DEFAULT_RESULTS, append_record, failed_record
@@ -70,20 +72,23 @@ def run(args: argparse.Namespace) -> int:
     combos = expand_lists(args)
     if len(combos) == 1:
         code, record = run_one(args)
-        if args.json and record is not None:
-            print(json.dumps(record))
+        if record is not None and not job_status.hand_over_record(record) and args.json:
+            print(json.dumps(record))  # a rank of a launched job hands it over instead
         return code
     runs = [single_run(args, combo) for combo in combos]
     for one in runs:  # bad values fail before anything runs
         check_config(config_from_args(one, workload=workload_name(one)))
     rows = []
+    root = job_status.this_rank() == 0  # under a launcher the user started: task 0 speaks
     for i, (one, combo) in enumerate(zip(runs, combos), 1):
         label = " ".join(f"{flag_of(k)} {v}" for k, v in combo.items())
-        print(f"[{i}/{len(runs)}] {label}", file=_human(args), flush=True)
+        if root:
+            print(f"[{i}/{len(runs)}] {label}", file=_human(args), flush=True)
         code, record = run_one(one)
         rows.append((label, code, record))
-    print(comparison_table(rows), file=_human(args), flush=True)
-    if args.json:
+    if root:
+        print(comparison_table(rows), file=_human(args), flush=True)
+    if args.json and root:
         print(json.dumps([r for _, _, r in rows if r is not None]))
     return max(code for _, code, _ in rows)
 
@@ -148,16 +153,17 @@ def run_one(args: argparse.Namespace) -> tuple[int, dict[str, Any] | None]:
     if cfg.compare_devices:
         return _compare_devices(cfg, args)
     launcher = _launcher(strategy, cfg)
+    if srun_task.should_watch(launcher):  # srun's task: run the rank as a watched child
+        results = None if args.no_record else Path(args.out)
+        return srun_task.watch(args.argv, cfg, results)
     if launcher is not None and cfg.ranks > 1 and not inside_launcher(launcher):
         results = None if args.no_record else Path(args.out)
         before = _lines(results)
-        if results is not None and args.json:  # this process prints the record it reads back
-            args = argparse.Namespace(**{**vars(args), "argv": _without(args.argv, "--json")})
-        outcome = launch(launcher, cfg, args)
+        outcome = launch(launcher, cfg, args)  # the root rank hands its record over
         code = outcome.code
         if code not in (0, 2) and results is not None and _lines(results) == before:
             _record_lost_job(cfg, results, outcome.message or f"{launcher} failed")
-        return code, _last_new_record(results, before)
+        return code, outcome.record or _last_new_record(results, before)
     try:
         report = execute(cfg, None if args.no_record else Path(args.out))
     except TrainingDiverged as exc:
@@ -170,10 +176,6 @@ def run_one(args: argparse.Namespace) -> tuple[int, dict[str, Any] | None]:
         print(f"  record appended to {args.out}", file=_human(args))
     sys.stdout.flush()
     return report.exit_code, report.record
-
-
-def _without(argv: list[str], flag: str) -> list[str]:
-    return [a for a in argv if a != flag]
 
 
 def _last_new_record(results: Path | None, before: int) -> dict[str, Any] | None:

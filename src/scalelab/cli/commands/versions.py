@@ -38,6 +38,16 @@ from scalelab.runner import execute
 
 # Flags versions sets itself for every variant.
 OWN = {"strategy", "split", "overlap", "ranks", "device", "check", "quiet", "extra"}
+# Flags no variant reads: the variants are checked inference runs (serial, local, mpi,
+# mpi-gpu, nccl), so training, checkpoints, weights written per variant, ddp and the
+# pipeline/tensor strategies' own options do not apply (help leaves them out).
+UNREAD = {
+    "train", "epochs", "steps", "lr", "momentum", "l2", "train_size", "heldout_size",
+    "global_batch", "amp", "bucket_mb", "grad_compress", "workers", "nonblocking", "compile",
+    "ckpt_every", "ckpt_dir", "resume", "compare_devices", "save_weights", "oversubscribe_gpus",
+    "stages", "microbatches", "schedule", "balance", "rebalance", "placement", "engine",
+    "virtual_stages", "tp", "dp",
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -186,7 +196,7 @@ def format_table(rows: list[tuple[Variant, dict[str, Any]]]) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_argument(p)
-    add_config_options(p, skip=OWN)
+    add_config_options(p, skip=OWN | UNREAD)
     p.add_argument("--ranks", type=int, default=2, help="ranks of the MPI/NCCL runs (default 2)")
     p.add_argument(
         "--out",

@@ -1,0 +1,123 @@
+"""A rank that srun started, watched from its own task: who died, where, of what, when.
+
+Under `srun -n N scalelab run ...` srun is the launcher and nothing of scalelab outlives a
+killed rank: srun prints `task 1: Killed` and keeps waiting, while the other ranks wait in
+their halo exchange or collective for ever (MPICH over pmi2 does not notice the peer is gone).
+So each srun task keeps a thin parent (the task srun sees) that runs the rank as its one child
+with the task's environment and file descriptors unchanged (PMI_FD included), and waits:
+
+- the child killed by a signal: the parent prints the dead-rank line (`scalelab: rank 1 on n2
+  died (signal 9) during halo; job aborted after 0.8 s`, phase from the child's status page),
+  appends the `failed` record, and ends the step with `scancel JOB.STEP` so no rank hangs;
+- the child's one line (a refusal, a failure) comes to the parent as a note, as under
+  mpiexec: a refusal (every rank refuses alike) is printed by task 0 only;
+- the parent itself signalled (scancel, a time limit, the step ended by a dead peer): quiet.
+
+The parent does not start ranks (srun did); it is what torchrun's per-node agent is to its
+workers, for one worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from scalelab.comm import job_status, slurm
+from scalelab.orchestration import jobs
+
+if TYPE_CHECKING:
+    from scalelab.config import RunConfig
+
+CHILD_VAR = "SCALELAB_SRUN_CHILD"
+PEER_GRACE_S = 3.0
+WATCHED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCONT)
+
+
+def should_watch(launcher: str | None) -> bool:
+    """A multi-rank strategy started by srun as one of several tasks, not yet watched (and
+    not a rank of a launcher scalelab started itself)."""
+    return (
+        launcher is not None
+        and slurm.srun_launched()
+        and CHILD_VAR not in os.environ
+        and job_status.JOB_DIR_VAR not in os.environ
+        and not os.environ.get("SCALELAB_LAUNCHED")
+    )
+
+
+def watch(argv: list[str], cfg: RunConfig, results: Path | None) -> tuple[int, dict | None]:
+    """Run `scalelab ARGV` as this task's rank: (the task's exit code, the record the rank
+    handed over: task 0's)."""
+    folder = tempfile.mkdtemp(prefix="scalelab-task-")
+    env = {**os.environ, CHILD_VAR: "1", job_status.JOB_DIR_VAR: folder}
+    stopped: list[int] = []
+    previous = {s: signal.signal(s, lambda n, _f: stopped.append(n)) for s in WATCHED}
+    try:
+        # The child gets Slurm's signals itself (the step's processes are all signalled).
+        cmd = [sys.executable, "-m", "scalelab", *argv]
+        child = subprocess.Popen(cmd, env=env, close_fds=False)
+        code = child.wait()
+        outcome = _outcome(Path(folder), code, time.time(), stopped, cfg, results)
+        return outcome, jobs.handed_record(Path(folder))
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _outcome(
+    folder: Path, code: int, ended: float, stopped: list[int], cfg: RunConfig, results: Path | None
+) -> int:
+    rank = job_status.this_rank()
+    if code == 0:
+        return 0
+    if stopped:  # scancel, a time limit, or a dead peer's task ended the step: not ours to say
+        return 128 + stopped[0]
+    if code < 0:
+        host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+        line = jobs.dead_line((rank, host, -code), jobs.statuses(folder), ended)
+        _say(line)
+        if results is not None:
+            from scalelab.record import append_record, failed_record
+
+            append_record(results, failed_record(cfg, line.removeprefix("scalelab: ")))
+        _end_step()
+        return 1
+    notes = jobs.notes(folder)
+    if notes and notes[0][0] != 2:
+        # A rank that failed because a peer died (gloo's "connection closed"): the dead
+        # rank's task is cancelling the step and says why; give its signal time to come.
+        _wait_for(stopped, PEER_GRACE_S)
+        if stopped:
+            return 128 + stopped[0]
+    if notes and (notes[0][0] != 2 or rank == 0):
+        _say(notes[0][1])
+    return code
+
+
+def _wait_for(stopped: list[int], seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while not stopped and time.monotonic() < end:
+        time.sleep(0.05)
+
+
+def _say(line: str) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+def _end_step() -> None:
+    """The other ranks would wait for the dead one for ever: cancel this step (its tasks get
+    SIGTERM, then SIGKILL after KillWait)."""
+    step = f"{os.environ.get('SLURM_JOB_ID')}.{os.environ.get('SLURM_STEP_ID')}"
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        subprocess.run(["scancel", "--quiet", step], capture_output=True, timeout=60)
