@@ -98,8 +98,7 @@ def test_torchrun_ranks_nccl_ddp_pipeline_and_tensor(tmp_path):
         fp64 = {**INFER, **spec, "ranks": 2, "dtype": "fp64"}
         runs[f"{name}-nccl"] = {**fp64, "strategy": "nccl"}
         runs[f"{name}-pipe"] = {**fp64, "strategy": "pipeline", "stages": 2, "microbatches": 2}
-        runs[f"{name}-ddp"] = {**_train(name), "strategy": "ddp", "ranks": 2, "batch": 4,
-                               "global_batch": 8}  # fmt: skip
+        runs[f"{name}-ddp"] = {**_train(name), "strategy": "ddp", "ranks": 2, "batch": 8}
         runs[f"{name}-pipetrain"] = {**_train(name), "strategy": "pipeline", "ranks": 2,
                                      "stages": 2, "microbatches": 2}  # fmt: skip
     runs["mlp-tensor"] = {**INFER, **MODELS["mlp"], "strategy": "tensor", "engine": "torch",
