@@ -38,6 +38,11 @@ write_conf() {
   host=$(hostname -s)
   cat >"$CONF" <<EOF
 ClusterName=scalelab
+# Job ids start fresh with each cluster; MPICH names its shared-memory segments after the PMI
+# job and step, and a rank killed earlier leaves its segment in /dev/shm, so a later cluster's
+# job 5 met an old job 5's segment ("MPIDI_POSIX_comm_bootstrap: Out of memory"). Start the
+# ids where no earlier cluster on this host has been: seconds since the epoch, folded in range.
+FirstJobId=$(( $(date +%s) % 50000000 + 1000 ))
 SlurmctldHost=$host(127.0.0.1)
 SlurmctldPort=$CTLD_PORT
 SlurmUser=root
