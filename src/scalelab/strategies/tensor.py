@@ -120,12 +120,14 @@ class TensorParallel(OnMPIRanks):
             return "--engine torch"
         return None
 
-    def __new__(cls, cfg: RunConfig):
-        if cfg.engine == "torch":  # DTensor's ColwiseParallel/RowwiseParallel, under torchrun
+    @classmethod
+    def build(cls, cfg: RunConfig):
+        """DTensor's ColwiseParallel/RowwiseParallel under torchrun with --engine torch."""
+        if cfg.engine == "torch":
             from scalelab.strategies.tensor_dtensor import DTensorParallel
 
             return DTensorParallel(cfg)
-        return super().__new__(cls)
+        return cls(cfg)
 
     @classmethod
     def launcher_for(cls, cfg: RunConfig) -> str | None:
