@@ -41,7 +41,10 @@ def interpreted():
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-KERNELS = ("block1", "block1-vs-onehot", "conv1d", "layernorm", "epilogue2d", "lrn_pool2d")
+KERNELS = (
+    "block1", "block1-vs-onehot", "conv1d", "layernorm", "epilogue2d", "lrn_pool2d",
+    "space_to_depth",
+)  # fmt: skip
 
 
 @pytest.mark.parametrize("kernel", KERNELS)

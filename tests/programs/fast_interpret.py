@@ -29,6 +29,7 @@ from scalelab.fast.kernels import (  # noqa: E402
     epilogue2d,
     layernorm1d,
     lrn_pool2d,
+    space_to_depth,
 )
 
 CASES: list[dict] = []
@@ -131,6 +132,19 @@ def check_epilogue2d() -> None:
             record(f"{kernel} N{n} C{c} H{h} pool{pool} {dtype}", out, ref, tol)
 
 
+def check_space_to_depth() -> None:
+    """Against the torch copy (alexnet.s2d_input): images cropped (rows past 4 Hb unread) and
+    padded (blocks past the image read as 0); values 0..255 are exact in bf16, so equal."""
+    from scalelab.fast.alexnet import s2d_input
+
+    for (n, c, h), out_size, rb in (((2, 3, 23), 5, 3), ((1, 2, 30), 6, 2), ((3, 3, 17), 3, 3)):
+        x = torch.randint(0, 256, (n, c, h, h), dtype=torch.uint8)
+        out = space_to_depth.space_to_depth(x, out_size + rb - 1, 4, tile=64)
+        ref = s2d_input(x, out_size, rb)
+        assert out.shape == ref.shape and out.stride() == ref.stride()
+        record(f"space_to_depth N{n} C{c} H{h} out{out_size}", out, ref, 0.0)
+
+
 def check_pipeline(workload_name: str, **kw) -> dict:
     """The whole fast forward with its Triton kernels, against the float64 oracle."""
     from scalelab.config import RunConfig
@@ -156,6 +170,7 @@ def main() -> None:
     check_conv1d()
     check_layernorm()
     check_epilogue2d()
+    check_space_to_depth()
     pipelines = {"alexnet": check_pipeline("alexnet", image_size=67)}
     if "--charcnn" in sys.argv:
         pipelines["charcnn"] = check_pipeline("charcnn")

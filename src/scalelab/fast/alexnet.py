@@ -8,9 +8,10 @@
     fc    fc6 (columns permuted to the NHWC flatten) + ReLU, fc7 + ReLU, fc8
 
 The convolutions are cuDNN's (NHWC, bf16 in, fp32 accumulation); their epilogues are one Triton
-pass each instead of PyTorch's bias add, ReLU, ~6-kernel LRN and max-pool. c1 is offered two
+pass each instead of PyTorch's bias add, ReLU, ~6-kernel LRN and max-pool. c1 is offered three
 ways: directly (3 input channels, a poor fit for tensor cores) and as space-to-depth, a 3x3
-stride-1 conv over 4x4 pixel blocks with 48 channels (19% more FLOPs, all on tensor cores).
+stride-1 conv over 4x4 pixel blocks with 48 channels (19% more FLOPs, all on tensor cores),
+its input made by a torch copy or by one Triton pass (kernels/space_to_depth.py).
 """
 
 from __future__ import annotations
@@ -50,24 +51,27 @@ def s2d_weight(w: torch.Tensor, block: int = S2D) -> torch.Tensor:
 
 
 def s2d_input(x: torch.Tensor, out_size: int, rb: int, block: int = S2D) -> torch.Tensor:
-    """uint8 (N, C, H, W) -> bf16 (N, block^2 C, Hb, Hb) channels_last, Hb = out_size + rb - 1.
+    """uint8 (N, C, H, W) -> bf16 (N, block^2 C, Hb, Hb) channels_last, Hb = out_size + rb - 1,
+    pixel values 0..255 (exact in bf16; the 1/255 is folded into the weights).
 
     Rows past 4*Hb are never read by an output; missing rows are zero padding (only ever
-    multiplied by the zero taps of s2d_weight).
+    multiplied by the zero taps of s2d_weight). The permuted view and the conversion are one
+    strided copy (kernels/space_to_depth.py does the same in one coalesced pass).
     """
     n, c, h, w = x.shape
     hb = out_size + rb - 1
     rows = hb * block
     x = F.pad(x[:, :, :rows, :rows], (0, max(0, rows - w), 0, max(0, rows - h)))
-    x = x.reshape(n, c, hb, block, hb, block).permute(0, 2, 4, 3, 5, 1)  # (N, Hb, Hb, dy, dx, C)
-    x = (x.reshape(n, hb, hb, block * block * c).float() / 255).to(BF16)
-    return x.permute(0, 3, 1, 2)  # logical NCHW, channels_last storage
+    x6 = x.reshape(n, c, hb, block, hb, block).permute(0, 2, 4, 3, 5, 1)  # (N, Hb, Hb, dy, dx, C)
+    out = torch.empty(n, hb, hb, block, block, c, device=x.device, dtype=BF16)
+    out.copy_(x6)
+    return out.view(n, hb, hb, block * block * c).permute(0, 3, 1, 2)
 
 
 def _c1_stage(conv: nn.Conv2d, out_size: int) -> Stage:
     w = conv.weight.detach()
     w_cl = w.to(BF16).contiguous(memory_format=CL)
-    ws = s2d_weight(w).to(BF16).contiguous(memory_format=CL)
+    ws = (s2d_weight(w) / 255).to(BF16).contiguous(memory_format=CL)  # pixels stay 0..255
     rb = ws.shape[-1]
 
     def direct(x: torch.Tensor) -> torch.Tensor:
@@ -77,7 +81,19 @@ def _c1_stage(conv: nn.Conv2d, out_size: int) -> Stage:
     def space_to_depth(x: torch.Tensor) -> torch.Tensor:
         return F.conv2d(s2d_input(x, out_size, rb), ws, None)
 
-    return Stage("c1", [Candidate("cudnn-nhwc", direct), Candidate("cudnn-s2d", space_to_depth)])
+    def triton_space_to_depth(x: torch.Tensor) -> torch.Tensor:
+        from scalelab.fast.kernels.space_to_depth import space_to_depth as s2d
+
+        return F.conv2d(s2d(x, out_size + rb - 1, S2D), ws, None)
+
+    return Stage(
+        "c1",
+        [
+            Candidate("cudnn-nhwc", direct),
+            Candidate("cudnn-s2d", space_to_depth),
+            Candidate("triton-s2d", triton_space_to_depth, "space_to_depth"),
+        ],
+    )
 
 
 def _conv_stage(name: str, conv: nn.Conv2d) -> Stage:
