@@ -6,9 +6,11 @@ schedule's own lists, the replayed bubble against closed forms, and the one-line
 from __future__ import annotations
 
 import pytest
+import torch
+from torch import nn
 
 from scalelab.strategies.pipeline.torch_sim import replay, simulated_bubble
-from scalelab.strategies.pipeline.torch_stages import whole_backward_stages
+from scalelab.strategies.pipeline.torch_stages import OwnedOutput, whole_backward_stages
 from torchpp_helpers import check_training, torchrun
 
 
@@ -18,8 +20,10 @@ def test_every_schedule_trains_like_one_process():
     """deepstack, mlp and VGG-16 at 32x32 (64-wide heads), each of the 7 schedules on 2
     ranks: the weights after 2 steps equal one process's; each rank ran exactly the schedule's
     action list; inference through interleaved-1f1b and zbv gives the one-process logits.
-    The mlp in 4 stages (zero-bubble, zbv, dualpipev) starts with a parameter-free stage
-    [flatten, cast]: its fc1 stage trains only through torch_stages.whole_backward_stages."""
+    The mlp in 4 stages and VGG-16 under zbv start with a parameter-free stage: the next
+    stage trains only through torch_stages.whole_backward_stages; deepstack's split-backward
+    cuts end stage 1 at a view (flatten), which only torch_stages.OwnedOutput lets torch
+    detach."""
     results = torchrun(2, "pp")
     assert len(results) == 23
     assert not [r for r in results if "refused" in r]
@@ -43,6 +47,16 @@ def test_every_schedule_trains_like_one_process():
 )
 def test_stages_after_parameter_free_ones_run_the_whole_backward(holds, whole):
     assert whole_backward_stages(holds) == whole
+
+
+def test_a_stage_output_is_never_a_view():
+    x = torch.randn(2, 3, 1, 1, requires_grad=True)
+    out = OwnedOutput(nn.Flatten())(x)
+    assert not out._is_view() and torch.equal(out, x.flatten(1))
+    out.sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x))
+    y = torch.randn(2, 3)
+    assert OwnedOutput(nn.Identity())(y) is y  # no copy when the output is its own
 
 
 def test_replay_of_equal_stages_gives_the_textbook_bubble():

@@ -37,12 +37,16 @@ SHAPES = {
     "alexnet": {"image_size": 67, "num_classes": 10},
 }
 TRAIN = {"train": True, "train_size": 16, "heldout_size": 8, "momentum": 0.9, "steps": 2}
-# Explicit cuts (the others are --balance auto, timed, so they may move): both start with a
-# parameter-free stage, whose successor needs the whole backward under the split schedules
-# (torch_stages.whole_backward_stages); without it fc1 / conv1_1 never trained.
+# Explicit cuts (the others are --balance auto, timed, so they move with the machine's load):
+# - the mlp's and VGG-16's zbv cuts start with a parameter-free stage, whose successor needs
+#   the whole backward under the split schedules (torch_stages.whole_backward_stages);
+#   without it fc1 / conv1_1 never trained;
+# - deepstack's split-backward cuts end stage 1 at `flatten`, whose output is a view:
+#   torch's stage_backward_input detach_()es it and raised (torch_stages.OwnedOutput).
 BALANCE = {
     ("mlp", 4): "2,1,1,1",  # [flatten cast | fc1 | sigmoid | fc2]
     ("vgg16", "zbv"): "1,17,14,8",  # [cast | conv1_1 .. conv3_3 | .. | ..]
+    **{("deepstack", s): "6,3,4,3" for s in ("zero-bubble", "zbv", "dualpipev")},
 }
 PP_SCHEDULES = [
     "gpipe",

@@ -75,6 +75,25 @@ def _no_weight_step() -> Callable[[], None]:
     return lambda: None
 
 
+class OwnedOutput(nn.Module):
+    """A stage piece whose output is never a view of another tensor (a copy when it is one).
+
+    Under the split backward, torch 2.13's stage_backward_input (_backward.py) ends with
+    `t.detach_()` on every stage output, which raises "Can't detach views in-place" when the
+    output is a view: a cut ending at `flatten` ([N, C, 1, 1] -> [N, C]) did that. The auto
+    balancer is timed, so such a cut came and went with the machine's load: the rank raised,
+    left, and its peer reported gloo's "Connection closed by peer" mid-schedule. The copy is
+    the size of the activation the stage sends anyway; the parameters are the piece's own."""
+
+    def __init__(self, piece: nn.Module) -> None:
+        super().__init__()
+        self.piece = piece
+
+    def forward(self, *args: Any) -> Any:
+        out = self.piece(*args)
+        return out.clone() if isinstance(out, torch.Tensor) and out._is_view() else out
+
+
 def virtual_stages(schedule: str, requested: int) -> int:
     if schedule in V_SHAPE:
         if requested not in (1, 2):
@@ -170,9 +189,12 @@ def build_pass(
     """Fresh PipelineStages over the pieces (shapes are learnt per size) and the schedule;
     torch's refusals (a micro-batch count a schedule cannot take) become one-line errors.
     The stages in `whole_backward` run their whole backward in one action
-    (whole_backward_stages says why)."""
+    (whole_backward_stages says why); under the split backward every stage but the last
+    hands on an output of its own (OwnedOutput says why)."""
+    split = name in SPLIT_BACKWARD
     stages = [
-        PipelineStage(mod, i, n_stages, device, group=group,
+        PipelineStage(OwnedOutput(mod) if split and i < n_stages - 1 else mod, i, n_stages,
+                      device, group=group,
                       dw_builder=_no_weight_step if i in whole_backward else None)
         for i, mod in pieces.items()
     ]  # fmt: skip
