@@ -17,6 +17,11 @@ The record's `pipeline` field carries what the hand engine's does (per-stage tim
 measured and simulated, timelines) plus engine, virtual stages and the mesh: the simulation
 replays the schedule's own action lists with the measured per-stage times
 (strategies/pipeline/torch_sim.py).
+
+Two gaps of torch 2.13's split backward (zero-bubble, zbv, dualpipev) are closed in
+torch_stages.py with torch's own API: a stage after parameter-free stages runs its whole
+backward (whole_backward_stages: PipelineStage's dw_builder), and a stage output is never a
+view (OwnedOutput). Every schedule trains any cut like one process.
 """
 
 from __future__ import annotations
