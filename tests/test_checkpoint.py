@@ -292,16 +292,26 @@ def test_serial_kill_and_resume_is_bitwise(tmp_path):
 
 
 @pytest.mark.mpi
-def test_pipeline_kill_and_resume_is_bitwise(tmp_path):
-    """2 stages on gloo with momentum (each stage's optimizer buffers travel in the
-    checkpoint): stage 1 SIGKILLed before its 8th step, resumed from step 6."""
+@pytest.mark.parametrize(
+    "engine",
+    [
+        ["--balance", "7,7"],
+        # torch's ZBV schedule: each rank holds 2 of the 4 stages (0 and 3, 1 and 2), whose
+        # parameters and momentum buffers travel through torch_state.export_state.
+        ["--engine", "torch", "--schedule", "zbv", "--balance", "4,3,4,3"],
+    ],
+    ids=["scalelab", "torch-zbv"],
+)
+def test_pipeline_kill_and_resume_is_bitwise(tmp_path, engine):
+    """2 ranks on gloo with momentum (each stage's optimizer buffers travel in the
+    checkpoint): rank 1 SIGKILLed before its 8th step, resumed from step 6."""
     from programs.train_helpers import launcher
 
     args = [
         "run", "deepstack", "--strategy", "pipeline", "--ranks", "2", "--train",
         "--image-size", "8", "--convs", "3", "--fcs", "1", "--num-classes", "10",
         "--batch", "8", "--microbatches", "2", "--train-size", "40", "--heldout-size", "8",
-        "--epochs", "2", "--lr", "0.05", "--momentum", "0.9", "--balance", "7,7",
+        "--epochs", "2", "--lr", "0.05", "--momentum", "0.9", *engine,
         "--threads", "1", "--quiet",
     ]  # fmt: skip
     whole, resumed, state = _kill_and_resume(tmp_path, args, 8, 1, launcher("torchrun", 2), 6)

@@ -17,6 +17,11 @@ The record's `pipeline` field carries what the hand engine's does (per-stage tim
 measured and simulated, timelines) plus engine, virtual stages and the mesh: the simulation
 replays the schedule's own action lists with the measured per-stage times
 (strategies/pipeline/torch_sim.py).
+
+Two gaps of torch 2.13's split backward (zero-bubble, zbv, dualpipev) are closed in
+torch_stages.py with torch's own API: a stage after parameter-free stages runs its whole
+backward (whole_backward_stages: PipelineStage's dw_builder), and a stage output is never a
+view (OwnedOutput). Every schedule trains any cut like one process.
 """
 
 from __future__ import annotations
@@ -37,13 +42,13 @@ from scalelab.strategies.mesh import Layout, MeshGroups
 from scalelab.strategies.pipeline.torch_report import RunLog, torch_pipeline_notes
 from scalelab.strategies.pipeline.torch_stages import (
     NO_EVAL,
-    SPLIT_BACKWARD,
     Clock,
     Pass,
     build_pass,
     micro_for,
     stage_ids,
     virtual_stages,
+    whole_backward_stages,
 )
 from scalelab.strategies.torchdist_base import TorchDistStrategy
 from scalelab.train.loop import GlobalBatches, TorchStep, TrainPlan, require_labels, run_training
@@ -106,7 +111,10 @@ class TorchPipeline(TorchDistStrategy):
         """This rank's pieces of the cut on the device; passes are built per size on use."""
         self.counts = counts
         bounds = part.bounds(counts)
-        self._refuse_split_backward_without_parameters(bounds)
+        self.whole_backward = whole_backward_stages(
+            [any(p.numel() for lay in self.layers[slice(*b)] for p in lay.module.parameters())
+             for b in bounds]
+        )  # fmt: skip
         ids = stage_ids(self.cfg.schedule, self.groups.inner_rank, self.cfg.stages, self.v)
         for piece in getattr(self, "pieces", {}).values():
             piece.to("cpu")
@@ -117,23 +125,6 @@ class TorchPipeline(TorchDistStrategy):
             for i in sorted(ids)
         }
         self.passes: dict[tuple[int, bool], Pass] = {}
-
-    def _refuse_split_backward_without_parameters(self, bounds: list[tuple[int, int]]) -> None:
-        """torch 2.13's split backward (input, then weight gradients) trained a cut with
-        parameter-free stages differently from one process (mlp in 4 stages: weights off by
-        2.6e-3 to 6.2e-3 after 2 steps; cuts whose stages all hold parameters agree to 1e-17),
-        so such a cut is refused rather than trained wrong. Every rank sees the same cut."""
-        if not self.cfg.train or self.cfg.schedule not in SPLIT_BACKWARD:
-            return
-        for i, (lo, hi) in enumerate(bounds):
-            if not any(p.numel() for lay in self.layers[lo:hi] for p in lay.module.parameters()):
-                names = ", ".join(lay.name for lay in self.layers[lo:hi]) or "nothing"
-                raise UsageError(
-                    f"--schedule {self.cfg.schedule} splits the backward into input and weight "
-                    f"gradients, which trains a stage without parameters wrongly in torch "
-                    f"{torch.__version__.split('+')[0]}; stage {i} holds only {names}: use "
-                    f"fewer --stages/--virtual-stages or gpipe, 1f1b, interleaved-1f1b"
-                )
 
     def _rebalance(self, sample: torch.Tensor) -> None:
         """--rebalance R: time each stage in a real pipelined pass, re-cut the profile fitted
@@ -169,7 +160,7 @@ class TorchPipeline(TorchDistStrategy):
             loss = self._loss if key[1] else None
             self.passes[key] = build_pass(
                 self.cfg.schedule, self.pieces, self.n_stages, self.device,
-                self.groups.inner_group, micro, loss, self.clock,
+                self.groups.inner_group, micro, loss, self.clock, self.whole_backward,
             )  # fmt: skip
         return self.passes[key]
 

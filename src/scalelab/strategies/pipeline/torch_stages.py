@@ -53,6 +53,47 @@ NO_EVAL = ("zero-bubble", "zbv", "dualpipev")
 SPLIT_BACKWARD = NO_EVAL  # the schedules that run backward as input, then weight gradients
 
 
+def whole_backward_stages(holds_parameters: list[bool]) -> frozenset[int]:
+    """The stages (after stage 0) whose input does not require a gradient: every stage before
+    them holds no parameters, so the activation they receive carries requires_grad=False
+    (PipelineStage takes it from the sender's first output).
+
+    torch 2.13's split backward skips their weights: stage_backward_input (_backward.py)
+    groups a stage's parameters by the autograd nodes joining them to the stage's inputs, and
+    finds none when no input requires a gradient, so stage_backward_weight has nothing to
+    differentiate and the parameters keep grad None; PipelineStage.backward_weight_one_chunk
+    (stage.py) falls back to the whole backward for stage_index 0 only (its TODO says so).
+    Such a stage is given PipelineStage's own dw_builder (a no-op weight step), with which
+    its I action runs the whole backward (stage_backward) and its W action nothing: nothing
+    waits on its input gradient, which does not exist. The mlp cut [flatten cast | fc1 |
+    sigmoid | fc2] left fc1 untrained (weights off by 2.6e-3 to 6.2e-3 after 2 steps)."""
+    first = next((i for i, holds in enumerate(holds_parameters) if holds), 0)
+    return frozenset(range(1, first + 1))
+
+
+def _no_weight_step() -> Callable[[], None]:
+    return lambda: None
+
+
+class OwnedOutput(nn.Module):
+    """A stage piece whose output is never a view of another tensor (a copy when it is one).
+
+    Under the split backward, torch 2.13's stage_backward_input (_backward.py) ends with
+    `t.detach_()` on every stage output, which raises "Can't detach views in-place" when the
+    output is a view: a cut ending at `flatten` ([N, C, 1, 1] -> [N, C]) did that. The auto
+    balancer is timed, so such a cut came and went with the machine's load: the rank raised,
+    left, and its peer reported gloo's "Connection closed by peer" mid-schedule. The copy is
+    the size of the activation the stage sends anyway; the parameters are the piece's own."""
+
+    def __init__(self, piece: nn.Module) -> None:
+        super().__init__()
+        self.piece = piece
+
+    def forward(self, *args: Any) -> Any:
+        out = self.piece(*args)
+        return out.clone() if isinstance(out, torch.Tensor) and out._is_view() else out
+
+
 def virtual_stages(schedule: str, requested: int) -> int:
     if schedule in V_SHAPE:
         if requested not in (1, 2):
@@ -143,10 +184,20 @@ def build_pass(
     micro: int,
     loss_fn: Callable | None,
     clock: Clock,
+    whole_backward: frozenset[int] = frozenset(),
 ) -> Pass:
     """Fresh PipelineStages over the pieces (shapes are learnt per size) and the schedule;
-    torch's refusals (a micro-batch count a schedule cannot take) become one-line errors."""
-    stages = [PipelineStage(mod, i, n_stages, device, group=group) for i, mod in pieces.items()]
+    torch's refusals (a micro-batch count a schedule cannot take) become one-line errors.
+    The stages in `whole_backward` run their whole backward in one action
+    (whole_backward_stages says why); under the split backward every stage but the last
+    hands on an output of its own (OwnedOutput says why)."""
+    split = name in SPLIT_BACKWARD
+    stages = [
+        PipelineStage(OwnedOutput(mod) if split and i < n_stages - 1 else mod, i, n_stages,
+                      device, group=group,
+                      dw_builder=_no_weight_step if i in whole_backward else None)
+        for i, mod in pieces.items()
+    ]  # fmt: skip
     for stage in stages:
         clock.wrap(stage)
     cls = SCHEDULES[name]
