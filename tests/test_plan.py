@@ -45,7 +45,8 @@ def figures() -> Figures:
 def test_inference_candidates_cover_every_split_and_core_layout():
     cfgs = cand.candidates(spec())
     labels = {label(c) for c in cfgs}
-    assert {c.strategy for c in cfgs} == {"mpi", "pipeline"}
+    assert {c.strategy for c in cfgs} == {"mpi", "pipeline", "tensor"}  # tensor: DTensor
+    assert {c.engine for c in cfgs if c.strategy == "tensor"} == {"torch"}
     for split in ("batch", "spatial", "broadcast"):
         assert f"mpi --ranks 2 --split {split} --threads 1 --batch 32" in labels
     assert "mpi --ranks 1 --split batch --threads 2 --batch 32" in labels

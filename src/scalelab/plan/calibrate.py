@@ -37,11 +37,14 @@ from scalelab.record import append_record
 
 def needed_batch(cfg: RunConfig) -> int:
     """Items one rank computes at once under cfg (the batch its compute law is read at)."""
+    replica = max(1, cfg.batch // max(1, cfg.dp))  # --dp D: each replica B / D items
     if cfg.strategy == "pipeline":
-        return max(1, cfg.batch // min(cfg.microbatches, cfg.batch))
+        return max(1, replica // min(cfg.microbatches, replica))
     if cfg.strategy == "ddp":
         return max(cfg.batch // cfg.ranks, 1)
-    if cfg.strategy == "tensor" or cfg.split in ("spatial", "broadcast"):
+    if cfg.strategy == "tensor":
+        return replica
+    if cfg.split in ("spatial", "broadcast"):
         return cfg.batch
     return math.ceil(cfg.batch / cfg.ranks)
 

@@ -1,4 +1,5 @@
-"""`scalelab plan WORKLOAD --ranks-max N`: every way scalelab could run the workload on this
+"""`scalelab plan WORKLOAD --ranks-max N` (or `--model MODULE:FACTORY --input-shape ...`,
+your own network): every way scalelab could run the workload on this
 hardware, predicted by the calibrated model and ranked; `--calibrate-missing` measures what
 the ranking lacks first, `--verify K` measures the top K and the plain choice and reports
 the regret. The method: scalelab.plan (docs/PLAN.md).
@@ -12,7 +13,12 @@ import os
 from pathlib import Path
 
 from scalelab.cli.base import COMMANDS, Command
-from scalelab.cli.options import add_config_options, config_from_args
+from scalelab.cli.options import (
+    add_config_options,
+    add_workload_argument,
+    config_from_args,
+    workload_name,
+)
 from scalelab.errors import UsageError
 
 DEFAULT_OUT = Path("scalelab-results") / "plan"
@@ -23,7 +29,7 @@ SHOWN = ["rank", "candidate", "ms", "throughput", "efficiency", "mem_MiB", "bott
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("workload", help="workload to plan (scalelab list)")
+    add_workload_argument(p)  # or --model MODULE:FACTORY [--model-arg K=V] --input-shape
     p.add_argument("--ranks-max", type=int, required=True, help="most ranks a candidate may use")
     p.add_argument(
         "--gpus-per-node",
@@ -127,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
 def _spec(args: argparse.Namespace, figures):
     from scalelab.plan.space import PlanSpec
 
-    base = config_from_args(args, workload=args.workload)
+    base = config_from_args(args, workload=workload_name(args))
     cores = int((figures.data.get("machine") or {}).get("cpu_cores") or os.cpu_count() or 1)
     per_node = args.gpus_per_node or (8 if base.device == "cuda" else cores)
     if args.ranks_max > per_node * args.nodes:
