@@ -45,7 +45,10 @@ def label(cfg: RunConfig) -> str:
         value = getattr(cfg, knob)
         if knob == "split" and cfg.strategy not in SPLIT_STRATEGIES:
             continue
-        if knob == "split" or (value != getattr(default, knob) and value is not None):
+        if knob == "stages" and cfg.strategy != "pipeline":
+            continue
+        always = knob == "split" or (knob == "stages" and cfg.strategy == "pipeline")
+        if always or (value != getattr(default, knob) and value is not None):
             flag = "--" + knob.replace("_", "-")
             parts.append(flag if value is True else f"{flag} {value}")
     return " ".join(parts)

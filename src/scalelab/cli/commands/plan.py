@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
+import time
 from pathlib import Path
 
 from scalelab.cli.base import COMMANDS, Command
@@ -183,7 +185,7 @@ def _calibrate(spec, pool, cfgs, args, out: Path):
         def run(cfg):
             return measure(cfg, scratch, args.timeout)
 
-        echo = lambda line: print(line, flush=True)  # noqa: E731
+        echo = Progress("calibrate", len(todo) * args.repeats)
         measure_medians(todo, out / "calibration.jsonl", args.repeats, run, echo)
     return _pool(args.calibrate, out)
 
@@ -225,6 +227,21 @@ def _print_plan(spec, ranked, ceilings: str) -> None:
               "--calibrate-missing measures what they need")  # fmt: skip
 
 
+class Progress:
+    """One stderr line per measured run: the phase, run i of n, seconds since the phase began,
+    and the run's own line (round, candidate, throughput); stdout keeps the tables."""
+
+    def __init__(self, phase: str, total: int) -> None:
+        self.phase, self.total, self.done = phase, total, 0
+        self.start = time.perf_counter()
+
+    def __call__(self, line: str) -> None:
+        self.done += 1
+        elapsed = time.perf_counter() - self.start
+        head = f"plan: {self.phase} {self.done}/{self.total}, {elapsed:.0f} s:"
+        print(f"{head} {line.strip()}", file=sys.stderr, flush=True)
+
+
 def _verify(spec, ranked, args, out: Path) -> dict:
     from scalelab.plan.candidates import plain
     from scalelab.plan.verify import picks, runner, verify
@@ -232,7 +249,7 @@ def _verify(spec, ranked, args, out: Path) -> dict:
     chosen = picks(ranked, args.verify, plain(spec))
     print(f"verify: {len(chosen)} candidate(s) x {args.repeats} runs, interleaved", flush=True)
     run = runner(out / "verify.jsonl", args.timeout)
-    v = verify(chosen, args.repeats, run, echo=lambda line: print(line, flush=True))
+    v = verify(chosen, args.repeats, run, echo=Progress("verify", len(chosen) * args.repeats))
     print(v.table.to_string(index=False, float_format="{:.4g}".format))
     for failure in v.failures:
         print(f"  failed: {failure}")
