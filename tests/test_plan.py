@@ -349,16 +349,15 @@ def test_mlp_training_plan_on_mnist_is_proved_on_this_host(cli, tmp_path, mnist_
 
 @pytest.mark.slow
 def test_a_user_models_plan_is_proved_on_this_host(cli, tmp_path):
-    # rescnn at 3x16x16, 2 items: every run is mostly process start-up, so the candidates are
+    # rescnn at 3x32x32, 2 items: every run is mostly process start-up, so the candidates are
     # few (batch 2 leaves one micro-batch count) and every strategy that applies is measured
     summary, out = _plan(cli, tmp_path, "--model", RESCNN, "--model-arg", "width=8",
-                         "--model-arg", "blocks=1", "--input-shape", "3,16,16", "--batch", "2",
+                         "--model-arg", "blocks=1", "--input-shape", "3,32,32", "--batch", "2",
                          "--iters", "5", "--warmup", "1")  # fmt: skip
     rows = {r["candidate"]: r for r in summary["rows"]}
     assert any(c.startswith("mpi --ranks 2 --split spatial") for c in rows)
-    assert rows["tensor --ranks 2 --threads 1 --engine torch --tp 2"]["status"].startswith(
-        "does not apply: tensor: nothing to shard: fc is the last Linear"
-    )
+    dtensor = rows["tensor --ranks 2 --threads 1 --batch 2 --engine torch --tp 2"]["status"]
+    assert dtensor.startswith("does not apply: tensor: nothing to shard: fc is the last Linear")
     _assert_regret(summary, out)
     v = summary["verify"]
     chosen = next(r for r in v["rows"] if r["candidate"] == v["chosen"])
@@ -366,7 +365,7 @@ def test_a_user_models_plan_is_proved_on_this_host(cli, tmp_path):
     for rec in map(json.loads, (out / "verify.jsonl").read_text().splitlines()):
         cfg = rec["config"]  # measured as the same model: the flags reached the runs
         assert (cfg["model"], cfg["model_arg"], cfg["input_shape"]) == (
-            RESCNN, ["width=8", "blocks=1"], "3,16,16")  # fmt: skip
+            RESCNN, ["width=8", "blocks=1"], "3,32,32")  # fmt: skip
 
 
 # --- output ---------------------------------------------------------------------------------
