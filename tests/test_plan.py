@@ -148,6 +148,10 @@ def test_a_user_model_left_out_where_its_strategy_refuses_it_names_the_layer(tmp
     pipe = [v for k, v in why.items() if k.startswith("pipeline")]
     assert pipe and all("pipeline: cannot cut the model into stages" in v for v in pipe)
     assert why["mpi --ranks 2 --split batch --threads 1"] == OK
+    from scalelab.plan.calibrate import missing
+
+    todo = missing(s, Pool(), cand.candidates(s), 2)  # no one-rank spatial run for it
+    assert todo and all(c.split == "batch" and c.ranks == 1 for c in todo)
 
 
 def test_a_user_models_candidates_round_trip_through_the_run_command_line():

@@ -28,6 +28,7 @@ import numpy as np
 
 from scalelab.config import RunConfig
 from scalelab.orchestration.sweep import Point, run_point, slow_note
+from scalelab.plan.applies import refusal
 from scalelab.plan.space import PlanSpec
 from scalelab.predict.calibration import Pool
 from scalelab.predict.figures import Figures
@@ -62,9 +63,11 @@ def one_rank(spec: PlanSpec, cfg: RunConfig, batch: int, split: str = "batch") -
 
 
 def missing(spec: PlanSpec, pool: Pool, cfgs: list[RunConfig], per_node: int) -> list[RunConfig]:
-    """The measurements (see the module docstring) that no point in the pool stands for."""
+    """The measurements (see the module docstring) that no point in the pool stands for,
+    for the candidates that would start (a refused one needs none: a user's model with no
+    convolution trunk gets no one-rank spatial run)."""
     fams: dict[tuple, list[RunConfig]] = {}
-    for cfg in cfgs:
+    for cfg in [c for c in cfgs if refusal(c) is None]:
         fams.setdefault(Scenario(cfg, cfg.ranks, per_node).family(), []).append(cfg)
     todo: list[RunConfig] = []
     for fam, members in fams.items():
