@@ -169,6 +169,17 @@ def test_a_user_models_candidates_round_trip_through_the_run_command_line():
         assert config_from_args(args, workload=workload_name(args)) == cfg, label(cfg)
 
 
+def test_each_candidate_is_measured_under_its_own_launcher(tmp_path):
+    from scalelab.orchestration.sweep import Point, command
+
+    s = PlanSpec(base=RunConfig(workload="mlp", train=True), ranks_max=2, per_node=2, cores=2,
+                 global_batch=8, strategies=("tensor", "tensor-torch"))  # fmt: skip
+    launched = {c.engine: command(Point(0, {}, c), tmp_path / "r.jsonl")[0]
+                for c in cand.candidates(s) if c.ranks == 2}  # fmt: skip
+    assert "torch.distributed.run" in launched["torch"]  # DTensor: torchrun, as `run` does
+    assert "torch.distributed.run" not in launched["scalelab"]  # the MPI split: mpiexec
+
+
 # --- memory ---------------------------------------------------------------------------------
 def test_memory_per_rank_matches_the_cost_table():
     cfg = RunConfig(workload="alexnet", image_size=67, strategy="mpi", ranks=2, batch=32)

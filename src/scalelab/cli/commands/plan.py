@@ -26,7 +26,8 @@ from scalelab.errors import UsageError
 DEFAULT_OUT = Path("scalelab-results") / "plan"
 # Flags the planner chooses itself (the rest of `scalelab run`'s flags fix the workload).
 CHOSEN = {"ranks", "strategy", "split", "threads", "global_batch", "dtype", "amp", "stages",
-          "microbatches", "schedule", "nonblocking", "bucket_mb", "grad_compress"}  # fmt: skip
+          "microbatches", "schedule", "nonblocking", "bucket_mb", "grad_compress", "engine",
+          "virtual_stages", "dp", "tp"}  # fmt: skip
 SHOWN = ["rank", "candidate", "ms", "throughput", "efficiency", "mem_MiB", "bottleneck", "basis"]
 
 
