@@ -266,7 +266,9 @@ def command(point: Point, results: Path) -> tuple[list[str], dict[str, str] | No
     started straight under mpiexec / torchrun when its strategy needs ranks (what `scalelab
     run --ranks N` would do itself, minus one Python process per point)."""
     run = ["-m", "scalelab", *point.argv(), "--out", str(results)]
-    launcher = STRATEGIES.get(point.config.strategy).launcher
+    strategy = STRATEGIES.get(point.config.strategy)
+    pick = getattr(strategy, "launcher_for", None)  # tensor: mpiexec, or torchrun for DTensor
+    launcher = pick(point.config) if pick is not None else strategy.launcher
     ranks = point.config.ranks
     if launcher is None or ranks == 1:
         return [sys.executable, *run], None

@@ -28,6 +28,7 @@ import numpy as np
 
 from scalelab.config import RunConfig
 from scalelab.orchestration.sweep import Point, run_point, slow_note
+from scalelab.plan.applies import refusal
 from scalelab.plan.space import PlanSpec
 from scalelab.predict.calibration import Pool
 from scalelab.predict.figures import Figures
@@ -37,11 +38,14 @@ from scalelab.record import append_record
 
 def needed_batch(cfg: RunConfig) -> int:
     """Items one rank computes at once under cfg (the batch its compute law is read at)."""
+    replica = max(1, cfg.batch // max(1, cfg.dp))  # --dp D: each replica B / D items
     if cfg.strategy == "pipeline":
-        return max(1, cfg.batch // min(cfg.microbatches, cfg.batch))
+        return max(1, replica // min(cfg.microbatches, replica))
     if cfg.strategy == "ddp":
         return max(cfg.batch // cfg.ranks, 1)
-    if cfg.strategy == "tensor" or cfg.split in ("spatial", "broadcast"):
+    if cfg.strategy == "tensor":
+        return replica
+    if cfg.split in ("spatial", "broadcast"):
         return cfg.batch
     return math.ceil(cfg.batch / cfg.ranks)
 
@@ -59,9 +63,11 @@ def one_rank(spec: PlanSpec, cfg: RunConfig, batch: int, split: str = "batch") -
 
 
 def missing(spec: PlanSpec, pool: Pool, cfgs: list[RunConfig], per_node: int) -> list[RunConfig]:
-    """The measurements (see the module docstring) that no point in the pool stands for."""
+    """The measurements (see the module docstring) that no point in the pool stands for,
+    for the candidates that would start (a refused one needs none: a user's model with no
+    convolution trunk gets no one-rank spatial run)."""
     fams: dict[tuple, list[RunConfig]] = {}
-    for cfg in cfgs:
+    for cfg in [c for c in cfgs if refusal(c) is None]:
         fams.setdefault(Scenario(cfg, cfg.ranks, per_node).family(), []).append(cfg)
     todo: list[RunConfig] = []
     for fam, members in fams.items():

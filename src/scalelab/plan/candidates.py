@@ -2,8 +2,18 @@
 name. A source turns a PlanSpec into the RunConfigs that strategy could run it with (ranks,
 threads, split, per-rank batch, precision, and its own knobs); sources that do not apply
 (inference-only splits for a training plan, GPU knobs on CPUs) yield nothing. New ways to run
-(a user's `--model`, the torch engine's schedules, tp and dp degrees) plug in as new sources:
-`@SOURCES.register("name", "what it varies")` over a function PlanSpec -> Iterator[RunConfig].
+plug in as new sources: `@SOURCES.register("name", "what it varies")` over a function
+PlanSpec -> Iterator[RunConfig]. A user's `--model` needs no source of its own: its base
+config carries --model/--model-arg/--input-shape into every candidate, and a strategy its
+model cannot run under is left out with that strategy's own refusal (applies.py).
+
+    mpi / nccl       inference splits (batch, spatial, broadcast) x ranks x threads
+    mpi-dp, ddp      data-parallel training
+    pipeline         scalelab's engine: stages x micro-batches x gpipe/1f1b
+    pipeline-torch   torch.distributed.pipelining (training): --dp D x --stages S,
+                     micro-batches, gpipe/1f1b/interleaved-1f1b (2 virtual stages per rank)
+    tensor           the mlp's hidden units over MPI (training)
+    tensor-torch     DTensor: --dp D x --tp N, inference and training
 
 The planner ranks whatever the sources yield; filtering (memory, topology, what the strategy
 model calls not runnable) happens after, in rank.py, so every dropped candidate says why.
@@ -121,6 +131,41 @@ def pipeline(spec: PlanSpec) -> Iterator[RunConfig]:
                 if spec.gpu:
                     knobs["compile"] = True  # each stage compiled: the pipeline's fast path
                 yield _config(spec, "pipeline", ranks, threads, p, **knobs)
+
+
+# torch's schedules with the virtual stages per rank each takes (interleaved: 2 per rank)
+TORCH_SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2))
+
+
+def _meshes(ranks: int) -> list[tuple[int, int]]:
+    """(dp, inner) with dp x inner = ranks and an inner group of at least 2 ranks."""
+    return [(ranks // k, k) for k in range(2, ranks + 1) if ranks % k == 0]
+
+
+@SOURCES.register(
+    "pipeline-torch",
+    "training: torch.distributed.pipelining, --dp x --stages, gpipe/1f1b/interleaved-1f1b",
+)
+def pipeline_torch(spec: PlanSpec) -> Iterator[RunConfig]:
+    if not spec.base.train:
+        return
+    for ranks, threads, p in _each(spec, least=2):
+        batch = spec.batch_of(ranks)
+        for dp, stages in _meshes(ranks):
+            for m in sorted({stages, 2 * stages, 4 * stages}):
+                if batch % (dp * m):  # torch's stages fix the micro-batch shape
+                    continue
+                for schedule, v in TORCH_SCHEDULES:
+                    knobs = {"engine": "torch", "stages": stages, "dp": dp, "microbatches": m,
+                             "schedule": schedule, "virtual_stages": v}  # fmt: skip
+                    yield _config(spec, "pipeline", ranks, threads, p, **knobs)
+
+
+@SOURCES.register("tensor-torch", "DTensor tensor parallelism: --dp x --tp over Linear pairs")
+def tensor_torch(spec: PlanSpec) -> Iterator[RunConfig]:
+    for ranks, threads, p in _each(spec, least=2):
+        for dp, tp in _meshes(ranks):
+            yield _config(spec, "tensor", ranks, threads, p, engine="torch", tp=tp, dp=dp)
 
 
 @SOURCES.register("tensor", "mlp training: hidden units split over MPI ranks")

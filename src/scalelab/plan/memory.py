@@ -7,7 +7,9 @@ backward) at the rank's share of the model and of the batch.
     broadcast split                              all parameters, all B items
     pipeline, K stages                           1/K of parameters and activations
                                                  (every micro-batch of the step in flight)
-    tensor                                       1/N of parameters and activations
+    tensor, N ranks                              1/N of parameters and activations
+    --dp D replicas of K stages or N tp ranks    1/K or 1/N of the parameters, B / D items
+                                                 per replica shared as above
 
 Inference keeps weights only (no gradients or optimizer state). An estimate, not a
 measurement: allocator slack, workspace and the framework's own memory are not counted.
@@ -27,7 +29,8 @@ def rank_share(cfg: RunConfig) -> tuple[float, float]:
     n = cfg.ranks
     batch = cfg.batch  # all ranks together, for every strategy
     if cfg.strategy in ("pipeline", "tensor"):
-        return 1 / n, batch / n
+        inner = max(1, n // max(1, cfg.dp))  # stages or tp ranks of one replica
+        return 1 / inner, batch / n
     if cfg.split == "spatial" and cfg.strategy in ("mpi", "mpi-gpu", "nccl"):
         return 1.0, batch / n
     if cfg.split == "broadcast" and cfg.strategy in ("mpi", "mpi-gpu", "nccl"):

@@ -1,6 +1,8 @@
 """Every candidate predicted by the calibrated model (scalelab.predict) and ranked.
 
-A candidate is dropped from the ranking, with the reason kept in its row, when the strategy
+A candidate is dropped from the ranking, with the reason kept in its row, when `scalelab run`
+would refuse it before launching (applies.py: the strategy's or the workload's own line, e.g.
+the layer a user's model cannot be cut or split at), when the strategy
 model calls it not runnable (more ranks than items, a slab thinner than a halo, ...), when
 its estimated bytes per rank exceed --memory-per-device (memory.py), or when the model lacks
 a measured figure it needs (the row names the figure and the command that measures it).
@@ -19,6 +21,7 @@ import pandas as pd
 
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
+from scalelab.plan.applies import refusal
 from scalelab.plan.memory import device_bytes
 from scalelab.plan.space import PlanSpec
 from scalelab.predict.frame import bound, predict_one
@@ -27,7 +30,8 @@ from scalelab.predict.scenario import Prediction, Scenario
 
 # Knobs shown in a candidate's label, in this order (strategy and ranks come first).
 KNOBS = ("split", "threads", "batch", "dtype", "amp", "nonblocking", "fast",
-         "compile", "bucket_mb", "grad_compress", "microbatches", "schedule")  # fmt: skip
+         "compile", "bucket_mb", "grad_compress", "engine", "stages", "microbatches",
+         "schedule", "virtual_stages", "dp", "tp")  # fmt: skip
 SPLIT_STRATEGIES = ("mpi", "mpi-gpu", "nccl")
 OK = "ok"
 
@@ -41,7 +45,10 @@ def label(cfg: RunConfig) -> str:
         value = getattr(cfg, knob)
         if knob == "split" and cfg.strategy not in SPLIT_STRATEGIES:
             continue
-        if knob == "split" or (value != getattr(default, knob) and value is not None):
+        if knob == "stages" and cfg.strategy != "pipeline":
+            continue
+        always = knob == "split" or (knob == "stages" and cfg.strategy == "pipeline")
+        if always or (value != getattr(default, knob) and value is not None):
             flag = "--" + knob.replace("_", "-")
             parts.append(flag if value is True else f"{flag} {value}")
     return " ".join(parts)
@@ -53,6 +60,9 @@ def scenario(spec: PlanSpec, cfg: RunConfig) -> Scenario:
 
 def predict(ctx: Context, spec: PlanSpec, cfg: RunConfig) -> tuple[Prediction | None, str]:
     """(prediction, status): status "ok", or why the candidate is out."""
+    refused = refusal(cfg)
+    if refused is not None:
+        return None, f"does not apply: {refused}"
     if spec.memory_per_device is not None and device_bytes(cfg) > spec.memory_per_device:
         need, have = device_bytes(cfg) / 2**20, spec.memory_per_device / 2**20
         return None, f"does not fit: {need:.0f} MiB per rank > {have:.0f} MiB"

@@ -25,6 +25,12 @@ MATCH_KEYS = (
     "compile",
     "fast",
     "swap_relu_pool",
+    # a user's model (--model): which module, its factory's arguments, one item's shape
+    "model",
+    "model_arg",
+    "input_shape",
+    "input_dtype",
+    "vocab",
 )
 
 

@@ -1,4 +1,5 @@
-"""`scalelab plan WORKLOAD --ranks-max N`: every way scalelab could run the workload on this
+"""`scalelab plan WORKLOAD --ranks-max N` (or `--model MODULE:FACTORY --input-shape ...`,
+your own network): every way scalelab could run the workload on this
 hardware, predicted by the calibrated model and ranked; `--calibrate-missing` measures what
 the ranking lacks first, `--verify K` measures the top K and the plain choice and reports
 the regret. The method: scalelab.plan (docs/PLAN.md).
@@ -9,21 +10,29 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
+import time
 from pathlib import Path
 
 from scalelab.cli.base import COMMANDS, Command
-from scalelab.cli.options import add_config_options, config_from_args
+from scalelab.cli.options import (
+    add_config_options,
+    add_workload_argument,
+    config_from_args,
+    workload_name,
+)
 from scalelab.errors import UsageError
 
 DEFAULT_OUT = Path("scalelab-results") / "plan"
 # Flags the planner chooses itself (the rest of `scalelab run`'s flags fix the workload).
 CHOSEN = {"ranks", "strategy", "split", "threads", "global_batch", "dtype", "amp", "stages",
-          "microbatches", "schedule", "nonblocking", "bucket_mb", "grad_compress"}  # fmt: skip
+          "microbatches", "schedule", "nonblocking", "bucket_mb", "grad_compress", "engine",
+          "virtual_stages", "dp", "tp"}  # fmt: skip
 SHOWN = ["rank", "candidate", "ms", "throughput", "efficiency", "mem_MiB", "bottleneck", "basis"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("workload", help="workload to plan (scalelab list)")
+    add_workload_argument(p)  # or --model MODULE:FACTORY [--model-arg K=V] --input-shape
     p.add_argument("--ranks-max", type=int, required=True, help="most ranks a candidate may use")
     p.add_argument(
         "--gpus-per-node",
@@ -127,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
 def _spec(args: argparse.Namespace, figures):
     from scalelab.plan.space import PlanSpec
 
-    base = config_from_args(args, workload=args.workload)
+    base = config_from_args(args, workload=workload_name(args))
     cores = int((figures.data.get("machine") or {}).get("cpu_cores") or os.cpu_count() or 1)
     per_node = args.gpus_per_node or (8 if base.device == "cuda" else cores)
     if args.ranks_max > per_node * args.nodes:
@@ -177,7 +186,7 @@ def _calibrate(spec, pool, cfgs, args, out: Path):
         def run(cfg):
             return measure(cfg, scratch, args.timeout)
 
-        echo = lambda line: print(line, flush=True)  # noqa: E731
+        echo = Progress("calibrate", len(todo) * args.repeats)
         measure_medians(todo, out / "calibration.jsonl", args.repeats, run, echo)
     return _pool(args.calibrate, out)
 
@@ -219,6 +228,21 @@ def _print_plan(spec, ranked, ceilings: str) -> None:
               "--calibrate-missing measures what they need")  # fmt: skip
 
 
+class Progress:
+    """One stderr line per measured run: the phase, run i of n, seconds since the phase began,
+    and the run's own line (round, candidate, throughput); stdout keeps the tables."""
+
+    def __init__(self, phase: str, total: int) -> None:
+        self.phase, self.total, self.done = phase, total, 0
+        self.start = time.perf_counter()
+
+    def __call__(self, line: str) -> None:
+        self.done += 1
+        elapsed = time.perf_counter() - self.start
+        head = f"plan: {self.phase} {self.done}/{self.total}, {elapsed:.0f} s:"
+        print(f"{head} {line.strip()}", file=sys.stderr, flush=True)
+
+
 def _verify(spec, ranked, args, out: Path) -> dict:
     from scalelab.plan.candidates import plain
     from scalelab.plan.verify import picks, runner, verify
@@ -226,7 +250,7 @@ def _verify(spec, ranked, args, out: Path) -> dict:
     chosen = picks(ranked, args.verify, plain(spec))
     print(f"verify: {len(chosen)} candidate(s) x {args.repeats} runs, interleaved", flush=True)
     run = runner(out / "verify.jsonl", args.timeout)
-    v = verify(chosen, args.repeats, run, echo=lambda line: print(line, flush=True))
+    v = verify(chosen, args.repeats, run, echo=Progress("verify", len(chosen) * args.repeats))
     print(v.table.to_string(index=False, float_format="{:.4g}".format))
     for failure in v.failures:
         print(f"  failed: {failure}")

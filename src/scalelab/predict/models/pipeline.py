@@ -33,7 +33,7 @@ from scalelab.planning.partition import (
     memory_model,
     parse_balance,
 )
-from scalelab.planning.schedule import simulate
+from scalelab.planning.schedule import SCHEDULES, simulate
 from scalelab.precision import get_precision
 from scalelab.predict.compute_model import ComputeModel, build_workload, roofline_layers
 from scalelab.predict.models.base import MODELS, Context, StrategyModel
@@ -114,6 +114,7 @@ class PipelineModel(StrategyModel):
 
     def predict(self, ctx: Context, s: Scenario) -> Prediction:
         """--dp D: D replicas of the S-stage pipeline (mesh2d.py)."""
+        unmodelled(s.cfg)
         return replicated(ctx, s, self._predict_stages, self.wire(s).backend)
 
     def _predict_stages(self, ctx: Context, s: Scenario) -> Prediction:
@@ -177,6 +178,19 @@ class PipelineModel(StrategyModel):
             f"slowest stage: rank {slow} of {s.ranks}, {names[a]}..{names[b - 1]}, "
             f"{seconds * 1e3:.3g} ms per micro-batch"
         )
+
+
+def unmodelled(cfg) -> None:
+    """Refuse what the simulation does not cover: it replays scalelab's own op lists (GPipe,
+    1F1B; torch's engine runs those same orders), one stage per rank. The other schedules'
+    orders are torch's (a live schedule object's pipeline_order), not simulated here."""
+    if cfg.schedule not in SCHEDULES:
+        raise UsageError(
+            f"predict simulates the {'/'.join(SCHEDULES)} schedules only; "
+            f"--schedule {cfg.schedule} has no model yet"
+        )
+    if cfg.virtual_stages > 1:
+        raise UsageError(f"predict has no model of --virtual-stages {cfg.virtual_stages} yet")
 
 
 def _at_batch(s: Scenario, batch: float) -> Scenario:
