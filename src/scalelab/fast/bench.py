@@ -33,6 +33,7 @@ from scalelab.config import RunConfig
 from scalelab.fast import accelerate, bench_check, stderr_log
 from scalelab.fast.timing import sync, time_calls
 from scalelab.fast.train import GraphStep
+from scalelab.instrument.progress import Progress
 from scalelab.oracle.check import relative_error
 from scalelab.precision import get_precision
 from scalelab.train.sources import batch_order, batch_slices
@@ -269,7 +270,10 @@ def bench_training(
 
 def _time_mode(out, key, fn, args, device, opts, workload, items) -> None:
     """Time fn over the rotating args into out["timing"][key] and say how fast it was."""
-    out["timing"][key] = _stats(time_calls(fn, args, device, opts["warmup"], opts["iters"]))
+    label = f"bench {workload.cfg.workload}: timing {PEER_NAMES.get(key, key)}"
+    runs = opts["warmup"] + opts["iters"]
+    bar = Progress(runs, label, enabled=not opts["quiet"])  # a line every few s of a slow mode
+    out["timing"][key] = _stats(time_calls(fn, args, device, opts["warmup"], opts["iters"], bar))
     _progress(opts, workload, key, items, out["timing"][key])
 
 
