@@ -114,12 +114,16 @@ class RunConfig:
         "L2 regularisation strength lambda: loss += lambda/2 * sum(W**2) over weight matrices.",
         section="train",
     )
-    train_size: int = opt(
-        8000,
-        "mlp: items in the seeded training split when only the MNIST test set is present.",
+    train_size: int | None = opt(
+        None,
+        "Items in the seeded training split (synthetic data, or a data set with one split; "
+        "None: the workload's, 8000, deepstack 256 since its items are 0.8 MB of noise).",
         section="workload",
     )
-    heldout_size: int = opt(2000, "mlp: items in the held-out split.", section="workload")
+    heldout_size: int | None = opt(
+        None, "Items in the held-out split (None: the workload's, 2000, deepstack 64).",
+        section="workload",
+    )  # fmt: skip
 
     # Distributed execution (MPI, torch.distributed).
     ranks: int = opt(

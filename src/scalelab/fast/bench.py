@@ -314,7 +314,7 @@ def run_bench(name: str, opts: dict[str, Any], ceiling: float) -> dict[str, Any]
     workload = WORKLOADS.get(name)(cfg)
     runner = bench_training if mode == "train" else bench_inference
     res = runner(workload, cfg, device, opts)
-    items = cfg.train_size if mode == "train" else cfg.batch
+    items = workload.train_size if mode == "train" else cfg.batch
     flops = workload.flops_per_item() * (3 if mode == "train" else 1)
     rates = {k: items / v["median_s"] for k, v in res["timing"].items()}
     peers = {k: v for k, v in rates.items() if k != "fast"}

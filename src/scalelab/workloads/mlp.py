@@ -112,7 +112,7 @@ class MnistMLP(Workload):
         splits = mnist.available_splits(self.cfg.data_dir)
         if splits != list(mnist.SPLITS):
             data = self._split(splits[0])
-            return split_seeded(data, self.cfg.train_size, self.cfg.heldout_size, self.cfg.seed)
+            return split_seeded(data, self.train_size, self.heldout_size, self.cfg.seed)
         return self._split("train"), self._split("t10k")
 
     def prepare(self, x: Tensor) -> Tensor:
