@@ -60,6 +60,9 @@ class Workload(ABC):
     native_size: ClassVar[int | None] = None  # input height = width when --image-size is unset
     native_classes: ClassVar[int | None] = None  # output width when --num-classes is unset
     native_split: ClassVar[tuple[int, int]] = (8000, 2000)  # (train, held-out) items by default
+    # The shape sections (config_sections.SHAPES) this workload reads; a run refuses a
+    # non-default option of any other one (`--hidden` on alexnet) before any work.
+    reads: ClassVar[tuple[str, ...]] = ()
     reference_kind: ClassVar[str] = "numpy-fp64"  # what --check compares with (the record's)
     loss_reads_output_only: ClassVar[bool] = False  # loss() needs no weights (a pipeline can)
 
@@ -74,6 +77,11 @@ class Workload(ABC):
     @property
     def num_classes(self) -> int:
         return self.native_classes if self.cfg.num_classes is None else self.cfg.num_classes
+
+    @staticmethod
+    def readers(section: str) -> list[str]:
+        """The registered workloads that read a shape section (named in a refusal)."""
+        return [name for name in WORKLOADS.names() if section in WORKLOADS.get(name).reads]
 
     @property
     def train_size(self) -> int:

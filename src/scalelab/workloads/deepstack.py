@@ -82,6 +82,7 @@ def random_bytes(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
 class DeepStackWorkload(Workload):
     name = "deepstack"
     item = "inputs"
+    reads = ("image", "classes", "stack")
 
     native_size = NATIVE_SIZE
     native_classes = NATIVE_CLASSES

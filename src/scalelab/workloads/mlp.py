@@ -55,6 +55,7 @@ class MLP(nn.Module):
 @WORKLOADS.register("mlp", "MNIST 784 -> hidden sigmoid -> 10 softmax, L2 + SGD (the seed's MLP)")
 class MnistMLP(Workload):
     item = "images"
+    reads = ("image", "classes", "hidden")  # image and classes: only MNIST's 28 and 10
 
     def validate(self) -> None:
         cfg = self.cfg
