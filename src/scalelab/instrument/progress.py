@@ -65,7 +65,10 @@ class Progress:
     def step(self, what: str) -> None:
         """tick() after the next named step of a list: '<label>: <what> done, i/n ...'."""
         self.what, self.done = what, self.done + 1
-        self.tick(self.done)
+        if self.tty and self.done >= self.total:
+            self.milestone(self.done)  # ends the live line, so stdout starts on its own line
+        else:
+            self.tick(self.done)
 
     def _line(self, done: int, fields: dict[str, float]) -> str:
         elapsed = time.perf_counter() - self.start
