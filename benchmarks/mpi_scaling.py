@@ -29,9 +29,9 @@ import torch
 
 from scalelab.cli.commands.versions import launch_run
 from scalelab.config import RunConfig
+from scalelab.planning.trunk import trunk_for
 from scalelab.record import read_records
 from scalelab.strategies.halo import plan_trunk
-from scalelab.strategies.split.trunks import trunk_for
 from scalelab.workloads import WORKLOADS
 
 FULL = {"image": 227, "batch": 32, "ranks": (1, 2, 4, 8), "texts": 65_536, "iters": 3}

@@ -10,12 +10,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import uuid
-from pathlib import Path
 
 import pytest
 
+from rank_procs import find_rank, wait_past_setup
 from scalelab.record import read_records
 
 DEAD = re.compile(
@@ -46,43 +45,6 @@ def test_a_refusal_on_the_ranks_is_one_line_and_exit_2(tmp_path, args):
     assert not out.exists()
 
 
-def _find_rank(token: str, rank: int, timeout: float) -> int:
-    """pid of the rank started with SCALELAB_TEST_TOKEN=token (our own processes only)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for entry in Path("/proc").iterdir():
-            try:
-                env = (entry / "environ").read_bytes().split(b"\0")
-            except (OSError, ValueError):
-                continue
-            if (
-                f"SCALELAB_TEST_TOKEN={token}".encode() in env
-                and any(v in env for v in (f"PMI_RANK={rank}".encode(), f"RANK={rank}".encode()))
-                and any(v.startswith(b"SCALELAB_JOB_DIR=") for v in env)
-            ):
-                return int(entry.name)
-        time.sleep(0.2)
-    raise AssertionError(f"rank {rank} never started")
-
-
-def _phase_of(pid: int, timeout: float) -> None:
-    """Wait until the rank reports a timed phase (past setup: mid-run)."""
-    deadline = time.monotonic() + timeout
-    env = dict(
-        v.split(b"=", 1)
-        for v in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        if b"=" in v
-    )
-    folder = Path(env[b"SCALELAB_JOB_DIR"].decode())
-    rank = int(env.get(b"RANK", env.get(b"PMI_RANK", b"0")))
-    while time.monotonic() < deadline:
-        status = folder / f"rank{rank}.status"
-        if status.exists() and status.read_bytes().split()[3:4] not in ([], [b"setup"]):
-            return
-        time.sleep(0.1)
-    raise AssertionError("the rank never entered a phase")
-
-
 @pytest.mark.mpi
 @pytest.mark.parametrize(
     "args",
@@ -99,8 +61,8 @@ def test_a_killed_rank_is_named_with_host_signal_and_phase(tmp_path, args):
     env = {**os.environ, "SCALELAB_TEST_TOKEN": token}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        pid = _find_rank(token, 1, timeout=120)
-        _phase_of(pid, timeout=120)
+        pid = find_rank(token, 1, timeout=120)
+        wait_past_setup(pid, timeout=120)
         os.kill(pid, signal.SIGKILL)
         stdout, stderr = proc.communicate(timeout=90)
     finally:

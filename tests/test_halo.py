@@ -14,6 +14,7 @@ from scalelab.comm.base import Comm, Request
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
 from scalelab.instrument.timer import PhaseTimer
+from scalelab.planning.trunk import trunk_for
 from scalelab.strategies.halo import (
     Geometry,
     edge_pad,
@@ -23,7 +24,6 @@ from scalelab.strategies.halo import (
     plan_trunk,
 )
 from scalelab.strategies.split.transport import Transport
-from scalelab.strategies.split.trunks import trunk_for
 from scalelab.workloads import WORKLOADS
 
 

@@ -158,11 +158,10 @@ def test_toy_workload_gets_a_pipeline_cut():
 
     from scalelab.planning.partition import balance_auto, bounds, memory_model
     from scalelab.planning.profiling import profile_layers
-    from scalelab.strategies import partition as part
 
     toy = Toy(RunConfig(workload="toy"))
     model = toy.build_model().double()
-    layers = part.model_layers(toy, model)
+    layers = toy.layers(model)
     x = toy.prepare(toy.synthetic_inputs(3, 0).x).double()
     prof = profile_layers(layers, x, torch.device("cpu"), torch.float64, False, nullcontext, 1)
     counts = balance_auto(prof, 2, memory_model(None, 2, 1, False, "gpipe"))

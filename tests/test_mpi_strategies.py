@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rank_procs import find_rank
 from scalelab.comm.launch import mpiexec_command, torchrun_command
 from scalelab.instrument.rank_table import RankReport, critical_path, format_rank_table
 from scalelab.record import read_records
@@ -133,25 +134,6 @@ def test_topology_error_inside_mpiexec_exits_2():
     assert proc.returncode == 2 and "3 ranks but only 2 items" in proc.stderr
 
 
-def _find_rank(token: str, rank: int, timeout: float) -> int:
-    """pid of the rank started with SCALELAB_TEST_TOKEN=token (our own processes only)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for entry in Path("/proc").iterdir():
-            try:
-                env = (entry / "environ").read_bytes().split(b"\0")
-            except (OSError, ValueError):
-                continue
-            if (
-                f"SCALELAB_TEST_TOKEN={token}".encode() in env
-                and any(v in env for v in (f"PMI_RANK={rank}".encode(), f"RANK={rank}".encode()))
-                and b"SCALELAB_LAUNCHED=1" in env
-            ):
-                return int(entry.name)
-        time.sleep(0.2)
-    raise AssertionError("rank never started")
-
-
 def _cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -187,7 +169,7 @@ def test_a_killed_rank_ends_the_job_within_60_s(tmp_path):
     env = {**os.environ, "SCALELAB_TEST_TOKEN": token}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        pid = _find_rank(token, 1, timeout=120)
+        pid = find_rank(token, 1, timeout=120, marker="SCALELAB_LAUNCHED")
         while _cpu_seconds(pid) < 4.0:  # imports, MPI start-up, model built: mid-run
             assert proc.poll() is None, proc.stderr.read()
             time.sleep(0.2)

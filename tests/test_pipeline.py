@@ -19,6 +19,8 @@ import torch
 
 from scalelab.comm.launch import torchrun_command
 from scalelab.config import RunConfig
+from scalelab.planning import partition as part
+from scalelab.planning import profiling
 from scalelab.planning.schedule import (
     SCHEDULES,
     bubble_formula,
@@ -26,7 +28,6 @@ from scalelab.planning.schedule import (
 )
 from scalelab.record import read_records
 from scalelab.runner import execute
-from scalelab.strategies import partition as part
 from scalelab.strategies.pipeline.report import stage_summary
 from scalelab.workloads import WORKLOADS
 from scalelab.workloads.layers import describe
@@ -130,7 +131,7 @@ def test_measured_bubble_from_synthetic_phases():
 def test_layer_lists_compose_to_the_models_forward(name, kw):
     w = _workload(name, **kw)
     model = w.build_model().double()
-    layers = part.model_layers(w, model)
+    layers = w.layers(model)
     x = w.prepare(w.synthetic_inputs(2, seed=1).x)
     with torch.no_grad():
         want = model(x)
@@ -296,9 +297,10 @@ def test_saved_activations_counted_once_per_tensor():
     one conv + ReLU pair keeps one map per micro-batch, not two."""
     w = _workload("deepstack", **STACK)
     model = w.build_model()
-    layers = part.model_layers(w, model)[:7]  # cast, 3 x (conv, relu)
+    layers = w.layers(model)[:7]  # cast, 3 x (conv, relu)
     x = w.prepare(w.synthetic_inputs(4, seed=0).x)
-    prof = part.profile_layers(layers, x, torch.device("cpu"), torch.float32, True, nullcontext)
+    cpu = torch.device("cpu")
+    prof = profiling.profile_layers(layers, x, cpu, torch.float32, True, nullcontext)
     one_map = 4 * 64 * 8 * 8 * 4  # batch 4, 64 x 8 x 8, fp32
     assert [p.saved_input for p in prof[1:]] == [True, False] * 3
     assert [p.saved_output for p in prof[1:]] == [False, True] * 3
@@ -326,7 +328,7 @@ def test_profile_asks_for_input_gradients_only_after_the_first_parameter():
     mods = [before, torch.nn.Linear(3, 3), after]
     layers = [describe(str(i), m) for i, m in enumerate(mods)]
     x = torch.randn(4, 3)
-    part.profile_layers(layers, x, torch.device("cpu"), torch.float32, True, nullcontext)
+    profiling.profile_layers(layers, x, torch.device("cpu"), torch.float32, True, nullcontext)
     assert before.seen and not any(before.seen)
     assert after.seen and all(after.seen)
 

@@ -489,3 +489,49 @@ def test_dp_replicas_of_a_pipeline_add_one_gradient_allreduce():
     assert pred.throughput == pytest.approx(256 / pred.seconds)
     bad = Scenario(_vgg(dp=2, engine="torch", ranks=3), 3, 3)
     assert "do not split into --dp 2" in predict_one(ctx, bad).feasible
+
+
+# --- spatial: a gathered tail runs whole on the root --------------------------------------------
+def _stack(ranks: int) -> Scenario:
+    cfg = RunConfig(workload="deepstack", strategy="mpi", split="spatial", batch=4, image_size=8,
+                    convs=2, fcs=1, num_classes=10)  # fmt: skip
+    return Scenario(cfg, 1, 4).at(ranks)
+
+
+def test_spatial_tail_after_the_gather_counts_whole_on_the_root():
+    """deepstack at 8 x 8 over 2 ranks: rows 4 + 4, rank 0 expands input rows 0..5 (its halo)
+    for the first 3x3 conv. Compute = prepare 5/8 + each trunk step / 2 + the tail (pool,
+    proj, fc1, classifier) whole, since the root runs it alone after gathering the final
+    maps; alexnet's dense head is still split N ways."""
+    from scalelab.predict.models.spatial import critical_compute, tail_bytes
+
+    s = _stack(2)
+    trunk = trunk_of(s)
+    trunk_times = {"conv1": 1.0, "conv1_relu": 0.2, "conv2": 2.0, "conv2_relu": 0.4}
+    tail_times = {"pool": 0.3, "proj": 0.5, "fc1": 0.6, "classifier": 0.1}
+    layers = [("prepare", 0.8), *trunk_times.items(), *tail_times.items()]
+    plans = plan_trunk(trunk.geometries(), 2)
+    want = 0.8 * 5 / 8 + sum(trunk_times.values()) / 2 + sum(tail_times.values())
+    assert critical_compute(layers, trunk, plans, 2) == pytest.approx(want)
+    one = plan_trunk(trunk.geometries(), 1)
+    assert critical_compute(layers, trunk, one, 1) == pytest.approx(sum(t for _, t in layers))
+    # gathered: (4 items, 64 channels, 8 rows, 8 columns) float32
+    assert tail_bytes(s, trunk) == 4 * 64 * 8 * 8 * 4
+    cfg = RunConfig(workload="alexnet", strategy="mpi", split="spatial", batch=4, image_size=67)
+    dense = trunk_of(Scenario(cfg, 1, 4).at(2))
+    assert not dense.rest and dense.head
+    head = [(name, 1.0) for name in ("fc6", "fc7", "fc8")]
+    plans = plan_trunk(dense.geometries(), 2)
+    assert critical_compute(head, dense, plans, 2) == pytest.approx(1.5)  # 3 s of head / 2
+
+
+def test_spatial_tail_prediction_gathers_the_maps_and_sums_nothing():
+    from scalelab.predict.frame import predict_one
+    from scalelab.predict.models.spatial import tail_bytes
+
+    ctx = _alexnet_ctx()
+    s = _stack(2)
+    pred = predict_one(ctx, s)
+    assert pred.phases["allreduce"] == 0.0  # no dense head, no LayerNorm
+    fabric = ctx.fabric(s, "mpi")
+    assert pred.phases["gather"] == pytest.approx(fabric.scatter(tail_bytes(s, trunk_of(s)), 2))

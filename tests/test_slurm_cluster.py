@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from rank_procs import find_rank, wait_past_setup
 from scalelab.record import read_records
 
 pytestmark = pytest.mark.slurm
@@ -104,8 +105,8 @@ def test_a_rank_killed_under_srun_is_named_and_the_step_ends(slurm_conf, tmp_pat
         cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     try:
-        pid = _rank_pid(token, 1, timeout=180)
-        _past_setup(pid, timeout=180)
+        pid = find_rank(token, 1, timeout=180)
+        wait_past_setup(pid, timeout=180)
         os.kill(pid, signal.SIGKILL)
         stdout, stderr = proc.communicate(timeout=120)
     finally:
@@ -120,41 +121,6 @@ def test_a_rank_killed_under_srun_is_named_and_the_step_ends(slurm_conf, tmp_pat
     assert proc.returncode != 0 and "Traceback" not in stderr and stdout == ""
     (rec,) = read_records(out)
     assert rec["status"] == "failed" and "rank 1 on n2 died (signal 9)" in rec["error"]
-
-
-def _rank_pid(token: str, rank: int, timeout: float) -> int:
-    """pid of the rank (the watched child, which has a job folder) of our srun step."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        for entry in Path("/proc").iterdir():
-            try:
-                env = (entry / "environ").read_bytes().split(b"\0")
-            except (OSError, ValueError):
-                continue
-            if (
-                f"SCALELAB_TEST_TOKEN={token}".encode() in env
-                and f"SLURM_PROCID={rank}".encode() in env
-                and any(v.startswith(b"SCALELAB_JOB_DIR=") for v in env)
-            ):
-                return int(entry.name)
-        time.sleep(0.2)
-    pytest.fail(f"rank {rank} never started")
-
-
-def _past_setup(pid: int, timeout: float) -> None:
-    """Until the rank's status page names a phase after setup."""
-    env = dict(
-        v.split(b"=", 1)
-        for v in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        if b"=" in v
-    )
-    status = Path(env[b"SCALELAB_JOB_DIR"].decode()) / "rank1.status"
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if status.exists() and status.read_bytes().split()[3:4] not in ([], [b"setup"]):
-            return
-        time.sleep(0.1)
-    pytest.fail("the rank never entered a phase")
 
 
 STUDY = """

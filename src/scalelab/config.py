@@ -55,18 +55,19 @@ class RunConfig:
         None, "torch intra-op threads on CPU (None: torch's default).", section="run"
     )
 
-    # Workload shape options (each workload reads the ones it needs).
+    # Workload shape options: each in a section that workloads declare they read
+    # (Workload.reads); a non-default one the workload does not read is refused.
     image_size: int | None = opt(
         None,
         "Input height = width for image workloads (None: the workload's native size).",
-        section="workload",
+        section="image",
     )
     num_classes: int | None = opt(
-        None, "Output classes (None: the workload's native count).", section="workload"
+        None, "Output classes (None: the workload's native count).", section="classes"
     )
-    hidden: int = opt(512, "Hidden width of the mlp.", section="workload")
-    convs: int = opt(8, "deepstack: number of identical conv layers.", section="workload")
-    fcs: int = opt(2, "deepstack: number of identical linear layers.", section="workload")
+    hidden: int = opt(512, "Hidden width of the mlp.", section="hidden")
+    convs: int = opt(8, "deepstack: number of identical conv layers.", section="stack")
+    fcs: int = opt(2, "deepstack: number of identical linear layers.", section="stack")
     data_dir: str | None = opt(
         None, "Folder with the real data set; synthetic inputs when None.", section="workload"
     )
@@ -74,19 +75,19 @@ class RunConfig:
     model: str | None = opt(
         None,
         "Your own network: MODULE:FACTORY (an importable module or a .py path) -> nn.Module.",
-        section="workload",
+        section="user-model",
     )
     model_arg: tuple[str, ...] = opt(
-        (), "KEY=VALUE passed to the factory (repeatable; literals).", section="workload"
+        (), "KEY=VALUE passed to the factory (repeatable; literals).", section="user-model"
     )
     input_shape: str | None = opt(
-        None, "--model: one item's shape, C,H,W or C,L or F.", section="workload"
+        None, "--model: one item's shape, C,H,W or C,L or F.", section="user-model"
     )
     input_dtype: str = opt(
-        "float32", "--model: float32 (N(0,1) inputs) or int64 (token ids).", section="workload"
+        "float32", "--model: float32 (N(0,1) inputs) or int64 (token ids).", section="user-model"
     )
     vocab: int | None = opt(
-        None, "--model --input-dtype int64: token ids lie in [0, vocab).", section="workload"
+        None, "--model --input-dtype int64: token ids lie in [0, vocab).", section="user-model"
     )
     weights: str | None = opt(
         None,
@@ -114,12 +115,16 @@ class RunConfig:
         "L2 regularisation strength lambda: loss += lambda/2 * sum(W**2) over weight matrices.",
         section="train",
     )
-    train_size: int = opt(
-        8000,
-        "mlp: items in the seeded training split when only the MNIST test set is present.",
+    train_size: int | None = opt(
+        None,
+        "Items in the seeded training split (synthetic data, or a data set with one split; "
+        "None: the workload's, 8000, deepstack 256 since its items are 0.8 MB of noise).",
         section="workload",
     )
-    heldout_size: int = opt(2000, "mlp: items in the held-out split.", section="workload")
+    heldout_size: int | None = opt(
+        None, "Items in the held-out split (None: the workload's, 2000, deepstack 64).",
+        section="workload",
+    )  # fmt: skip
 
     # Distributed execution (MPI, torch.distributed).
     ranks: int = opt(
@@ -227,7 +232,7 @@ class RunConfig:
         section="mesh",
     )
     swap_relu_pool: bool = opt(
-        False, "vgg16/alexnet: apply max-pool before ReLU (they commute).", section="workload"
+        False, "vgg16/alexnet: apply max-pool before ReLU (they commute).", section="swap"
     )
 
     # Instrumentation.

@@ -5,8 +5,9 @@ and the one place both are applied.
 record's flat `config` dict keep working); each field names its section in its metadata.
 A section is a name, a help title, its ranges and one function of the whole config for its
 cross-field rules. `validate(cfg)` runs every section (RunConfig.__post_init__ calls it);
-`refuse_unread(cfg, strategy)` refuses a non-default option from a section the strategy does
-not read (the runner and `scalelab run` call it before any work or launcher).
+`refuse_unread(cfg, strategy, workload)` refuses a non-default option from a section the strategy
+or, for the shape sections (SHAPES), the workload does not read (the runner, sweeps and
+`scalelab run` call it before any work or launcher).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ SCHEDULES = {
               "dualpipev"),
 }  # fmt: skip
 BIG = 2**31 - 1  # sizes beyond int32 are typos, and torch indexes with int32 in places
+SHAPE_TITLE = "workload shape (each workload reads its own)"  # one --help group for them
 
 
 @dataclass(frozen=True)
@@ -146,12 +148,16 @@ SECTIONS: dict[str, Section] = {
         Section("run", "run (every strategy)", {
             "batch": (1, BIG), "seed": (0, 2**63 - 1), "threads": (1, 4096),
             "ranks": (1, 2**20)}, rules=_run_rules),
-        Section("workload", "workload shape, data and weights", {
-            "image_size": (1, 65536), "num_classes": (1, 10**7), "hidden": (1, 2**24),
-            "convs": (1, 10**4), "fcs": (1, 10**4), "train_size": (1, BIG),
-            "heldout_size": (1, BIG),
-            "vocab": (1, 2**24)},  # token ids travel through float32 inputs exactly to 2**24
-            rules=_workload_rules),
+        Section("workload", "workload data and weights", {
+            "train_size": (1, BIG), "heldout_size": (1, BIG)}, rules=_workload_rules),
+        # The shape sections: a workload reads those in its `reads` (SHAPES below).
+        Section("image", SHAPE_TITLE, {"image_size": (1, 65536)}),
+        Section("classes", SHAPE_TITLE, {"num_classes": (1, 10**7)}),
+        Section("hidden", SHAPE_TITLE, {"hidden": (1, 2**24)}),
+        Section("stack", SHAPE_TITLE, {"convs": (1, 10**4), "fcs": (1, 10**4)}),
+        Section("swap", SHAPE_TITLE),
+        Section("user-model", "your own model (--model)",
+                {"vocab": (1, 2**24)}),  # token ids travel through float32 inputs exactly to 2**24
         # Timing and data sizes are read in both modes as far as a caller can tell: scripts
         # and tests pass one set of them to inference and training runs alike.
         Section("timing", "timing", {"iters": (1, 10**7), "warmup": (0, 10**7)}),
@@ -184,6 +190,9 @@ SECTIONS: dict[str, Section] = {
     )
 }  # fmt: skip
 ALWAYS = ("run", "workload", "timing", "instrument")  # sections every strategy reads
+# Sections a workload reads when its class lists them in `reads` (workloads/base.py), in
+# place of a strategy: the refusal names the workloads that read the option.
+SHAPES = ("image", "classes", "hidden", "stack", "swap", "user-model")
 MODES = {"infer": "(drop --train)", "train": "(add --train)"}  # read by the run's mode
 
 
@@ -199,12 +208,13 @@ def validate(cfg: Any) -> None:
         section.validate(cfg)
 
 
-def check(cfg: Any, strategy: type) -> None:
-    """What holds for cfg under strategy, before any work and before any launcher starts
-    ranks (the runner and `scalelab run` call this): no option the run would ignore, then
-    the rules of the sections it reads that involve other sections."""
-    refuse_unread(cfg, strategy)
-    read = read_by(cfg, strategy)
+def check(cfg: Any, strategy: type, workload: type | None = None) -> None:
+    """What holds for cfg under strategy and workload (its class), before any work and
+    before any launcher starts ranks (the runner, `scalelab run` and sweeps call this): no
+    option the run would ignore, then the rules of the sections it reads that involve other
+    sections. Without a workload class every shape section counts as read."""
+    refuse_unread(cfg, strategy, workload)
+    read = read_by(cfg, strategy, workload)
     for section in SECTIONS.values():
         if section.name in read and section.when_read is not None:
             section.when_read(cfg)
@@ -228,38 +238,50 @@ def _check_types(cfg: Any) -> None:
             raise UsageError(f"--{flag(f.name)}: {value!r} is not {kinds[0].__name__}")
 
 
-def read_by(cfg: Any, strategy: type) -> set[str]:
-    """The sections a run of cfg under strategy reads: the strategy's own (per its engine
-    and placement), the ones every run reads, and the mode's."""
+def read_by(cfg: Any, strategy: type, workload: type | None = None) -> set[str]:
+    """The sections a run of cfg reads: the strategy's own (per its engine and placement),
+    the workload's shape sections, the ones every run reads, and the mode's."""
     own = set(strategy.reads_for(cfg))
+    shapes = set(SHAPES if workload is None else workload.reads)
     if cfg.train:
-        return {*ALWAYS, "train", *own}
-    return {*ALWAYS, "infer", *(own - {"train", "checkpoint", "compare"})}
+        return {*ALWAYS, "train", *own, *shapes}
+    return {*ALWAYS, "infer", *(own - {"train", "checkpoint", "compare"}), *shapes}
 
 
-def refuse_unread(cfg: Any, strategy: type) -> None:
+def refuse_unread(cfg: Any, strategy: type, workload: type | None = None) -> None:
     """One line for the first option given a non-default value in a section this run does
     not read (it would be ignored silently)."""
-    read = read_by(cfg, strategy)
+    read = read_by(cfg, strategy, workload)
     for f in fields(cfg):
         name = section_of(f)
         if name in read or getattr(cfg, f.name) == f.default:
             continue
-        what = f"--{flag(f.name)} is {_article(name)} {name} option"
-        if name in MODES:
-            mode = "a --train run" if cfg.train else "an inference run"
-            raise UsageError(f"{what}; {mode} does not read it {MODES[name]}")
-        if (
-            not cfg.train
-            and name in ("train", "checkpoint", "compare")
-            and name in set(strategy.reads_for(cfg))
-        ):
-            raise UsageError(f"{what}; an inference run does not read it (add --train)")
-        needs = strategy.read_with(cfg, name)
-        readers = ", ".join(strategy.readers(cfg, name)) or "no strategy"
-        hint = f" (--{flag(f.name)} needs {needs})" if needs else f" (read by {readers})"
-        raise UsageError(f"{what}; {strategy.describe(cfg)} does not read it{hint}")
+        if name in SHAPES:
+            readers = "--model" if name == "user-model" else "/".join(workload.readers(name))
+            raise UsageError(
+                f"--{flag(f.name)} is {_article(readers)} {readers} option; the "
+                f"{cfg.workload} workload does not read it"
+            )
+        _refuse_for_strategy(cfg, strategy, f.name, name)
+
+
+def _refuse_for_strategy(cfg: Any, strategy: type, option: str, name: str) -> None:
+    what = f"--{flag(option)} is {_article(name)} {name} option"
+    if name in MODES:
+        mode = "a --train run" if cfg.train else "an inference run"
+        raise UsageError(f"{what}; {mode} does not read it {MODES[name]}")
+    if (
+        not cfg.train
+        and name in ("train", "checkpoint", "compare")
+        and name in set(strategy.reads_for(cfg))
+    ):
+        raise UsageError(f"{what}; an inference run does not read it (add --train)")
+    needs = strategy.read_with(cfg, name)
+    readers = ", ".join(strategy.readers(cfg, name)) or "no strategy"
+    hint = f" (--{flag(option)} needs {needs})" if needs else f" (read by {readers})"
+    raise UsageError(f"{what}; {strategy.describe(cfg)} does not read it{hint}")
 
 
 def _article(name: str) -> str:
-    return "an" if name in ("infer", "instrument", "engine", "interleave", "mpi-dp") else "a"
+    an = ("infer", "instrument", "engine", "interleave", "mpi-dp", "alexnet", "mlp")
+    return "an" if name.startswith(an) else "a"

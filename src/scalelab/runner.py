@@ -82,10 +82,10 @@ def rank_failure_line(rank: int, exc: BaseException) -> tuple[int, str]:
 
 
 def check_config(cfg: RunConfig) -> None:
-    """The config under its strategy (config_sections.check): no option the strategy would
+    """The config under its strategy and workload (config_sections.check): no option they would
     ignore, and the rules of the sections it reads. `scalelab run` calls this before it
     starts a launcher, the runner again on every rank."""
-    config_sections.check(cfg, STRATEGIES.get(cfg.strategy))
+    config_sections.check(cfg, STRATEGIES.get(cfg.strategy), WORKLOADS.get(cfg.workload))
 
 
 def _check(cfg: RunConfig, workload: Workload, strategy: Strategy) -> None:

@@ -25,7 +25,6 @@ from scalelab.oracle.check import relative_error
 from scalelab.runner import execute
 from scalelab.strategies import STRATEGIES
 from scalelab.strategies.local import LocalStrategy
-from scalelab.strategies.partition import model_layers
 from scalelab.strategies.pipeline import PipelineStrategy
 from scalelab.workloads import WORKLOADS
 from scalelab.workloads.base import Inputs, Workload
@@ -120,7 +119,7 @@ SCENARIOS = [
 def even_balance(name: str, cfg: RunConfig, stages: int) -> str:
     workload = WORKLOADS.get(name)(cfg)
     with torch.device("meta"):  # shapes only: counting layers needs no weights
-        n = len(model_layers(workload, workload.build_model()))
+        n = len(workload.layers(workload.build_model()))
     return ",".join(map(str, even_counts(n, stages)))
 
 

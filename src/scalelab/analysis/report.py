@@ -24,6 +24,7 @@ from scalelab.analysis.report_context import (
 )
 from scalelab.analysis.report_waits import waits_section, with_phases
 from scalelab.errors import UsageError
+from scalelab.instrument.progress import Progress
 
 Section = tuple[str, str, str]
 
@@ -304,26 +305,32 @@ def write_report(
     plots: bool = True,
     mode: str | None = None,
     extra: list[Section] = (),
+    progress: bool = False,
 ) -> Path:
-    """Write out_dir/index.html (+ PNGs, CSVs); returns the page's path."""
+    """Write out_dir/index.html (+ PNGs, CSVs); returns the page's path. With `progress`, a
+    line on stderr after each section once a few seconds passed (figures take seconds)."""
     if not records:
         raise UsageError("no records to report on")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     page = Page(out, plots)
-    sections = [
-        environment_section(records),
-        ceilings_section(ceilings, records),
-        *extra,
-        versions_section(records),
-        runs_section(records, page),
-        phase_section(records),
-        waits_section(records, page),
-        scaling_section(records, page, mode),
-        roofline_section(records, ceilings, page),
-        convergence_section(records, page),
-        memory_section(records, page),
-    ]
+    makers = {
+        "environment": lambda: [environment_section(records)],
+        "ceilings": lambda: [ceilings_section(ceilings, records), *extra],
+        "versions": lambda: [versions_section(records)],
+        "runs": lambda: [runs_section(records, page)],
+        "phases": lambda: [phase_section(records)],
+        "waits": lambda: [waits_section(records, page)],
+        "scaling": lambda: [scaling_section(records, page, mode)],
+        "roofline": lambda: [roofline_section(records, ceilings, page)],
+        "convergence": lambda: [convergence_section(records, page)],
+        "memory": lambda: [memory_section(records, page)],
+    }
+    sections: list[Section] = []
+    bar = Progress(len(makers), "report", enabled=progress)
+    for name, make in makers.items():
+        sections += make()
+        bar.step(name)
     now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lead = f"{len(records)} records ({len(ok_records(records))} finished), generated {now}."
     path = out / "index.html"

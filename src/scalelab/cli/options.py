@@ -85,10 +85,10 @@ def add_config_options(
     for f in dataclasses.fields(RunConfig):
         if f.name in SKIP or f.name in skip or (only is not None and f.name not in only):
             continue
-        section = f.metadata["section"]
-        if section not in groups:
-            groups[section] = parser.add_argument_group(f"{SECTIONS[section].title} options")
-        _add_option(groups[section], f, hints[f.name], lists)
+        title = SECTIONS[f.metadata["section"]].title  # the shape sections share one group
+        if title not in groups:
+            groups[title] = parser.add_argument_group(f"{title} options")
+        _add_option(groups[title], f, hints[f.name], lists)
 
 
 def _add_option(

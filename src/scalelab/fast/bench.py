@@ -33,6 +33,7 @@ from scalelab.config import RunConfig
 from scalelab.fast import accelerate, bench_check, stderr_log
 from scalelab.fast.timing import sync, time_calls
 from scalelab.fast.train import GraphStep
+from scalelab.instrument.progress import Progress
 from scalelab.oracle.check import relative_error
 from scalelab.precision import get_precision
 from scalelab.train.sources import batch_order, batch_slices
@@ -269,7 +270,10 @@ def bench_training(
 
 def _time_mode(out, key, fn, args, device, opts, workload, items) -> None:
     """Time fn over the rotating args into out["timing"][key] and say how fast it was."""
-    out["timing"][key] = _stats(time_calls(fn, args, device, opts["warmup"], opts["iters"]))
+    label = f"bench {workload.cfg.workload}: timing {PEER_NAMES.get(key, key)}"
+    runs = opts["warmup"] + opts["iters"]
+    bar = Progress(runs, label, enabled=not opts["quiet"])  # a line every few s of a slow mode
+    out["timing"][key] = _stats(time_calls(fn, args, device, opts["warmup"], opts["iters"], bar))
     _progress(opts, workload, key, items, out["timing"][key])
 
 
@@ -310,7 +314,7 @@ def run_bench(name: str, opts: dict[str, Any], ceiling: float) -> dict[str, Any]
     workload = WORKLOADS.get(name)(cfg)
     runner = bench_training if mode == "train" else bench_inference
     res = runner(workload, cfg, device, opts)
-    items = cfg.train_size if mode == "train" else cfg.batch
+    items = workload.train_size if mode == "train" else cfg.batch
     flops = workload.flops_per_item() * (3 if mode == "train" else 1)
     rates = {k: items / v["median_s"] for k, v in res["timing"].items()}
     peers = {k: v for k, v in rates.items() if k != "fast"}

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from scalelab.instrument.progress import Progress
+
 
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -25,13 +27,18 @@ def time_calls(
     device: torch.device,
     warmup: int,
     iters: int,
+    progress: Progress | None = None,
 ) -> list[float]:
     """Seconds of each of `iters` calls fn(args[i % len(args)]) after `warmup` untimed ones.
 
     Rotating through several inputs keeps one batch from sitting in cache between calls.
+    `progress` (total warmup + iters) ticks between calls, outside the timed ones; on a GPU
+    the calls are queued, so it ticks only through the warm-up.
     """
+    tick = progress.tick if progress is not None else lambda done: None
     for i in range(warmup):
         fn(args[i % len(args)])
+        tick(i + 1)
     sync(device)
     if device.type != "cuda":
         out = []
@@ -39,6 +46,7 @@ def time_calls(
             start = time.perf_counter()
             fn(args[i % len(args)])
             out.append(time.perf_counter() - start)
+            tick(warmup + i + 1)
         return out
     events = [
         (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))

@@ -239,8 +239,8 @@ def points(study: Study) -> list[Point]:
             merged["batch"] = per_rank * merged.get("ranks", 1)
         try:
             cfg = RunConfig(**merged)
-            WORKLOADS.get(cfg.workload)  # the name exists
-            config_sections.check(cfg, STRATEGIES.get(cfg.strategy))  # options it reads
+            workload = WORKLOADS.get(cfg.workload)  # the name exists
+            config_sections.check(cfg, STRATEGIES.get(cfg.strategy), workload)  # options read
         except UsageError as exc:
             desc = " ".join(f"{k}={v}" for k, v in values.items())
             raise UsageError(f"{study.source}: point {i} ({desc}): {exc}") from None

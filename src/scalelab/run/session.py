@@ -34,7 +34,7 @@ from scalelab.instrument.timer import HUB
 from scalelab.workloads.base import Workload
 
 
-def trace_plan(cfg: RunConfig) -> TraceSchedule:
+def trace_plan(cfg: RunConfig, train_size: int) -> TraceSchedule:
     """Inference: warm up on the untimed iterations, record timed ones. Training (clocked by
     the loop's notify_step, once per optimizer step): skip the first two steps (allocation,
     autotuning) when there are enough."""
@@ -42,7 +42,7 @@ def trace_plan(cfg: RunConfig) -> TraceSchedule:
         return TraceSchedule.fit(cfg.warmup, cfg.iters)
     from scalelab.train.loop import total_steps
 
-    steps = total_steps(cfg.train_size, cfg.batch, cfg.epochs, cfg.steps)
+    steps = total_steps(train_size, cfg.batch, cfg.epochs, cfg.steps)
     warm = min(2, steps - 1)
     return TraceSchedule.fit(warm, steps - warm)
 
@@ -90,7 +90,7 @@ class Instrumentation:
                     self.comm.rank,
                     self.comm.size,
                     self.comm.backend,
-                    trace_plan(cfg),
+                    trace_plan(cfg, self.workload.train_size),
                     cuda=self.device.type == "cuda",
                 )
             )

@@ -143,6 +143,7 @@ class AlexNetModule(nn.Module):
 class AlexNet(Workload):
     name = "alexnet"
     item = "images"
+    reads = ("image", "classes", "swap")
 
     native_size = NATIVE_SIZE
     native_classes = NATIVE_CLASSES

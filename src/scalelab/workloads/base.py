@@ -59,6 +59,10 @@ class Workload(ABC):
     item: ClassVar[str] = "images"  # what throughput counts: images, inputs, ...
     native_size: ClassVar[int | None] = None  # input height = width when --image-size is unset
     native_classes: ClassVar[int | None] = None  # output width when --num-classes is unset
+    native_split: ClassVar[tuple[int, int]] = (8000, 2000)  # (train, held-out) items by default
+    # The shape sections (config_sections.SHAPES) this workload reads; a run refuses a
+    # non-default option of any other one (`--hidden` on alexnet) before any work.
+    reads: ClassVar[tuple[str, ...]] = ()
     reference_kind: ClassVar[str] = "numpy-fp64"  # what --check compares with (the record's)
     loss_reads_output_only: ClassVar[bool] = False  # loss() needs no weights (a pipeline can)
 
@@ -73,6 +77,20 @@ class Workload(ABC):
     @property
     def num_classes(self) -> int:
         return self.native_classes if self.cfg.num_classes is None else self.cfg.num_classes
+
+    @staticmethod
+    def readers(section: str) -> list[str]:
+        """The registered workloads that read a shape section (named in a refusal)."""
+        return [name for name in WORKLOADS.names() if section in WORKLOADS.get(name).reads]
+
+    @property
+    def train_size(self) -> int:
+        """Items in the training split: --train-size, else native_split's."""
+        return self.native_split[0] if self.cfg.train_size is None else self.cfg.train_size
+
+    @property
+    def heldout_size(self) -> int:
+        return self.native_split[1] if self.cfg.heldout_size is None else self.cfg.heldout_size
 
     def validate(self) -> None:
         """Raise UsageError for options this workload cannot honour (e.g. image too small).
@@ -113,7 +131,7 @@ class Workload(ABC):
 
     def training_data(self) -> tuple[Inputs, Inputs]:
         """(train, held-out) sets for --train; synthetic unless cfg.data_dir names real data."""
-        n_train, n_held = self.cfg.train_size, self.cfg.heldout_size
+        n_train, n_held = self.train_size, self.heldout_size
         if self.cfg.data_dir is not None:
             data = self.real_inputs(n_train + n_held)
         else:

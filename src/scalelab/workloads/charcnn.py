@@ -88,6 +88,7 @@ class CharCNN(nn.Module):
 )
 class CharCNNWorkload(Workload):
     item = "texts"
+    reads = ("classes",)  # texts of a fixed length: no --image-size
 
     @property
     def classes(self) -> int:

@@ -22,6 +22,7 @@ are the module paths.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 
 import numpy as np
@@ -66,6 +67,14 @@ def build_deepstack(convs: int, fcs: int, num_classes: int) -> nn.Sequential:
     return nn.Sequential(layers)
 
 
+def random_bytes(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """Uniform uint8 of `shape`, drawn as int64 over their whole range and read as 8 bytes
+    each: ~4x faster than randint(0, 256) on uint8, the same bits on every little-endian host."""
+    count = math.prod(shape)
+    words = torch.randint(-(2**63), 2**63 - 1, (-(-count // 8),), generator=gen, dtype=torch.int64)
+    return words.view(torch.uint8)[:count].reshape(shape)
+
+
 @WORKLOADS.register(
     "deepstack",
     "synthetic stack: --convs x conv 64->64 3x3 on 112x112, --fcs x linear 4096->4096 (fit/split)",
@@ -73,9 +82,13 @@ def build_deepstack(convs: int, fcs: int, num_classes: int) -> nn.Sequential:
 class DeepStackWorkload(Workload):
     name = "deepstack"
     item = "inputs"
+    reads = ("image", "classes", "stack")
 
     native_size = NATIVE_SIZE
     native_classes = NATIVE_CLASSES
+    # One item is 64 x 112 x 112 B = 0.8 MB of noise: the general 8000 + 2000 would be 8 GB
+    # made on the root before the first step (minutes on a CPU, past gloo's timeout).
+    native_split = (256, 64)
 
     def _build(self) -> nn.Module:
         return build_deepstack(self.cfg.convs, self.cfg.fcs, self.num_classes)
@@ -86,7 +99,7 @@ class DeepStackWorkload(Workload):
         uniform labels in 0..K-1."""
         gen = torch.Generator().manual_seed(seed)
         s = self.image_size
-        x = torch.randint(0, 256, (n, CHANNELS, s, s), generator=gen, dtype=torch.uint8)
+        x = random_bytes((n, CHANNELS, s, s), gen)
         y = torch.randint(0, self.num_classes, (n,), generator=gen, dtype=torch.int64)
         return Inputs(x, y)
 

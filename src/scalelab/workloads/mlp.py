@@ -55,6 +55,7 @@ class MLP(nn.Module):
 @WORKLOADS.register("mlp", "MNIST 784 -> hidden sigmoid -> 10 softmax, L2 + SGD (the seed's MLP)")
 class MnistMLP(Workload):
     item = "images"
+    reads = ("image", "classes", "hidden")  # image and classes: only MNIST's 28 and 10
 
     def validate(self) -> None:
         cfg = self.cfg
@@ -112,7 +113,7 @@ class MnistMLP(Workload):
         splits = mnist.available_splits(self.cfg.data_dir)
         if splits != list(mnist.SPLITS):
             data = self._split(splits[0])
-            return split_seeded(data, self.cfg.train_size, self.cfg.heldout_size, self.cfg.seed)
+            return split_seeded(data, self.train_size, self.heldout_size, self.cfg.seed)
         return self._split("train"), self._split("t10k")
 
     def prepare(self, x: Tensor) -> Tensor:

@@ -147,6 +147,7 @@ class ResNet(nn.Module):
 class ResNet18(Workload):
     name = "resnet18"
     item = "images"
+    reads = ("image", "classes")
     stem = IMAGENET_STEM
 
     native_size = NATIVE_SIZE

@@ -60,6 +60,7 @@ def _dtype_hook(module: nn.Module, args: tuple) -> tuple:
 class UserModel(Workload):
     name = "model"
     item = "items"
+    reads = ("user-model",)  # its shape comes from --input-shape and the module
     reference_kind: ClassVar[str] = "module-fp64"
     loss_reads_output_only = True  # loss(output, target): a pipeline's last stage computes it
     default_spec: ClassVar[str | None] = None  # set for entry-point workloads

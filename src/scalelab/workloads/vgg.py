@@ -106,6 +106,7 @@ class VGG(nn.Module):
 class VGG16(Workload):
     name = "vgg16"
     item = "images"
+    reads = ("image", "classes", "swap")
 
     native_size = NATIVE_SIZE
     native_classes = NATIVE_CLASSES

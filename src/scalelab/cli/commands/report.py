@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
 
     path = write_report(
         records, args.out_dir, ceilings, args.title, plots=not args.no_plots, mode=args.mode,
-        extra=plan_sections(args.results),
+        extra=plan_sections(args.results), progress=True,
     )  # fmt: skip
     print(f"report: {path} ({len(records)} records)")
     return 0

@@ -9,6 +9,7 @@ from pathlib import Path
 from scalelab.analysis import load_for_roofline
 from scalelab.cli.base import COMMANDS, Command
 from scalelab.errors import UsageError
+from scalelab.instrument.progress import Progress
 from scalelab.outputs import check_dir
 
 
@@ -62,17 +63,20 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("the per-layer roofline needs --ceilings (from `scalelab ceilings`)")
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    # a step per table and per figure; a line on stderr once a few seconds passed
+    bar = Progress((has_layers + has_system) * (1 if args.no_plots else 2), "roofline")
     if has_layers:
-        layer_roofline(layer_runs, ceilings, out, args.no_plots)
+        layer_roofline(layer_runs, ceilings, out, args.no_plots, bar)
     if has_system:
-        system(records, args.reference, out, args.no_plots)
+        system(records, args.reference, out, args.no_plots, bar)
     return 0
 
 
-def layer_roofline(records: list, ceilings: dict, out: Path, no_plots: bool) -> None:
+def layer_roofline(records: list, ceilings: dict, out: Path, no_plots: bool, bar: Progress) -> None:
     from scalelab.analysis.roofline import layer_roofline as table_of
 
     df = table_of(records, ceilings)
+    bar.step("per-layer table")
     df.to_csv(out / "roofline_layers.csv", index=False)
     cols = ["run", "layer", "kind", "ai", "achieved", "attainable", "bound", "fraction", "flag"]
     print(df[cols].to_string(index=False, float_format="{:.4g}".format))
@@ -84,14 +88,16 @@ def layer_roofline(records: list, ceilings: dict, out: Path, no_plots: bool) -> 
         from scalelab.analysis import plots
 
         plots.layer_roofline(df, out)
+        bar.step("per-layer figure")
     print(f"per-layer roofline: {out}/roofline_layers.csv" + _figs(no_plots, "roofline_layers"))
 
 
-def system(records: list, reference: str | None, out: Path, no_plots: bool) -> None:
+def system(records: list, reference: str | None, out: Path, no_plots: bool, bar: Progress) -> None:
     from scalelab.analysis.system_roofline import estimate_peaks, system_points
 
     peaks = estimate_peaks(records, reference)
     pts = system_points(records, peaks)
+    bar.step("system table")
     pts.to_csv(out / "roofline_system.csv", index=False)
     print(
         f"P_flops {peaks.p_flops:.4g} FLOP/s | P_pci {_rate(peaks.p_pci)} | "
@@ -104,6 +110,7 @@ def system(records: list, reference: str | None, out: Path, no_plots: bool) -> N
         from scalelab.analysis import plots
 
         plots.system_roofline(pts, peaks, out)
+        bar.step("system figure")
     print(f"system roofline: {out}/roofline_system.csv" + _figs(no_plots, "roofline_system"))
 
 

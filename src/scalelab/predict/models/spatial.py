@@ -5,14 +5,17 @@ the run uses, so rows and halo volumes are exact):
 
     scatter   the input's rows, as the batch split (transport form, 1 byte per value)
     compute   sum over layers l of max over ranks r of  t_l * rows(l, r) / rows(l)
-              + the input expansion (prepare) on each rank's rows incl. halo + head / N;
+              + the input expansion (prepare) on each rank's rows incl. halo + head / N
+              (a dense head, in weight blocks) or + tail (any other tail: the root runs
+              it whole after the gather);
               every halo exchange is a synchronisation point, so each layer waits for its
               slowest rank (uneven rows: 13 rows over 8 ranks leaves some rank 2 = granularity)
     halo      per window layer, max over ranks of the messages it receives:
               alpha + (halo rows x C_in x width x B x itemsize) / beta per neighbour
               (intra- or inter-node link; staged through the host on mpi-gpu)
-    allreduce two (B,) float64 sums per LayerNorm; one (B, fc_out) float32 for the dense head
-    gather    every rank's (B, classes) partial logits to the root
+    allreduce two (B,) float64 sums per LayerNorm; one (B, fc_out) float32 for a dense head
+    gather    every rank's (B, classes) partial logits to the root; before a tail, the final
+              maps (B, C, rows, ...) instead
 t_l: the one-rank record's own per-layer compute times (its timeline), else roofline shares.
 """
 
@@ -80,7 +83,20 @@ def critical_compute(layers, trunk: Trunk, plans, n: int) -> float:
     t = max(prepare * (p.need[1] - p.need[0]) / geoms[0].in_size for p in plans[0])
     for t_l, plan, g in zip(steps, plans, geoms):
         t += max(t_l * (p.out[1] - p.out[0]) / max(g.out_size, 1) for p in plan)
-    return t + head / n
+    # A dense head runs in weight blocks over the ranks; any other tail (global pooling,
+    # residual blocks) runs whole on the root after the gather, while the others wait.
+    return t + (head if trunk.rest else head / n)
+
+
+def tail_bytes(scenario: Scenario, trunk: Trunk) -> int:
+    """Bytes of the trunk's final maps over the batch, gathered on the root before a tail:
+    batch x channels x rows x trailing x itemsize (activations outside autocast)."""
+    trailing = tuple(trunk.in_trailing)
+    for step in trunk.steps:
+        trailing = step.out_trailing(trailing)
+    rows = trunk.geometries()[-1].out_size
+    values = trunk.steps[-1].out_channels * rows * math.prod(trailing)
+    return scenario.cfg.batch * values * storage_bytes(scenario)
 
 
 def halo_bytes(scenario: Scenario, trunk: Trunk, plans) -> list[list[int]]:
@@ -125,15 +141,17 @@ def spatial_split(ctx: Context, s: Scenario, wire: Wire) -> Prediction:
     costs = build_workload(cfg).cost_table()
     fc_out = next((c.out_elems for c in costs if c.kind == "linear"), 0)
     norms = sum(step.kind == "norm" for step in trunk.steps)
-    head_sum = cfg.batch * fc_out * wide
-    allreduce = 2 * norms * fabric.allreduce(8 * cfg.batch, n) + fabric.allreduce(head_sum, n)
-    partials = cfg.batch * output_width(s) * wide
+    head_sum = 0 if trunk.rest else cfg.batch * fc_out * wide  # a tail sums nothing
+    allreduce = 2 * norms * fabric.allreduce(8 * cfg.batch, n)
+    allreduce += fabric.allreduce(head_sum, n) if head_sum else 0.0
+    # the root gathers every rank's partial logits, or the final maps a tail starts from
+    gathered = tail_bytes(s, trunk) if trunk.rest else cfg.batch * output_width(s) * wide * n
     phases = {
         "scatter": scatter_in(ctx, s, wire, cfg.batch * item_bytes(s)),
         "compute": critical_compute(layers, trunk, plans, n),
         "halo": halo_seconds(ctx, s, wire, trunk, plans),
         "allreduce": allreduce + (wire.stage(ctx.figures, head_sum) if n > 1 else 0.0),
-        "gather": fabric.scatter(partials * n, n),
+        "gather": fabric.scatter(gathered, n),
         "overhead": compute.overhead_s,
     }
     return Prediction(s, phases, COMM, compute.sources, list(compute.notes))

@@ -12,10 +12,12 @@ import torch
 from torch import nn
 
 from scalelab.comm.base import even_counts
-from scalelab.strategies import partition as part
+from scalelab.planning import partition as part
+from scalelab.planning import profiling
 from scalelab.strategies.pipeline.stage import Meta, make_lanes
 from scalelab.strategies.pipeline.stage_plan import StagePlan
 from scalelab.workloads.base import Inputs
+from scalelab.workloads.layers import Layer
 
 if TYPE_CHECKING:
     from scalelab.strategies.pipeline.strategy import PipelineStrategy
@@ -30,7 +32,7 @@ def _say(s: PipelineStrategy, done: int, total: int, what: str) -> None:
 
 
 def initial_plan(
-    s: PipelineStrategy, layers: list[part.Layer], sample: torch.Tensor | None
+    s: PipelineStrategy, layers: list[Layer], sample: torch.Tensor | None
 ) -> StagePlan:
     """The cut before any --rebalance round: --balance as given, or auto on the root."""
     cfg = s.cfg
@@ -49,12 +51,12 @@ def auto_counts(s: PipelineStrategy, plan: StagePlan, sample: torch.Tensor) -> N
     cfg = s.cfg
     n = even_counts(len(sample), cfg.microbatches)[0]
     x = s.prepare(sample[:n].to(s.device))
-    plan.profile = part.profile_layers(
+    plan.profile = profiling.profile_layers(
         plan.layers, x, s.device, s.precision.storage, cfg.train, s.autocast,
         channels_last=cfg.channels_last,
     )  # fmt: skip
     plan.mem = part.memory_model(
-        part.device_capacity(s.device, part.env_mem_limit()),
+        profiling.device_capacity(s.device, profiling.env_mem_limit()),
         cfg.stages, cfg.microbatches, cfg.train, cfg.schedule, cfg.momentum,
     )  # fmt: skip
     plan.counts = part.balance_auto(plan.profile, cfg.stages, plan.mem)

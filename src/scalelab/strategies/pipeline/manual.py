@@ -21,11 +21,13 @@ from torch import nn
 from scalelab.comm import Comm, SelfComm
 from scalelab.errors import UsageError
 from scalelab.instrument.timer import PhaseTimer
+from scalelab.planning import partition as part
+from scalelab.planning import profiling
 from scalelab.results import RunOutput
-from scalelab.strategies import partition as part
 from scalelab.strategies.pipeline.report import summary_line
 from scalelab.strategies.torch_base import TorchStrategy
 from scalelab.workloads.base import Inputs, Workload
+from scalelab.workloads.layers import Layer
 
 
 class SyncAll:
@@ -86,7 +88,7 @@ class ManualPlacement(TorchStrategy):
 
     def place(self, model: nn.Module) -> nn.Module:
         cfg = self.cfg
-        layers = part.model_layers(self.workload, model)
+        layers = self.workload.layers(model)
         counts = part.parse_balance(cfg.balance, len(layers), cfg.stages)
         if counts is None:
             counts = self._auto_counts(layers)
@@ -98,15 +100,15 @@ class ManualPlacement(TorchStrategy):
         self.layer_names = [[layers[a].name, layers[b - 1].name] for a, b in part.bounds(counts)]
         return ManualSplit(stages, self.devices, self.timer)
 
-    def _auto_counts(self, layers: list[part.Layer]) -> list[int]:
+    def _auto_counts(self, layers: list[Layer]) -> list[int]:
         """Equal measured time per stage, each stage within its GPU's memory (measured on a
         whole batch: naive model parallelism runs the batch in one piece)."""
         x = self.workload.prepare(self.workload.synthetic_inputs(self.cfg.batch, self.cfg.seed).x)
         x = x.to(self.device, self.precision.storage)
-        profile = part.profile_layers(
+        profile = profiling.profile_layers(
             layers, x, self.device, self.precision.storage, self.cfg.train, self.autocast
         )
-        capacity = part.device_capacity(self.device)
+        capacity = profiling.device_capacity(self.device)
         mem = part.memory_model(
             capacity, self.cfg.stages, 1, self.cfg.train, "gpipe", self.cfg.momentum
         )

@@ -8,8 +8,9 @@ from typing import Any
 
 from torch import nn
 
-from scalelab.strategies import partition as part
+from scalelab.planning import partition as part
 from scalelab.strategies.pipeline.stage import Meta, StageContext, StageExecutor
+from scalelab.workloads.layers import Layer
 
 
 @dataclass
@@ -20,7 +21,7 @@ class StagePlan:
     mem: the memory model the automatic cut respects (root); rounds: --rebalance's cuts tried,
     each with its measured stage times."""
 
-    layers: list[part.Layer]
+    layers: list[Layer]
     counts: list[int]
     auto: bool = False
     profile: list[part.LayerProfile] | None = None
@@ -30,7 +31,7 @@ class StagePlan:
     def bounds(self, stage: int) -> tuple[int, int]:
         return part.bounds(self.counts)[stage]
 
-    def layers_of(self, stage: int) -> list[part.Layer]:
+    def layers_of(self, stage: int) -> list[Layer]:
         start, stop = self.bounds(stage)
         return self.layers[start:stop]
 

@@ -33,9 +33,9 @@ from scalelab.comm.torchdist import TorchDistComm
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
 from scalelab.instrument.timer import EventTimer, timed_iterations
+from scalelab.planning import profiling
 from scalelab.planning.schedule import SCHEDULES
 from scalelab.results import RunOutput
-from scalelab.strategies import partition as part
 from scalelab.strategies.base import STRATEGIES, Strategy
 from scalelab.strategies.pipeline import cut
 from scalelab.strategies.pipeline.placements import PLACEMENTS, placement_name
@@ -101,7 +101,7 @@ class PipelineStrategy(TorchStrategy):
         device = super().pick_device()
         if device.type == "cuda":
             device = torch.device("cuda", self.comm.local_rank % torch.cuda.device_count())
-            part.cap_allocator(device, part.env_mem_limit())
+            profiling.cap_allocator(device, profiling.env_mem_limit())
         return device
 
     # --- checks ---------------------------------------------------------------------------
@@ -124,7 +124,7 @@ class PipelineStrategy(TorchStrategy):
         comm = self.comm
         self.workload = workload
         self.lanes = cut.make_lanes(comm.size) if comm.size > 1 else {}  # collective, in order
-        self.plan = cut.initial_plan(self, part.model_layers(workload, model), sample)
+        self.plan = cut.initial_plan(self, workload.layers(model), sample)
         self.place(self.plan.counts, sample)
         self.placed.executor.connect()
         if self.plan.auto and comm.size > 1 and self.cfg.rebalance > 0:

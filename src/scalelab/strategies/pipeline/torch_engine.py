@@ -35,8 +35,9 @@ from torch import nn
 
 from scalelab.errors import UsageError
 from scalelab.instrument.timer import device_sync, timed_iterations
+from scalelab.planning import partition as part
+from scalelab.planning import profiling
 from scalelab.results import RunOutput
-from scalelab.strategies import partition as part
 from scalelab.strategies import penalty as pen
 from scalelab.strategies.mesh import Layout, MeshGroups
 from scalelab.strategies.pipeline.torch_report import RunLog, torch_pipeline_notes
@@ -80,7 +81,7 @@ class TorchPipeline(TorchDistStrategy):
         """sample: one batch's transport-form items, on every rank."""
         cfg = self.cfg
         self.workload, self.model = workload, model.to(dtype=self.precision.storage)
-        self.layers = part.model_layers(workload, model)
+        self.layers = workload.layers(model)
         self.n_stages = cfg.stages * self.v
         self.clock = Clock(device_sync(self.device))
         counts = part.parse_balance(cfg.balance, len(self.layers), self.n_stages)
@@ -98,10 +99,10 @@ class TorchPipeline(TorchDistStrategy):
         cfg = self.cfg
         n = cfg.batch // (cfg.dp * cfg.microbatches)
         x = self.workload.prepare(sample[:n].to(self.device)).to(self.precision.storage)
-        self.profile = part.profile_layers(
+        self.profile = profiling.profile_layers(
             self.layers, x, self.device, self.precision.storage, cfg.train, self.autocast
         )
-        capacity = part.device_capacity(self.device, part.env_mem_limit())
+        capacity = profiling.device_capacity(self.device, profiling.env_mem_limit())
         self._mem = part.memory_model(
             capacity, self.n_stages, cfg.microbatches, cfg.train, cfg.schedule, cfg.momentum
         )
