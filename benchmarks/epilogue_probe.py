@@ -101,6 +101,83 @@ def lrn_pool_dot(y, bias, pool, bw=32, rows=4, warps=4):
 
 
 @triton.jit
+def _lrn_gather_pixels(base, bias_ptr, row, cols, colmask, c, s_yh, s_yw,
+                       C: tl.constexpr, CP: tl.constexpr, BW: tl.constexpr, SIZE: tl.constexpr,
+                       ALPHA: tl.constexpr, BETA: tl.constexpr, KCONST: tl.constexpr):  # fmt: skip
+    """As lrn_pool2d's _lrn_pixels with one aligned load: the window's neighbours come from
+    the squares in registers (tl.gather along channels) instead of four shifted loads."""
+    pix = row * s_yh + cols * s_yw
+    v = tl.load(base + pix[:, None] + c[None, :], mask=colmask[:, None] & (c < C)[None, :],
+                other=0.0)  # fmt: skip
+    b = tl.load(bias_ptr + c, mask=c < C, other=0.0)
+    a = tl.maximum(v.to(tl.float32) + b[None, :], 0.0)
+    sq = a * a  # (BW, CP); channels past C are 0
+    ssum = sq
+    for d in tl.static_range(SIZE):
+        if d != SIZE // 2:
+            cd = c + (d - SIZE // 2)
+            idx = tl.minimum(tl.maximum(cd, 0), CP - 1)
+            g = tl.gather(sq, tl.broadcast_to(idx[None, :], (BW, CP)), axis=1)
+            ssum += tl.where(((cd >= 0) & (cd < C))[None, :], g, 0.0)
+    return a * tl.exp2(-BETA * tl.log2(KCONST + (ALPHA / SIZE) * ssum))
+
+
+@triton.jit
+def _lrn_pool_gather_kernel(y_ptr, bias_ptr, o_ptr, Ho, Wo, s_yn, s_yh, s_yw, s_on, s_oh, s_ow,
+                            C: tl.constexpr, CP: tl.constexpr, SIZE: tl.constexpr,
+                            ALPHA: tl.constexpr, BETA: tl.constexpr, KCONST: tl.constexpr,
+                            KP: tl.constexpr, SP: tl.constexpr, BW: tl.constexpr,
+                            ROWS: tl.constexpr):  # fmt: skip
+    pid = tl.program_id(0)
+    n_wb, n_hb = tl.cdiv(Wo, BW), tl.cdiv(Ho, ROWS)
+    n = pid // (n_wb * n_hb)
+    wb = (pid // n_hb) % n_wb
+    hb = pid % n_hb
+    base = y_ptr + n.to(tl.int64) * s_yn
+    obase = o_ptr + n.to(tl.int64) * s_on
+    ow = wb * BW + tl.arange(0, BW)
+    owm = ow < Wo
+    c = tl.arange(0, CP)
+    oh0 = hb * ROWS
+    carry = tl.full((BW, CP), float("-inf"), tl.float32)
+    for dw in tl.static_range(KP):  # the first window's top row (KP = SP + 1: rows overlap by 1)
+        carry = tl.maximum(carry, _lrn_gather_pixels(base, bias_ptr, oh0 * SP, ow * SP + dw, owm,
+                                                     c, s_yh, s_yw, C, CP, BW, SIZE, ALPHA,
+                                                     BETA, KCONST))  # fmt: skip
+    for i in range(ROWS):
+        oh = oh0 + i
+        live = owm & (oh < Ho)
+        res = carry
+        for dh in tl.static_range(1, KP):
+            r = tl.full((BW, CP), float("-inf"), tl.float32)
+            for dw in tl.static_range(KP):
+                r = tl.maximum(r, _lrn_gather_pixels(base, bias_ptr, oh * SP + dh, ow * SP + dw,
+                                                     live, c, s_yh, s_yw, C, CP, BW, SIZE,
+                                                     ALPHA, BETA, KCONST))  # fmt: skip
+            res = tl.maximum(res, r)
+            carry = r
+        dst = obase + (oh * s_oh + ow * s_ow)[:, None] + c[None, :]
+        tl.store(dst, res.to(o_ptr.dtype.element_ty), mask=live[:, None] & (c < C)[None, :])
+
+
+def lrn_pool_gather(y, bias, pool, bw=16, rows=4, warps=4):
+    n, c, h, w = y.shape
+    kp, sp = pool
+    assert kp == sp + 1
+    ho, wo = (h - kp) // sp + 1, (w - kp) // sp + 1
+    out = torch.empty(n, c, ho, wo, device=y.device, dtype=y.dtype, memory_format=CL)
+    size, alpha, beta, k = LRN
+    grid = (n * triton.cdiv(wo, bw) * triton.cdiv(ho, rows),)
+    opts = {} if y.device.type == "cpu" else {"num_warps": warps}
+    _lrn_pool_gather_kernel[grid](y, bias, out, ho, wo, y.stride(0), y.stride(2), y.stride(3),
+                                  out.stride(0), out.stride(2), out.stride(3), C=c,
+                                  CP=triton.next_power_of_2(c), SIZE=size, ALPHA=alpha,
+                                  BETA=beta, KCONST=k, KP=kp, SP=sp, BW=bw, ROWS=rows,
+                                  **opts)  # fmt: skip
+    return out
+
+
+@triton.jit
 def _lrn_flat_kernel(y_ptr, bias_ptr, o_ptr, total, C: tl.constexpr, SIZE: tl.constexpr,
                      ALPHA: tl.constexpr, BETA: tl.constexpr, KCONST: tl.constexpr,
                      BLOCK: tl.constexpr):  # fmt: skip
@@ -175,9 +252,12 @@ def probe_epilogue(name: str, n: int, c: int, hw: int, pool=(3, 2)) -> dict:
                                                pool=pool))  # fmt: skip
     fns = {
         "triton-loads": lambda: lrn_pool2d(y, bias, LRN, pool),
-        "triton-dot": lambda: lrn_pool_dot(y, bias, pool),
         "triton-dot-bw16": lambda: lrn_pool_dot(y, bias, pool, bw=16, rows=4),
-        "triton-dot-w8": lambda: lrn_pool_dot(y, bias, pool, warps=8),
+        "gather-bw8": lambda: lrn_pool_gather(y, bias, pool, bw=8),
+        "gather-bw16": lambda: lrn_pool_gather(y, bias, pool, bw=16),
+        "gather-bw32": lambda: lrn_pool_gather(y, bias, pool, bw=32),
+        "gather-bw16-w8": lambda: lrn_pool_gather(y, bias, pool, bw=16, warps=8),
+        "gather-bw8-r8": lambda: lrn_pool_gather(y, bias, pool, bw=8, rows=8),
         "lrn-then-pool": lambda: lrn_then_pool(y, bias, pool),
         "compiled": lambda: compiled(y),
         "copy": lambda: y.clone(),
