@@ -3,6 +3,7 @@ a non-default shape option it would not read is refused before any work, one lin
 nothing written; the options it does read pass."""
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -42,6 +43,18 @@ def test_an_option_the_workload_does_not_read_is_refused(cli, tmp_path, name):
 
 def _shape_fields(section: str) -> list[str]:
     return [f.name for f in dataclasses.fields(RunConfig) if f.metadata["section"] == section]
+
+
+@pytest.mark.parametrize("command", ["layers", "fit", "predict"])
+def test_the_commands_that_model_a_workload_refuse_it_too(cli, tmp_path, command):
+    """layers, fit and predict read the workload's shapes without running a strategy."""
+    ceilings = str(Path(__file__).parent / "fixtures" / "plan" / "ceilings_2core.json")
+    extra = ["--strategy", "mpi", "--ranks", "1", "--ceilings", ceilings]
+    code, out, err = cli(command, "alexnet", "--hidden", "64", *extra[: 6 * (command == "predict")])
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, (code, err)
+    assert "--hidden is an mlp option; the alexnet workload does not read it" in lines[0]
+    assert not list(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("name", WORKLOADS.names())

@@ -257,12 +257,25 @@ def refuse_unread(cfg: Any, strategy: type, workload: type | None = None) -> Non
         if name in read or getattr(cfg, f.name) == f.default:
             continue
         if name in SHAPES:
-            readers = "--model" if name == "user-model" else "/".join(workload.readers(name))
-            raise UsageError(
-                f"--{flag(f.name)} is {_article(readers)} {readers} option; the "
-                f"{cfg.workload} workload does not read it"
-            )
+            _refuse_shape(cfg, workload, f.name, name)
         _refuse_for_strategy(cfg, strategy, f.name, name)
+
+
+def refuse_unread_shapes(cfg: Any, workload: type) -> None:
+    """refuse_unread for the commands that model a workload without running a strategy
+    (`layers`, `fit`, `predict`): a shape option the workload would not read."""
+    for f in fields(cfg):
+        name = section_of(f)
+        if name in SHAPES and name not in workload.reads and getattr(cfg, f.name) != f.default:
+            _refuse_shape(cfg, workload, f.name, name)
+
+
+def _refuse_shape(cfg: Any, workload: type, option: str, name: str) -> None:
+    readers = "--model" if name == "user-model" else "/".join(workload.readers(name))
+    raise UsageError(
+        f"--{flag(option)} is {_article(readers)} {readers} option; the "
+        f"{cfg.workload} workload does not read it"
+    )
 
 
 def _refuse_for_strategy(cfg: Any, strategy: type, option: str, name: str) -> None:

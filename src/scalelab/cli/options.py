@@ -132,6 +132,18 @@ def config_from_args(args: argparse.Namespace, **overrides: Any) -> RunConfig:
     return RunConfig(**{**given, **overrides})
 
 
+def workload_config(args: argparse.Namespace, **overrides: Any) -> RunConfig:
+    """config_from_args for the commands that model a workload without running a strategy
+    (`layers`, `fit`, `predict`): a shape option the workload would not read is refused, as
+    `scalelab run` refuses it."""
+    from scalelab import config_sections
+    from scalelab.workloads import WORKLOADS
+
+    cfg = config_from_args(args, **overrides)
+    config_sections.refuse_unread_shapes(cfg, WORKLOADS.get(cfg.workload))
+    return cfg
+
+
 def list_options(args: argparse.Namespace) -> dict[str, list[Any]]:
     """The config flags given as comma lists: field name -> values."""
     return {

@@ -33,7 +33,7 @@ from scalelab.cli.options import (
     SKIP,
     add_config_options,
     add_workload_argument,
-    config_from_args,
+    workload_config,
     workload_name,
 )
 from scalelab.comm.base import even_counts
@@ -96,7 +96,7 @@ def available_memory() -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = config_from_args(args, workload=workload_name(args), train=True)
+    cfg = workload_config(args, workload=workload_name(args), train=True)
     workload = WORKLOADS.get(cfg.workload)(cfg)
     find = args.find or ("stack" if workload.name == "deepstack" else "batch")
     if find != "batch" and workload.name != "deepstack":

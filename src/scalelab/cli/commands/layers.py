@@ -9,7 +9,7 @@ from scalelab.cli.options import (
     SHAPE,
     add_config_options,
     add_workload_argument,
-    config_from_args,
+    workload_config,
     workload_name,
 )
 from scalelab.precision import get_precision
@@ -22,7 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = config_from_args(args, workload=workload_name(args))
+    cfg = workload_config(args, workload=workload_name(args))
     workload = WORKLOADS.get(cfg.workload)(cfg)
     itemsize = get_precision(cfg.dtype).itemsize
     rows = workload.cost_table()

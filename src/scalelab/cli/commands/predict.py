@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from scalelab.cli.base import COMMANDS, Command
-from scalelab.cli.options import RUN_ONLY, add_config_options, config_from_args, workload_name
+from scalelab.cli.options import RUN_ONLY, add_config_options, workload_config, workload_name
 from scalelab.errors import UsageError
 from scalelab.outputs import check_dir
 
@@ -133,7 +133,7 @@ def _scenario(args: argparse.Namespace, figures):
     overrides = {"workload": workload_name(args), "ranks": 1, "device": "cuda" if gpu else "cpu"}
     if args.strategy in TRAINING:
         overrides["train"] = True
-    cfg = config_from_args(args, **overrides)
+    cfg = workload_config(args, **overrides)
     cores = (figures.data.get("machine") or {}).get("cpu_cores") or 1
     per_node = args.gpus_per_node or (GPUS_PER_NODE if gpu else int(cores))
     if per_node < 1 or (args.nics_per_node is not None and args.nics_per_node < 1):
