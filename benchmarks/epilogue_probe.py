@@ -7,8 +7,10 @@ space-to-depth bf16, then cuDNN). This probe times, on one GPU, each candidate b
 production kernel on the same tensors, and checks each against the fp32 reference:
 
 - `triton-loads`: production lrn_pool2d (five channel-shifted loads per normalised pixel);
-- `triton-dot`: the same kernel with the LRN window sum as a (BW, CP) x (CP, CP) band matmul
-  on the centre load (no shifted, unaligned loads);
+- `gather-*`: the same pass with one aligned load per pixel, the window's neighbours taken
+  from the squares in registers (tl.gather along channels), at several tiles. (The first
+  run's `triton-dot*` rows, the window sum as a (CP, CP) band matmul, 10-17x slower, are in
+  results/alexnet_probe_h100/probe.json; that variant is gone from here.)
 - `lrn-then-pool`: an elementwise LRN kernel (one lane per channel value: its five
   neighbours are consecutive addresses) and torch's channels_last max-pool;
 - `compiled`: torch.compile of the fp32 reference (inductor's fused kernels);
@@ -39,65 +41,6 @@ from scalelab.workloads.alexnet import LRN_ALPHA, LRN_BETA, LRN_K, LRN_SIZE
 
 LRN = (LRN_SIZE, LRN_ALPHA, LRN_BETA, LRN_K)
 CL = torch.channels_last
-
-
-@triton.jit
-def _lrn_dot_pixels(base, bias_ptr, row, cols, colmask, c, band, s_yh, s_yw,
-                    C: tl.constexpr, SIZE: tl.constexpr, ALPHA: tl.constexpr,
-                    BETA: tl.constexpr, KCONST: tl.constexpr):  # fmt: skip
-    pix = row * s_yh + cols * s_yw
-    v = tl.load(base + pix[:, None] + c[None, :], mask=colmask[:, None] & (c < C)[None, :],
-                other=0.0)  # fmt: skip
-    b = tl.load(bias_ptr + c, mask=c < C, other=0.0)
-    a = tl.maximum(v.to(tl.float32) + b[None, :], 0.0)
-    ssum = tl.dot(a * a, band, input_precision="tf32")  # (BW, CP): window sums over channels
-    return a * tl.exp2(-BETA * tl.log2(KCONST + (ALPHA / SIZE) * ssum))
-
-
-@triton.jit
-def _lrn_pool_dot_kernel(y_ptr, bias_ptr, o_ptr, Ho, Wo, s_yn, s_yh, s_yw, s_on, s_oh, s_ow,
-                         C: tl.constexpr, CP: tl.constexpr, SIZE: tl.constexpr,
-                         ALPHA: tl.constexpr, BETA: tl.constexpr, KCONST: tl.constexpr,
-                         KP: tl.constexpr, SP: tl.constexpr, BW: tl.constexpr,
-                         ROWS: tl.constexpr):  # fmt: skip
-    pid = tl.program_id(0)
-    n_wb, n_hb = tl.cdiv(Wo, BW), tl.cdiv(Ho, ROWS)
-    n = pid // (n_wb * n_hb)
-    wb = (pid // n_hb) % n_wb
-    hb = pid % n_hb
-    base = y_ptr + n.to(tl.int64) * s_yn
-    obase = o_ptr + n.to(tl.int64) * s_on
-    ow = wb * BW + tl.arange(0, BW)
-    owm = ow < Wo
-    c = tl.arange(0, CP)
-    d = c[:, None] - c[None, :]
-    band = tl.where((d <= SIZE // 2) & (d >= -(SIZE // 2)), 1.0, 0.0)  # (CP, CP) fp32
-    for i in range(ROWS):
-        oh = hb * ROWS + i
-        live = owm & (oh < Ho)
-        res = tl.full((BW, CP), float("-inf"), tl.float32)
-        for dh in tl.static_range(KP):
-            for dw in tl.static_range(KP):
-                z = _lrn_dot_pixels(base, bias_ptr, oh * SP + dh, ow * SP + dw, live, c, band,
-                                    s_yh, s_yw, C, SIZE, ALPHA, BETA, KCONST)  # fmt: skip
-                res = tl.maximum(res, z)
-        dst = obase + (oh * s_oh + ow * s_ow)[:, None] + c[None, :]
-        tl.store(dst, res.to(o_ptr.dtype.element_ty), mask=live[:, None] & (c < C)[None, :])
-
-
-def lrn_pool_dot(y, bias, pool, bw=32, rows=4, warps=4):
-    n, c, h, w = y.shape
-    kp, sp = pool
-    ho, wo = (h - kp) // sp + 1, (w - kp) // sp + 1
-    out = torch.empty(n, c, ho, wo, device=y.device, dtype=y.dtype, memory_format=CL)
-    size, alpha, beta, k = LRN
-    grid = (n * triton.cdiv(wo, bw) * triton.cdiv(ho, rows),)
-    _lrn_pool_dot_kernel[grid](y, bias, out, ho, wo, y.stride(0), y.stride(2), y.stride(3),
-                               out.stride(0), out.stride(2), out.stride(3), C=c,
-                               CP=triton.next_power_of_2(c), SIZE=size, ALPHA=alpha, BETA=beta,
-                               KCONST=k, KP=kp, SP=sp, BW=bw, ROWS=rows,
-                               num_warps=warps)  # fmt: skip
-    return out
 
 
 @triton.jit
@@ -252,7 +195,6 @@ def probe_epilogue(name: str, n: int, c: int, hw: int, pool=(3, 2)) -> dict:
                                                pool=pool))  # fmt: skip
     fns = {
         "triton-loads": lambda: lrn_pool2d(y, bias, LRN, pool),
-        "triton-dot-bw16": lambda: lrn_pool_dot(y, bias, pool, bw=16, rows=4),
         "gather-bw8": lambda: lrn_pool_gather(y, bias, pool, bw=8),
         "gather-bw16": lambda: lrn_pool_gather(y, bias, pool, bw=16),
         "gather-bw32": lambda: lrn_pool_gather(y, bias, pool, bw=32),
