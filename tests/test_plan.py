@@ -350,20 +350,11 @@ def _assert_regret(summary: dict, out: Path, top: int | None = None, repeats: in
     assert v["regret"] <= bound or best["vs_chosen_low"] <= 1.0 + bound, (bound, v)
 
 
-# The two shipped-workload plans verify the top 3 (and the plain choice) with medians of two
-# runs; the user model's plan below measures its full candidate set with medians of three. On
-# the shared 2-core host a run is mostly process start-up (8-30 s under load), so CI time is
-# the number of runs: 16 + 16 + 24 here, against 27 + 30 before the user model's plan.
-@pytest.mark.slow
-def test_alexnet_inference_plan_is_proved_on_this_host(cli, tmp_path):
-    # 16 images of 99x99: ~0.1 s per iteration on one core, long enough that process start-up
-    # and scheduler noise do not decide the comparison
-    summary = _plan(cli, tmp_path, "alexnet", "--batch", "16", "--image-size", "99",
-                    "--iters", "3", "--warmup", "1", "--strategies", "mpi", verify=3,
-                    repeats=2)  # fmt: skip
-    _assert_regret(*summary, top=3, repeats=2)
-
-
+# The mlp plan verifies the top 3 (and the plain choice) with medians of two runs; the user
+# model's plan below measures its full candidate set with medians of three. On the shared
+# 2-core host a run is mostly process start-up (8-30 s under load), so CI time is the number
+# of runs (16 + 24). AlexNet's whole loop runs as README's plan line (without the regret
+# assertion) and as docs/PLAN.md's worked example: a third loop here put CI past 30 minutes.
 @pytest.mark.slow
 def test_mlp_training_plan_on_mnist_is_proved_on_this_host(cli, tmp_path, mnist_dir):
     summary = _plan(cli, tmp_path, "mlp", "--train", "--batch", "100", "--steps", "10",
