@@ -140,7 +140,7 @@ def test_an_internal_error_is_exit_3(cli, monkeypatch):
     def broken(*args, **kwargs):
         raise KeyError("a bug")
 
-    monkeypatch.setattr(layers, "config_from_args", broken)
+    monkeypatch.setattr(layers, "workload_config", broken)
     monkeypatch.delenv("SCALELAB_DEBUG", raising=False)
     code, _, err = cli("layers", "alexnet")
     assert code == 3 and len(err.strip().splitlines()) == 1 and "internal error" in err
