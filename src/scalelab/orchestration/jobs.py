@@ -172,18 +172,32 @@ def statuses(folder: Path) -> dict[int, tuple[int, str, float, str]]:
     return out
 
 
+def _torchrun_failures(summary: str) -> list[tuple[int, str, int | None]]:
+    """(rank, host, signal) of each entry of torchrun's error summary, in its order (the root
+    cause last)."""
+    out = []
+    for entry in re.split(r"^\s*\[\d+\]:\s*$", summary, flags=re.M)[1:]:
+        rank, host, code = (
+            re.search(p, entry)
+            for p in (r"rank\s*:\s*(\d+)", r"host\s*:\s*(\S+)", r"exitcode\s*:\s*(-?\d+)")
+        )
+        if rank and code:
+            c = int(code.group(1))
+            out.append((int(rank.group(1)), host.group(1) if host else "?", -c if c < 0 else None))
+    return out
+
+
 def _dead_rank(captured: list[str], status: dict) -> tuple[int, str, int | None] | None:
     """(rank, host, signal) of the rank whose death ended the job, from the launcher's text."""
     text = "\n".join(captured)
-    # torchrun: the "Root Cause (first observed failure)" entry.
-    root = text.split("Root Cause", 1)[1] if "Root Cause" in text else ""
-    rank, host, code = (
-        re.search(p, root)
-        for p in (r"rank\s*:\s*(\d+)", r"host\s*:\s*(\S+)", r"exitcode\s*:\s*(-?\d+)")
-    )
-    if rank and code:
-        c = int(code.group(1))
-        return int(rank.group(1)), host.group(1) if host else "?", -c if c < 0 else None
+    # torchrun: its failure entries ("Failures:" and "Root Cause (first observed failure)").
+    # A rank killed by a signal wins over the root cause: a peer's all-reduce can raise
+    # "Connection closed by peer" and exit before torchrun notices the killed rank. SIGTERM
+    # is torchrun's own stop of the survivors, so any other signal comes first.
+    entries = _torchrun_failures(text.split("Failures:", 1)[1]) if "Failures:" in text else []
+    if entries:
+        killed = sorted((e for e in entries if e[2] is not None), key=lambda e: e[2] == 15)
+        return killed[0] if killed else entries[-1]
     # Open MPI: "... noticed that process rank 1 with PID 0 on node X exited on signal 9"
     m = re.search(r"process rank (\d+) with PID \d+ on node (\S+) exited on signal (\d+)", text)
     if m:
