@@ -67,6 +67,17 @@ def test_training_candidates_keep_the_global_batch_per_strategy():
     assert cand.plain(spec()).split == "batch" and cand.plain(spec()).ranks == 2
 
 
+def test_one_gpu_training_weighs_the_fast_and_compiled_steps():
+    base = RunConfig(workload="resnet18", train=True, device="cuda")
+    s = PlanSpec(base=base, ranks_max=1, per_node=1, global_batch=256, precisions=("fp32", "bf16"))
+    labels = {label(c) for c in cand.candidates(s)}
+    for p in ("", " --amp bf16"):  # ddp takes a lower precision as autocast
+        for speed in ("", " --fast", " --compile"):
+            assert f"ddp --ranks 1 --batch 256{p}{speed}" in labels
+    assert not any("--bucket-mb" in x or "--grad-compress" in x for x in labels)  # one rank
+    assert {"mpi-dp --ranks 1 --batch 256", "mpi-dp --ranks 1 --batch 256 --dtype bf16"} < labels
+
+
 def test_per_rank_batch_grows_with_the_ranks():
     s = PlanSpec(base=RunConfig(workload="mlp", train=True), ranks_max=2, per_node=2, cores=2,
                  per_rank_batch=10)  # fmt: skip

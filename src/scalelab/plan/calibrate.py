@@ -136,14 +136,18 @@ def measure_medians(
             echo(f"  round {r + 1}/{repeats}: {_label(cfgs[i])}: {shown}")
     chosen: list[dict | str] = []
     for recs, error in zip(runs, errors):
-        if not recs:
-            chosen.append(error)
-            continue
-        recs = sorted(recs, key=lambda rec: rec["throughput"])
-        median = recs[(len(recs) - 1) // 2]
-        append_record(results, median)
-        chosen.append(median)
+        median = median_run(recs)
+        if median is not None:
+            append_record(results, median)
+        chosen.append(error if median is None else median)
     return chosen
+
+
+def median_run(runs: list[dict]) -> dict | None:
+    """The run of median throughput (the lower middle of an even count); None for none."""
+    if not runs:
+        return None
+    return sorted(runs, key=lambda rec: rec["throughput"])[(len(runs) - 1) // 2]
 
 
 def _label(cfg: RunConfig) -> str:

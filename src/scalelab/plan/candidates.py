@@ -104,17 +104,20 @@ def mpi_dp(spec: PlanSpec) -> Iterator[RunConfig]:
 def ddp(spec: PlanSpec) -> Iterator[RunConfig]:
     if not spec.base.train:
         return
-    for ranks, threads, p in _each(spec, least=2):
-        for knobs in _ddp_knobs(spec):
+    # one GPU: ddp --ranks 1 is where --fast and --compile run (mpi-dp takes neither); one
+    # CPU rank: mpi-dp's candidate is the same step
+    for ranks, threads, p in _each(spec, least=1 if spec.gpu else 2):
+        for knobs in _ddp_knobs(spec, ranks):
             yield _config(spec, "ddp", ranks, threads, p, **knobs)
 
 
-def _ddp_knobs(spec: PlanSpec) -> list[dict]:
-    """GPU only: the CUDA-graph step or torch.compile, two bucket sizes, bf16 gradients."""
+def _ddp_knobs(spec: PlanSpec, ranks: int) -> list[dict]:
+    """GPU only: the CUDA-graph step or torch.compile; over several ranks two bucket sizes
+    and bf16 gradients too."""
     if not spec.gpu:
         return [{}]
     speed = [{}, {"fast": True}, {"compile": True}]
-    comm = [{}, {"bucket_mb": 100.0}, {"grad_compress": "bf16"}]
+    comm = [{}, {"bucket_mb": 100.0}, {"grad_compress": "bf16"}] if ranks > 1 else [{}]
     return [{**a, **b} for a in speed for b in comm]
 
 

@@ -13,6 +13,14 @@ regret is how far the choice falls short of it: 1 - 1 / max(vs_chosen) (0 when n
 the choice). `error_pct` compares the predicted throughput with the measured median;
 `ratio_error_pct` compares the predicted ratio to the choice with `vs_chosen`, which load
 from elsewhere that slows every candidate alike does not move.
+
+A prediction rests on one-rank calibration runs made minutes before verification; on a
+shared host the load can change in between (calibration at load 8, verification at load 2:
+the prediction 56% low with nothing wrong in the model). So the calibration runs the verified
+candidates lean on (`anchors`) are measured again in the same rounds, and plan predicts each
+candidate once more from them (`predicted_alongside`, `alongside_error_pct`): the model's own
+error, with the load of the moment on both sides. The anchors are not candidates: they take no
+part in the regret.
 """
 
 from __future__ import annotations
@@ -20,14 +28,14 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
 from scalelab.config import RunConfig
-from scalelab.plan.calibrate import measure
+from scalelab.plan.calibrate import measure, median_run
 from scalelab.plan.rank import OK, label
 
 Measure = Callable[[RunConfig], "dict | str"]
@@ -40,13 +48,27 @@ class Verification:
     best: str
     regret: float  # 0.02: the choice measured 2% below the best measured
     failures: list[str]
+    anchors: list[dict | None] = field(default_factory=list)
+    """Per anchor: its run of median throughput (a run record), None when every run failed."""
+
+    def alongside(self, predicted: list[float]) -> None:
+        """Add the predictions from the calibration measured alongside (one per row)."""
+        self.table["predicted_alongside"] = predicted
+        ratio = self.table["predicted_alongside"] / self.table["measured"]
+        self.table["alongside_error_pct"] = 100 * (ratio - 1)
 
     def summary(self) -> str:
         row = self.table.set_index("candidate").loc[self.chosen]
+        again = ""
+        if "predicted_alongside" in row:
+            again = (
+                f"; from calibration measured alongside {row['predicted_alongside']:.4g}/s, "
+                f"{row['alongside_error_pct']:+.1f}%"
+            )
         return (
             f"chosen: {self.chosen}; measured {row['measured']:.4g}/s (predicted "
-            f"{row['predicted']:.4g}/s, {row['error_pct']:+.1f}%); best measured: {self.best}; "
-            f"regret {100 * self.regret:.1f}%"
+            f"{row['predicted']:.4g}/s, {row['error_pct']:+.1f}%{again}); best measured: "
+            f"{self.best}; regret {100 * self.regret:.1f}%"
         )
 
 
@@ -64,22 +86,33 @@ def picks(ranked: pd.DataFrame, k: int, plain_cfg: RunConfig) -> pd.DataFrame:
 
 
 def verify(
-    chosen: pd.DataFrame, repeats: int, run: Measure, echo: Callable[[str], None] = lambda _: None
+    chosen: pd.DataFrame,
+    repeats: int,
+    run: Measure,
+    echo: Callable[[str], None] = lambda _: None,
+    anchors: list[RunConfig] = (),
 ) -> Verification:
-    """Measure every row of `chosen` (picks()) `repeats` times, interleaved; `echo` gets
-    one progress line per run."""
+    """Measure every row of `chosen` (picks()) and every anchor `repeats` times, interleaved;
+    `echo` gets one progress line per run. An anchor equal to a candidate is measured once."""
     cfgs = list(chosen["cfg"])
-    rounds = np.full((repeats, len(cfgs)), np.nan)  # throughput of run (round, candidate)
+    extra = [a for a in anchors if repr(a) not in {repr(c) for c in cfgs}]
+    every = cfgs + extra
+    records: list[list[dict]] = [[] for _ in every]
+    rounds = np.full((repeats, len(every)), np.nan)  # throughput of run (round, config)
     failures: list[str] = []
     for r in range(repeats):
-        for i in _rotated(len(cfgs), r):
-            out = run(cfgs[i])
+        for i in _rotated(len(every), r):
+            out = run(every[i])
             if isinstance(out, dict):
                 rounds[r, i] = float(out["throughput"])
+                records[i].append(out)
             else:
-                failures.append(f"{label(cfgs[i])}: {out}")
-            echo(f"  round {r + 1}/{repeats}: {label(cfgs[i])}: {rounds[r, i]:.4g}/s")
-    return _verdict(_table(chosen, rounds), failures)
+                failures.append(f"{label(every[i])}: {out}")
+            echo(f"  round {r + 1}/{repeats}: {label(every[i])}: {rounds[r, i]:.4g}/s")
+    v = _verdict(_table(chosen, rounds[:, : len(cfgs)]), failures)
+    where = {repr(c): i for i, c in enumerate(every)}
+    v.anchors = [median_run(records[where[repr(a)]]) for a in anchors]
+    return v
 
 
 def _rotated(n: int, r: int) -> list[int]:

@@ -116,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
     if args.calibrate_missing:
         pool = _calibrate(spec, pool, cfgs, args, out)
     figures = _contention(figures, spec, args, out)
-    ranked = rank.rank(Context(figures, network, pool), spec, cfgs)
+    ctx = Context(figures, network, pool)
+    ranked = rank.rank(ctx, spec, cfgs)
     _print_plan(spec, ranked, figures.path)
     out.mkdir(parents=True, exist_ok=True)
     rank.shown(ranked).to_csv(out / "plan.csv", index=False)
@@ -127,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
         "rows": _records(ranked),
     }
     if args.verify > 0:
-        summary["verify"] = _verify(spec, ranked, args, out)
+        summary["verify"] = _verify(spec, ranked, ctx, args, out)
     (out / "plan.json").write_text(json.dumps(summary, indent=1, default=str))
     print(f"wrote {out}/: plan.csv, plan.json" + (", verify.csv" if args.verify else ""))
     return 0 if (ranked["status"] == rank.OK).any() else 1
@@ -243,14 +244,21 @@ class Progress:
         print(f"{head} {line.strip()}", file=sys.stderr, flush=True)
 
 
-def _verify(spec, ranked, args, out: Path) -> dict:
+def _verify(spec, ranked, ctx, args, out: Path) -> dict:
+    from scalelab.plan.calibrate import missing
     from scalelab.plan.candidates import plain
     from scalelab.plan.verify import picks, runner, verify
+    from scalelab.predict.calibration import Pool
 
     chosen = picks(ranked, args.verify, plain(spec))
-    print(f"verify: {len(chosen)} candidate(s) x {args.repeats} runs, interleaved", flush=True)
+    # the calibration runs these candidates' predictions lean on, measured again alongside
+    anchors = missing(spec, Pool(), list(chosen["cfg"]), spec.per_node)
+    runs = len(chosen) + len([a for a in anchors if repr(a) not in set(map(repr, chosen["cfg"]))])
+    print(f"verify: {len(chosen)} candidate(s) and {runs - len(chosen)} calibration run(s) "
+          f"x {args.repeats} runs, interleaved", flush=True)  # fmt: skip
     run = runner(out / "verify.jsonl", args.timeout)
-    v = verify(chosen, args.repeats, run, echo=Progress("verify", len(chosen) * args.repeats))
+    v = verify(chosen, args.repeats, run, Progress("verify", runs * args.repeats), anchors)
+    _predict_alongside(v, list(chosen["cfg"]), spec, ctx, args, out)
     print(v.table.to_string(index=False, float_format="{:.4g}".format))
     for failure in v.failures:
         print(f"  failed: {failure}")
@@ -258,6 +266,34 @@ def _verify(spec, ranked, args, out: Path) -> dict:
     v.table.to_csv(out / "verify.csv", index=False)
     rows = json.loads(v.table.to_json(orient="records"))
     return {"chosen": v.chosen, "best": v.best, "regret": v.regret, "rows": rows}
+
+
+def _predict_alongside(v, cfgs, spec, ctx, args, out: Path) -> None:
+    """Each verified candidate predicted once more, from the calibration runs measured in the
+    verification's own rounds (and, for CPU ranks, the host's contention curve measured right
+    after them): the `predicted_alongside` and `alongside_error_pct` columns (verify.py)."""
+    import dataclasses
+    import math
+
+    from scalelab.cli.commands.predict import _calibration_pool
+    from scalelab.plan.rank import predict
+    from scalelab.record import append_record
+
+    path = out / "verify_calibration.jsonl"
+    path.unlink(missing_ok=True)
+    for rec in filter(None, v.anchors):
+        append_record(path, rec)
+    if not path.exists():  # every calibration run failed (listed among the failures)
+        return
+    figures = ctx.figures
+    if not spec.gpu and spec.ranks_max > 1:
+        from scalelab.plan.calibrate import host_contention
+
+        curve = out / "concurrency_verify.json"
+        figures = host_contention(figures, spec.cores, curve, args.repeats)
+    now = dataclasses.replace(ctx, figures=figures, pool=_calibration_pool(str(path)))
+    again = [predict(now, spec, cfg)[0] for cfg in cfgs]  # the table's rows, in order
+    v.alongside([p.throughput if p else math.nan for p in again])
 
 
 def _spec_dict(spec) -> dict:
