@@ -424,6 +424,21 @@ def test_plan_writes_table_csv_json_and_a_report_section(cli, tmp_path):
     assert plan_sections(tmp_path / "nothing") == []
 
 
+def test_training_is_compared_at_its_steady_rate():
+    # 100 steps of 512 items: 90 steady ones in 15.36 s after 31.2 s of warm-up (compiling)
+    from scalelab.plan.calibrate import rate
+    from scalelab.predict.points import _step_seconds
+
+    steady = {"basis": "steps", "from_step": 11, "steps": 90, "items": 46080, "seconds": 15.36}
+    rec = {"mode": "train", "steps": 100, "wall_s": 46.56, "throughput": 51200 / 46.56,
+           "steady_throughput": 46080 / 15.36, "steady": steady}  # fmt: skip
+    assert rate(rec) == pytest.approx(3000.0)
+    assert _step_seconds(rec, 46.56 / 100) == pytest.approx(15.36 / 90)  # calibration's step
+    whole = {**rec, "steady": {"basis": "whole run (too few steps to leave warm-up out)"}}
+    assert _step_seconds(whole, 0.4656) == 0.4656
+    assert rate({"mode": "infer", "throughput": 5.0, "steady_throughput": 9.0}) == 5.0
+
+
 def test_calibration_keeps_the_median_run(tmp_path):
     from scalelab.plan.calibrate import measure_medians
     from scalelab.record import read_records

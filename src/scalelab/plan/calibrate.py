@@ -132,7 +132,7 @@ def measure_medians(
                 runs[i].append(out)
             else:
                 errors[i] = out
-            shown = f"{out['throughput']:.4g}/s" if isinstance(out, dict) else f"FAILED: {out}"
+            shown = f"{rate(out):.4g}/s" if isinstance(out, dict) else f"FAILED: {out}"
             echo(f"  round {r + 1}/{repeats}: {_label(cfgs[i])}: {shown}")
     chosen: list[dict | str] = []
     for recs, error in zip(runs, errors):
@@ -147,7 +147,16 @@ def median_run(runs: list[dict]) -> dict | None:
     """The run of median throughput (the lower middle of an even count); None for none."""
     if not runs:
         return None
-    return sorted(runs, key=lambda rec: rec["throughput"])[(len(runs) - 1) // 2]
+    return sorted(runs, key=rate)[(len(runs) - 1) // 2]
+
+
+def rate(rec: dict) -> float:
+    """A run's items per second as a plan compares them: a training run's steady rate
+    (train/headline.py: the warm-up left out, as the calibration's step is: a user trains
+    for hours, and 100 steps of resnet18-cifar --compile on an H100 are mostly compiling),
+    an inference run's median iteration."""
+    steady = rec.get("steady_throughput") if rec.get("mode") == "train" else None
+    return float(steady if steady is not None and math.isfinite(steady) else rec["throughput"])
 
 
 def _label(cfg: RunConfig) -> str:

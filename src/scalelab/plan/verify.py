@@ -35,7 +35,7 @@ import numpy as np
 import pandas as pd
 
 from scalelab.config import RunConfig
-from scalelab.plan.calibrate import measure, median_run
+from scalelab.plan.calibrate import measure, median_run, rate
 from scalelab.plan.rank import OK, label
 
 Measure = Callable[[RunConfig], "dict | str"]
@@ -104,7 +104,7 @@ def verify(
         for i in _rotated(len(every), r):
             out = run(every[i])
             if isinstance(out, dict):
-                rounds[r, i] = float(out["throughput"])
+                rounds[r, i] = rate(out)
                 records[i].append(out)
             else:
                 failures.append(f"{label(every[i])}: {out}")

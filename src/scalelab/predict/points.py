@@ -148,9 +148,18 @@ def _run_record(found: Found, path: Path, where: str, rec: dict[str, Any]) -> No
 
 def _step_seconds(rec: dict[str, Any], default: float) -> float:
     """A pipeline run's step: its period from every stage's step walls (records written
-    before the period took the slowest stage carry the root's shorter median)."""
+    before the period took the slowest stage carry the root's shorter median). Another
+    training run's step: its steady part (train/headline.py), without the warm-up that a
+    short run's whole wall is mostly made of on a GPU (cuDNN autotuning, a CUDA graph's
+    capture, torch.compile: 100 steps of resnet18-cifar --compile on an H100, 1.1k img/s
+    overall)."""
     step = steady_step((rec.get("pipeline") or {}).get("stage") or [])
-    return step if step else default
+    if step:
+        return step
+    steady = rec.get("steady") or {}
+    if rec.get("mode") == "train" and steady.get("basis") == "steps" and steady.get("steps"):
+        return float(steady["seconds"]) / int(steady["steps"])
+    return default
 
 
 def _cal_point(rec: dict, s: Scenario, seconds: float, scale: float, where: str) -> CalPoint:
