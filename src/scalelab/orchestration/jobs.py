@@ -127,22 +127,53 @@ def explain(
     folder: Path, captured: list[str], code: int, ended: float, launcher: str
 ) -> JobOutcome:
     """The one line: a rank's refusal first (exit 2: every rank refused alike), then a rank
-    killed by a signal (the others' failures follow from it), then a rank's own failure line,
-    then the rank the launcher saw exit, else the launcher's code."""
+    killed by a signal (the others' failures follow from it), then, under mpiexec, a rank
+    that vanished without a line while the others' lines say a peer vanished, then a rank's
+    own failure line, then the rank the launcher saw exit, else the launcher's code."""
     said = notes(folder)
     refusals = [n for n in said if n[0] == 2]
     status = statuses(folder)
-    dead = _dead_rank(captured, status)
+    # Ranks that left no line: scalelab's own error path always writes one before it exits,
+    # so these were killed (or were stopped by the launcher when a peer failed).
+    silent = set(status) - {int(p.name[len("note.rank") :]) for p in folder.glob("note.rank*")}
+    dead = _dead_rank(captured, status, silent)
     if refusals:
         return JobOutcome(2, refusals[0][1], captured)
     if dead is not None and dead[2] is not None:
         return JobOutcome(1, dead_line(dead, status, ended), captured)
+    vanished = _vanished_rank(said, silent, status) if launcher == "mpi" else None
+    if dead is None and vanished is not None:
+        return JobOutcome(1, dead_line(vanished, status, ended, vanished=True), captured)
     if said:
         return JobOutcome(said[0][0], said[0][1], captured)
     if dead is not None:
         return JobOutcome(1, dead_line(dead, status, ended), captured)
     name = "mpiexec" if launcher == "mpi" else launcher
     return JobOutcome(1, f"scalelab: job failed: {name} exited with code {code}", captured)
+
+
+# A rank's failure that a vanished peer caused: MPICH's shared-memory copy from a process
+# that no longer exists (process_vm_readv: errno 3, ESRCH), or a socket the peer's death
+# closed (ch3 and ofi over tcp, UCX, gloo).
+PEER_GONE = re.compile(
+    r"errno 3\b|No such process|reset by (remote )?peer|closed by peer|Broken pipe"
+    r"|Communication error with rank|Socket closed",
+    re.I,
+)
+
+
+def _vanished_rank(
+    said: list[tuple[int, str]], silent: set[int], status: dict
+) -> tuple[int, str, None] | None:
+    """(rank, host, None) of the one rank that left no line while every line the others
+    left says a peer vanished. A survivor's MPI call can fail on the killed rank and its
+    MPI_Abort end mpiexec before hydra reports the kill: then MPICH prints only the Abort
+    line (no BAD TERMINATION box, no signal). With several silent ranks (the launcher's
+    cleanup kills the rest too) which one vanished first is unknown: None."""
+    if not said or len(silent) != 1 or not all(PEER_GONE.search(line) for _, line in said):
+        return None
+    (rank,) = silent
+    return rank, status[rank][1], None
 
 
 def notes(folder: Path) -> list[tuple[int, str]]:
@@ -154,11 +185,14 @@ def notes(folder: Path) -> list[tuple[int, str]]:
     return out
 
 
-def dead_line(dead: tuple[int, str, int | None], status: dict, ended: float) -> str:
+def dead_line(
+    dead: tuple[int, str, int | None], status: dict, ended: float, vanished: bool = False
+) -> str:
+    """The dead rank's line; vanished: it died of a signal nobody reported."""
     rank, host, signal = dead
     _, st_host, beat, phase = status.get(rank, (None, host, None, "setup"))
     after = f"; job aborted after {max(0.0, ended - beat):.1f} s" if beat else ""
-    how = f"died (signal {signal})" if signal else "exited"
+    how = f"died (signal {signal})" if signal else ("died" if vanished else "exited")
     return f"scalelab: rank {rank} on {host or st_host} {how} during {phase}{after}"
 
 
@@ -187,7 +221,9 @@ def _torchrun_failures(summary: str) -> list[tuple[int, str, int | None]]:
     return out
 
 
-def _dead_rank(captured: list[str], status: dict) -> tuple[int, str, int | None] | None:
+def _dead_rank(
+    captured: list[str], status: dict, silent: set[int]
+) -> tuple[int, str, int | None] | None:
     """(rank, host, signal) of the rank whose death ended the job, from the launcher's text."""
     text = "\n".join(captured)
     # torchrun: its failure entries ("Failures:" and "Root Cause (first observed failure)").
@@ -205,12 +241,23 @@ def _dead_rank(captured: list[str], status: dict) -> tuple[int, str, int | None]
     # MPICH: "PID 123 RUNNING AT host" and, when killed, "EXIT STRING: Killed (signal 9)".
     pid = re.search(r"PID (\d+) RUNNING AT (\S+)", text)
     if pid:
-        by_pid = {s[0]: r for r, s in status.items()}
-        rank_of = by_pid.get(int(pid.group(1)))
-        sig = re.search(r"signal (\d+)", text)  # "EXIT CODE: 9" alone may be exit(9)
-        signal = int(sig.group(1)) if sig else None
-        return (rank_of if rank_of is not None else -1), pid.group(2), signal
+        rank_of = {s[0]: r for r, s in status.items()}.get(int(pid.group(1)), -1)
+        return rank_of, pid.group(2), _mpich_signal(text, rank_of in silent)
     return None
+
+
+def _mpich_signal(text: str, silent: bool) -> int | None:
+    """The signal that killed the rank MPICH's BAD TERMINATION box names. Its "EXIT CODE: N"
+    is that process's raw wait status (MPICH 5.0's hydra boxes only processes that did not
+    exit), but older hydras box an exit(N) alike; a rank that left no line of its own did not exit
+    through scalelab's error path, so there N is the signal (low 7 bits; 0x80: core). The
+    "EXIT STRING: ... (signal N)" line (the OR of every rank's status) comes last and is
+    missing when a survivor's MPI_Abort, failing on the dead rank, ends mpiexec first."""
+    box = re.search(r"EXIT CODE: (\d+)", text)
+    if silent and box and int(box.group(1)) & 0x7F:
+        return int(box.group(1)) & 0x7F
+    sig = re.search(r"signal (\d+)", text)  # "EXIT CODE: 9" alone may be exit(9)
+    return int(sig.group(1)) if sig else None
 
 
 # --- relaunching this command line under a launcher --------------------------------------

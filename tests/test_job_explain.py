@@ -1,0 +1,102 @@
+"""The one line explaining a failed launcher job (orchestration/jobs.explain), from a job
+folder written as the ranks write it (status pages, notes) and the launcher text as MPICH's
+hydra prints it. The real kill under mpiexec and torchrun is in test_cli_ranks; here the
+races it meets at random are laid out one by one."""
+
+from __future__ import annotations
+
+import pytest
+
+from scalelab.comm.job_status import STATUS_BYTES
+from scalelab.orchestration.jobs import explain
+
+PIDS = {0: 4100, 1: 4101, 2: 4102}
+BEAT, ENDED = 1000.0, 1000.5  # the ranks' last phase change; the launcher's end
+# rank 0's MPI_Wait reading from rank 1's memory after rank 1 was killed (ESRCH)
+MPI_PEER_GONE = (
+    "scalelab run: internal error: Exception: Other MPI error, error stack: "
+    "internal_Wait(105).....: MPI_Wait(request=0x7f14, status=0x1) failed "
+    "MPIDI_CMA_copy_data(68):  copy_iovs(224).........: process_vm_readv failed (errno 3) "
+    "(a bug: please report it; SCALELAB_DEBUG=1: traceback)"
+)
+ABORT = (
+    "Abort(3) on node 0 (rank 0 in comm 0): application called "
+    "MPI_Abort(MPI_COMM_WORLD, 3) - process 0"
+)
+
+
+def box(pid: int, code: int) -> list[str]:
+    """MPICH hydra's BAD TERMINATION box (pmiserv_cb.c), as jobs._pump keeps it back."""
+    return [
+        "=" * 83,
+        "=   BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES",
+        f"=   PID {pid} RUNNING AT nodeA",
+        f"=   EXIT CODE: {code}",
+        "=   CLEANING UP REMAINING PROCESSES",
+        "=   YOU CAN IGNORE THE BELOW CLEANUP MESSAGES",
+        "=" * 83,
+    ]
+
+
+def job(tmp_path, ranks: int, notes: dict[int, tuple[int, str]]):
+    """A job folder: every rank's status page (in phase halo) and the notes given."""
+    for rank in range(ranks):
+        line = f"{PIDS[rank]} nodeA {BEAT:.3f} halo".encode().ljust(STATUS_BYTES)
+        (tmp_path / f"rank{rank}.status").write_bytes(line)
+    for rank, (code, text) in notes.items():
+        (tmp_path / f"note.rank{rank}").write_text(f"{code}\n{text}")
+    return tmp_path
+
+
+def test_a_killed_rank_is_named_when_mpich_boxes_it_without_the_exit_string(tmp_path):
+    """Rank 1 killed; rank 0's MPI_Wait fails on it and its MPI_Abort ends mpiexec after the
+    box but before "EXIT STRING: Killed (signal 9)": the box's EXIT CODE is the signal."""
+    folder = job(tmp_path, 2, {0: (3, MPI_PEER_GONE)})
+    out = explain(folder, [ABORT, *box(PIDS[1], 9)], 3, ENDED, "mpi")
+    assert (out.code, out.message) == (
+        1,
+        "scalelab: rank 1 on nodeA died (signal 9) during halo; job aborted after 0.5 s",
+    )
+
+
+def test_a_rank_that_vanished_unreported_is_named_over_the_peer_it_broke(tmp_path):
+    """The same race, earlier: rank 0's MPI_Abort ends mpiexec before hydra saw the kill, so
+    MPICH prints only the Abort line. The rank with no line is named; no signal is known."""
+    folder = job(tmp_path, 2, {0: (3, MPI_PEER_GONE)})
+    out = explain(folder, [ABORT], 3, ENDED, "mpi")
+    assert (out.code, out.message) == (
+        1,
+        "scalelab: rank 1 on nodeA died during halo; job aborted after 0.5 s",
+    )
+
+
+@pytest.mark.parametrize(
+    "ranks, notes, captured, launcher, expected",
+    [
+        # rank 0's own bug: rank 1 is silent only because MPI_Abort's cleanup killed it
+        (2, {0: (3, "scalelab run: internal error: KeyError: 'w'")}, [ABORT], "mpi", 0),
+        # rank 1 left its own line: the box's "EXIT CODE: 1" (an older hydra) is its exit
+        (2, {1: (1, "scalelab run: failed: out of memory: x")}, box(PIDS[1], 1), "mpi", 1),
+        # two silent ranks: which one vanished first is unknown, rank 0's line stands
+        (3, {0: (3, MPI_PEER_GONE)}, [ABORT], "mpi", 0),
+        # torchrun's reading is its own failure summary (unchanged here)
+        (2, {0: (3, MPI_PEER_GONE)}, [], "torchrun", 0),
+    ],
+    ids=["own-bug", "own-line", "two-silent", "torchrun"],
+)
+def test_a_ranks_own_line_stands_when_no_rank_was_killed_unreported(
+    tmp_path, ranks, notes, captured, launcher, expected
+):
+    folder = job(tmp_path, ranks, notes)
+    out = explain(folder, captured, 3, ENDED, launcher)
+    assert (out.code, out.message) == notes[expected]
+
+
+def test_a_refusal_comes_before_a_killed_rank(tmp_path):
+    folder = job(tmp_path, 2, {0: (2, "scalelab run: error: --halo 9 is thicker than a slab")})
+    captured = [
+        *box(PIDS[1], 9),
+        "YOUR APPLICATION TERMINATED WITH THE EXIT STRING: Killed (signal 9)",
+    ]
+    out = explain(folder, captured, 9, ENDED, "mpi")
+    assert (out.code, out.message) == (2, "scalelab run: error: --halo 9 is thicker than a slab")
