@@ -58,8 +58,11 @@ def slurm_pmi2_netmod(env: Mapping[str, str], version: str) -> dict[str, str]:
     values of up to 1022 hex characters, so `cmd=put kvsname=JOB.STEP key=-allgather-1-0-seg-3/9
     value=...` can run past 1024 bytes: slurmstepd logs "mpi/pmi2: value not properly
     terminated in client request" and "invalid client request", never answers, and every rank
-    waits in MPI_Init for ever. UCX's card is 4096 bytes (9 such values, their length varies
-    with what the heap held: up to 987 of 1024 seen); OFI's is 16 bytes, one 72-byte line."""
+    waits in MPI_Init for ever. UCX's card is 4096 bytes in 9 such values, long or short as
+    the zeros in it fall (1 hang in 20 launches of alexnet's spatial split on 2 nodes); OFI's
+    is 16 bytes, one 72-byte line (0 in 32). PMI-2's length-prefixed requests would be read
+    whole, but the wheel's MPICH has no PMI-2 or PMIx client (MPIR_CVAR_PMI_VERSION=2 or x:
+    "Internal MPI error" in MPIR_pmi_init)."""
     if env.get("SLURM_MPI_TYPE") != "pmi2" or "MPI_LOCALNRANKS" in env:  # not under Hydra
         return {}
     if any(env.get(var) for var in NETMOD_VARS):
