@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from scalelab import environment
-from scalelab.comm import launch, slurm
+from scalelab.comm import launch, mpi, slurm
 from scalelab.config import RunConfig
 from scalelab.record import new_record
 
@@ -144,6 +144,31 @@ VERSIONS = {
 @pytest.mark.parametrize("version, pmi", VERSIONS.items())
 def test_which_pmi_a_library_speaks(version, pmi):
     assert environment.mpi_pmi(version) == pmi
+
+
+WHEEL = "MPICH Version:      5.0.2\nMPICH Device:       ch4:ucx ofi\nMPICH configure: ..."
+UCX_ONLY = "MPICH Version:      4.2.0\nMPICH Device:       ch4:ucx\n"
+PMI2_TASK = {**STEP, "SLURM_MPI_TYPE": "pmi2", "PMI_FD": "11", "PMI_RANK": "0", "PMI_SIZE": "2"}
+
+
+@pytest.mark.parametrize(
+    "env, version, want",
+    [
+        (PMI2_TASK, WHEEL, {"MPIR_CVAR_CH4_NETMOD": "ofi"}),  # UCX's card would hang Slurm
+        ({**PMI2_TASK, "MPICH_CH4_NETMOD": "ucx"}, WHEEL, {}),  # the user's choice stays
+        ({**PMI2_TASK, "MPIR_CVAR_CH4_NETMOD": "ucx"}, WHEEL, {}),
+        ({**PMI2_TASK, "MPI_LOCALNRANKS": "2"}, WHEEL, {}),  # Hydra's PMI server inside a step
+        ({**STEP, "SLURM_MPI_TYPE": "pmix"}, WHEEL, {}),
+        (STEP, WHEEL, {}),  # no PMI at all: refused later (check_spans_srun)
+        ({}, WHEEL, {}),  # mpiexec outside Slurm
+        (PMI2_TASK, UCX_ONLY, {}),  # nothing to switch to
+        (PMI2_TASK, "Open MPI v4.1.5, package: Open MPI builder, ident: 4.1.5", {}),
+    ],
+)
+def test_mpich_under_srun_pmi2_uses_ofi_unless_told(env, version, want):
+    """Slurm's pmi2 plugin reads a PMI-1 request in one 1024-byte read; UCX's 4096-byte
+    business card goes in lines up to ~1084 bytes and hangs MPI_Init (OFI's: 72 bytes)."""
+    assert mpi.slurm_pmi2_netmod(env, version) == want
 
 
 def test_env_names_mpi_pmi_and_cuda_awareness(cli):

@@ -11,7 +11,8 @@ from __future__ import annotations
 import atexit
 import math
 import os
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -38,9 +39,37 @@ def import_mpi():
     from mpi4py import MPI
 
     if not MPI.Is_initialized():
+        os.environ.update(slurm_pmi2_netmod(os.environ, MPI.Get_library_version()))
         MPI.Init_thread(MPI.THREAD_MULTIPLE)
         atexit.register(lambda: MPI.Is_finalized() or MPI.Finalize())
     return MPI
+
+
+# MPICH's own netmod variable and its aliases; a user's choice is kept.
+NETMOD_VARS = ("MPIR_CVAR_CH4_NETMOD", "MPICH_CH4_NETMOD", "MPIR_PARAM_CH4_NETMOD")
+
+
+def slurm_pmi2_netmod(env: Mapping[str, str], version: str) -> dict[str, str]:
+    """The netmod an MPICH with both UCX and OFI (the PyPI wheel: `MPICH Device: ch4:ucx
+    ofi`) must use under `srun --mpi=pmi2`: OFI, unless the user chose one.
+
+    Slurm's pmi2 plugin serves MPICH's PMI-1 wire protocol with one read of at most 1024
+    bytes per request (pmi1.c, "TODO: read until newline"). MPICH cuts its business card in
+    values of up to 1022 hex characters, so `cmd=put kvsname=JOB.STEP key=-allgather-1-0-seg-3/9
+    value=...` can run past 1024 bytes: slurmstepd logs "mpi/pmi2: value not properly
+    terminated in client request" and "invalid client request", never answers, and every rank
+    waits in MPI_Init for ever. UCX's card is 4096 bytes in 9 such values, long or short as
+    the zeros in it fall (1 hang in 20 launches of alexnet's spatial split on 2 nodes); OFI's
+    is 16 bytes, one 72-byte line (0 in 32). PMI-2's length-prefixed requests would be read
+    whole, but the wheel's MPICH has no PMI-2 or PMIx client (MPIR_CVAR_PMI_VERSION=2 or x:
+    "Internal MPI error" in MPIR_pmi_init)."""
+    if env.get("SLURM_MPI_TYPE") != "pmi2" or "MPI_LOCALNRANKS" in env:  # not under Hydra
+        return {}
+    if any(env.get(var) for var in NETMOD_VARS):
+        return {}
+    device = next((ln for ln in version.splitlines() if ln.startswith("MPICH Device:")), "")
+    netmods = re.split(r"[\s,]+", device.partition("ch4:")[2].strip())
+    return {"MPIR_CVAR_CH4_NETMOD": "ofi"} if {"ucx", "ofi"} <= set(netmods) else {}
 
 
 def check_spans_srun(size: int) -> None:
