@@ -51,7 +51,7 @@ for which in "$@"; do
       [ -f "$OUT/ceilings_gpu.json" ] || pinned ceilings --quick --device cuda --no-comm -q \
           -o "$OUT/ceilings_gpu.json"
       plan resnet18_gpu resnet18-cifar --train --device cuda --ranks-max 1 --batch 512 \
-          --steps 100 --precisions bf16 --ceilings "$OUT/ceilings_gpu.json" \
+          --steps 300 --precisions bf16 --ceilings "$OUT/ceilings_gpu.json" \
           --calibrate-missing --verify 99 --repeats 2 --timeout 150 ;;
     *) echo "plan_quiet_host: unknown plan $which" >&2 ;;
   esac

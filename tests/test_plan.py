@@ -329,14 +329,17 @@ NOISE = 1.25  # the most one configuration's repeated runs may differ for a 5% c
 
 
 def _host_noise(out: Path) -> float:
-    """The largest fastest/slowest throughput ratio among repeated runs of one calibration
-    configuration: how much load from elsewhere moved the measurements during this test."""
+    """The largest fastest/slowest rate ratio among repeated runs of one configuration
+    (calibration and verification): how much load from elsewhere moved the measurements
+    during this test."""
     from scalelab.orchestration.sweep import config_key
+    from scalelab.plan.calibrate import rate
     from scalelab.record import read_records
 
     runs: dict[str, list[float]] = {}
-    for rec in read_records(out / "calibration_runs.jsonl"):
-        runs.setdefault(config_key(rec["config"]), []).append(rec["throughput"])
+    for name in ("calibration_runs.jsonl", "verify.jsonl"):
+        for rec in read_records(out / name):
+            runs.setdefault(config_key(rec["config"]), []).append(rate(rec))
     return max(max(v) / min(v) for v in runs.values())
 
 
@@ -347,7 +350,8 @@ def _assert_regret(summary: dict, out: Path, top: int | None = None, repeats: in
     best's lead not consistent over the rounds (in some round the choice came within 5% of it).
     On a host whose repeated runs of one configuration differ by more than NOISE, 5% cannot be
     told apart: there the choice must still lie within the host's own measured spread of the
-    best (a wrong choice beyond the noise fails either way)."""
+    best (a wrong choice beyond the noise fails either way). The same for the choice's
+    prediction, against 10%."""
     v = summary["verify"]
     rows = {r["candidate"]: r for r in v["rows"]}
     ranked = [r for r in summary["rows"] if r["status"] == OK]
@@ -356,9 +360,14 @@ def _assert_regret(summary: dict, out: Path, top: int | None = None, repeats: in
     assert measured[:want] == list(range(1, want + 1))  # the top `top` (default: all)
     assert len(rows) == len(measured) <= want + 1  # and at most the plain one besides
     assert all(r["runs"] == repeats for r in rows.values())
-    bound = max(0.05, _host_noise(out) - 1.0)
+    noise = _host_noise(out) - 1.0
+    bound = max(0.05, noise)
     best = rows[v["best"]]
     assert v["regret"] <= bound or best["vs_chosen_low"] <= 1.0 + bound, (bound, v)
+    # the choice's prediction from the calibration measured alongside it: within 10% of its
+    # measurement, or within the host's own spread between runs of one configuration
+    chosen = rows[v["chosen"]]
+    assert abs(chosen["alongside_error_pct"]) <= 100 * max(0.10, noise), (noise, chosen)
 
 
 # The mlp plan verifies the top 3 (and the plain choice) with medians of two runs; the user
