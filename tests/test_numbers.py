@@ -111,6 +111,20 @@ def test_steady_throughput_leaves_the_warm_up_out():
     assert 1100 / now < got["steady_throughput"] / 20  # the whole-run rate understates it
 
 
+def test_a_partial_last_batch_is_left_out_of_the_steady_rate():
+    """13 steps of 512 items at 0.01 s after a 2 s first step, then 320 items in 1.5 s (new
+    shapes: cuDNN autotunes again): the steady rate is the full steps'."""
+    t = Timings()
+    durations, sizes = [2.0] + [0.01] * 13 + [1.5], [512] * 14 + [320]
+    times, counts = np.cumsum(durations), np.cumsum(sizes)
+    t.marks = [(float(a), int(b)) for a, b in zip(times, counts)]
+    t.add(float(times[-1]), {})
+    got = headline(t, int(counts[-1]))
+    assert got["steady"]["steps"] == 13 and got["steady"]["partial_steps_left_out"] == 1
+    assert got["steady_throughput"] == pytest.approx(512 / 0.01)
+    assert got["steady"]["items"] == 13 * 512
+
+
 def test_steady_throughput_by_epochs_without_marks():
     t = Timings()
     for wall in (5.0, 1.0, 1.0):
