@@ -224,10 +224,22 @@ class Trainer:
         now = time.perf_counter() - self.epoch_t0 - self.excluded
         self.timings.marks.append((self.trained_s + now, self.trained))
 
+    def _synced_mark(self) -> None:
+        """The last step's mark taken again after a device sync: before a partial batch,
+        which train/headline.py leaves out of the steady rate, the full steps' queued GPU
+        work must end inside their own window (a CUDA graph's replays queue in ~0.1 ms)."""
+        self.sync()
+        self.timings.marks.pop()
+        self._mark()
+
     def _epoch(self) -> tuple[float, dict[str, float]]:
         self.sync()
         start, self.excluded = time.perf_counter(), 0.0
+        full = 0  # items of this epoch's largest step so far
         for step in self.plan.source.epoch(self.pos.epoch, self.pos.step):
+            if 0 < step.items < full:  # a partial batch after full ones in this epoch
+                self._synced_mark()
+            full = max(full, step.items)
             loss = self.train_step(step)
             self.pos.loss_sum += loss
             self.pos.items += step.items
