@@ -125,6 +125,29 @@ def test_a_partial_last_batch_is_left_out_of_the_steady_rate():
     assert got["steady"]["items"] == 13 * 512
 
 
+def test_a_partial_batch_is_preceded_by_a_synced_mark():
+    """The last full step's mark is taken again after the device sync, so GPU work queued by
+    the full steps ends inside their window (the partial step is left out of it)."""
+    import time
+
+    from scalelab.train.loop import Trainer
+
+    syncs = []
+    t = Trainer.__new__(Trainer)  # the two methods under test need only these fields
+    t.sync, t.timings = (lambda: syncs.append(time.perf_counter())), Timings()
+    t.excluded, t.trained_s, t.trained, t.full_items = 0.0, 0.0, 0, 0
+    t.epoch_t0 = time.perf_counter()
+    for items in (512, 512):
+        t._before_step(items)
+        t.trained += items
+        t._mark()
+    first = list(t.timings.marks)
+    t._before_step(320)
+    assert len(syncs) == 1 and len(t.timings.marks) == 2 and t.timings.marks[0] == first[0]
+    assert t.timings.marks[1][1] == 1024 and t.timings.marks[1][0] >= first[1][0]
+    assert t.timings.marks[1][0] >= syncs[0] - t.epoch_t0  # read after the sync
+
+
 def test_steady_throughput_by_epochs_without_marks():
     t = Timings()
     for wall in (5.0, 1.0, 1.0):

@@ -193,14 +193,15 @@ class FastTrainer(Trainer):
 
     def _epoch(self) -> tuple[float, dict[str, float]]:
         self.sync()
-        start, self.excluded = time.perf_counter(), 0.0
+        start, self.excluded, self.full_items = time.perf_counter(), 0.0, 0
         if self.graph is None:  # data upload and capture count in the first epoch
             self._setup()
         steps = self.feed.steps(self.pos.epoch, self.pos.step, self.strategy.device)
         with self.timer.phase("compute"):  # one phase: a phase per step would sync per step
             for idx in steps:
-                loss = self.graph.step(idx)  # summed loss of this rank's items
                 items = len(idx) * self.feed.world
+                self._before_step(items)
+                loss = self.graph.step(idx)  # summed loss of this rank's items
                 self.pos.loss_sum += loss
                 self.pos.items += items
                 self.pos.step += 1

@@ -185,6 +185,7 @@ class Trainer:
             self.n_steps = min(self.n_steps, self.cfg.steps)
         self.trained = 0  # items trained by this process (throughput excludes resumed work)
         self.excluded = 0.0  # seconds inside an epoch spent on checkpoints, not training
+        self.full_items = 0  # items of this epoch's largest step so far (_before_step)
         self.first_step = 0  # history.steps when this process started (resume)
         self.progress = self._progress()
 
@@ -224,22 +225,22 @@ class Trainer:
         now = time.perf_counter() - self.epoch_t0 - self.excluded
         self.timings.marks.append((self.trained_s + now, self.trained))
 
-    def _synced_mark(self) -> None:
-        """The last step's mark taken again after a device sync: before a partial batch,
-        which train/headline.py leaves out of the steady rate, the full steps' queued GPU
-        work must end inside their own window (a CUDA graph's replays queue in ~0.1 ms)."""
-        self.sync()
-        self.timings.marks.pop()
-        self._mark()
+    def _before_step(self, items: int) -> None:
+        """Before a partial batch that follows full ones in this epoch: the last step's mark
+        taken again after a device sync. train/headline.py leaves the partial step out of the
+        steady rate, so the full steps' queued GPU work must end inside their own window (a
+        CUDA graph's replays queue in ~0.1 ms each; the partial step's wall absorbed them)."""
+        if 0 < items < self.full_items:
+            self.sync()
+            self.timings.marks.pop()
+            self._mark()
+        self.full_items = max(self.full_items, items)
 
     def _epoch(self) -> tuple[float, dict[str, float]]:
         self.sync()
-        start, self.excluded = time.perf_counter(), 0.0
-        full = 0  # items of this epoch's largest step so far
+        start, self.excluded, self.full_items = time.perf_counter(), 0.0, 0
         for step in self.plan.source.epoch(self.pos.epoch, self.pos.step):
-            if 0 < step.items < full:  # a partial batch after full ones in this epoch
-                self._synced_mark()
-            full = max(full, step.items)
+            self._before_step(step.items)
             loss = self.train_step(step)
             self.pos.loss_sum += loss
             self.pos.items += step.items
