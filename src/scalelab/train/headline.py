@@ -9,8 +9,8 @@ longer than WARM_FACTOR x the median step (and never before the second step); it
 that step's end to the end of training. A step of a partial batch (an epoch's last, when
 the batch does not divide the data) is left out of the steady part too: its shapes are new,
 so cuDNN's autotuner (cudnn.benchmark) and a CUDA graph's capture start over for it (on an
-H100, 13 steps of 512 resnet18-cifar images took 0.13 s and the final 320-image step about
-1.5 s). Without step marks (serial, pipeline), the epochs decide: the first epoch is the
+H100, 13 steps of 512 resnet18-cifar images took 0.31 s and the final 320-image step about
+1.4 s). Without step marks (serial, pipeline), the epochs decide: the first epoch is the
 warm-up when there are two or more.
 """
 
