@@ -209,3 +209,29 @@ def test_mpi_extra_is_mpi4py_only():
     assert any(d.startswith("mpich") for d in extras["mpich"])
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     assert '".[mpich,plot]"' in readme and '".[mpich,test]"' in readme
+
+
+def test_a_rank_aborted_by_a_dead_peer_stays_quiet_when_the_step_is_cancelled(
+    monkeypatch, tmp_path, capsys
+):
+    """Task 0's rank dies of SIGABRT (UCX aborting on a killed peer): the dead rank's task
+    cancels the step within the grace and task 0 says nothing; with no cancel coming, the
+    abort is this rank's own and is named, and the step is ended."""
+    import signal
+    import threading
+
+    from scalelab.orchestration import srun_task
+
+    ended = []
+    monkeypatch.setattr(srun_task, "_end_step", lambda: ended.append(True))
+    monkeypatch.setattr(srun_task, "PEER_GRACE_S", 1.0)
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURMD_NODENAME", "n1")
+    cfg = RunConfig(workload="alexnet", strategy="mpi", ranks=2)
+    cancelled: list[int] = []  # the dead rank's task's scancel reaches this task a bit later
+    threading.Timer(0.05, lambda: cancelled.append(signal.SIGTERM)).start()
+    code = srun_task._outcome(tmp_path, -signal.SIGABRT, 0.0, cancelled, cfg, None)
+    assert code == 128 + signal.SIGTERM and not ended and capsys.readouterr().err == ""
+    code = srun_task._outcome(tmp_path, -signal.SIGABRT, 0.0, [], cfg, None)
+    err = capsys.readouterr().err
+    assert code == 1 and ended and err.startswith("scalelab: rank 0 on n1 died (signal 6)")

@@ -11,7 +11,9 @@ with the task's environment and file descriptors unchanged (PMI_FD included), an
   appends the `failed` record, and ends the step with `scancel JOB.STEP` so no rank hangs;
 - the child's one line (a refusal, a failure) comes to the parent as a note, as under
   mpiexec: a refusal (every rank refuses alike) is printed by task 0 only;
-- the parent itself signalled (scancel, a time limit, the step ended by a dead peer): quiet.
+- the parent itself signalled (scancel, a time limit, the step ended by a dead peer): quiet;
+  so is a child that aborted (SIGABRT) or failed because a peer died, once the dead rank's
+  task cancels the step (PEER_GRACE_S).
 
 The parent does not start ranks (srun did); it is what torchrun's per-node agent is to its
 workers, for one worker.
@@ -82,6 +84,13 @@ def _outcome(
         return 0
     if stopped:  # scancel, a time limit, or a dead peer's task ended the step: not ours to say
         return 128 + stopped[0]
+    if code == -signal.SIGABRT:
+        # An MPI library aborting because a peer vanished (UCX's shared-memory copy from a
+        # killed peer: "process_vm_readv ... No such process"): the dead rank's task is
+        # cancelling the step; a rank that aborted on its own still gets named below.
+        _wait_for(stopped, PEER_GRACE_S)
+        if stopped:
+            return 128 + stopped[0]
     if code < 0:
         host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
         line = jobs.dead_line((rank, host, -code), jobs.statuses(folder), ended)
