@@ -18,11 +18,13 @@ from scalelab.record import read_records
 
 @pytest.fixture
 def busy_host():
-    """One spinning process per CPU we may use and one more (a run's fair share is then
-    below what it asks for), stopped by pid when the test ends; yields the CPUs we may use."""
+    """Two spinning processes per CPU we may use (a run's fair share is then well below what
+    it asks for: with one more than the CPUs, a 1-thread run on 2 CPUs left others 1.5 CPUs
+    against the 1.25 that warns, and a short run's boosted first slices fell below it),
+    stopped by pid when the test ends; yields the CPUs we may use."""
     cpus = max(int(H.cpu_allowance()[0]), 1)
     spin = [sys.executable, "-c", "while True: pass"]
-    procs = [subprocess.Popen(spin) for _ in range(cpus + 1)]
+    procs = [subprocess.Popen(spin) for _ in range(2 * cpus)]
     try:
         yield cpus
     finally:
@@ -122,7 +124,7 @@ def test_ceilings_and_report_on_a_busy_host(busy_host, cli, tmp_path):
         256,
         "--per-layer",
         "--iters",
-        3,
+        20,  # a window of many 10 ms scheduler ticks: /proc/stat counts CPU time in them
         "--quiet",
         "--threads",
         CPUS,
