@@ -8,7 +8,9 @@
 # four side by side on one machine disturbed each other by up to 2x.
 #
 #   benchmarks/plan_quiet_host.sh OUT_DIR MNIST_DIR SECONDS PLAN [PLAN ...]
-#       PLAN: alexnet | mlp | tokcnn | resnet18-gpu
+#       PLAN: alexnet | mlp | mlp4 | tokcnn | resnet18-gpu
+#       (mlp4: the mlp's tensor split and mpi-dp over 1-4 ranks x threads, every candidate
+#       verified: the tensor model against 2, 3 and 4 ranks)
 #
 # Ceilings are measured once per OUT_DIR on the same cores (`cpu_cores` 4). Everything is
 # packed into OUT_DIR.tgz at the end (the device tool brings back few files).
@@ -43,6 +45,9 @@ for which in "$@"; do
         --warmup 1 "${CPU[@]}" --repeats 3 --verify 3 --timeout 120 ;;
     mlp) cpu_ceilings; plan mlp mlp --train --batch 100 --steps 40 --data-dir "$MNIST" \
         --strategies mpi-dp,ddp,tensor "${CPU[@]}" --repeats 2 --verify 3 --timeout 120 ;;
+    mlp4) cpu_ceilings; plan mlp4 mlp --train --batch 100 --steps 40 --data-dir "$MNIST" \
+        --strategies mpi-dp,tensor --ranks-max 4 --ceilings "$OUT/ceilings_cpu4.json" \
+        --calibrate-missing --repeats 3 --verify 99 --timeout 120 ;;
     tokcnn) cpu_ceilings; plan tokcnn --model examples/models/tokcnn.py:tokcnn \
         --model-arg dim=64 --model-arg vocab=500 --input-shape 512 --input-dtype int64 \
         --vocab 500 --batch 8 --iters 20 --warmup 2 "${CPU[@]}" --repeats 2 --verify 3 \
@@ -51,7 +56,7 @@ for which in "$@"; do
       [ -f "$OUT/ceilings_gpu.json" ] || pinned ceilings --quick --device cuda --no-comm -q \
           -o "$OUT/ceilings_gpu.json"
       plan resnet18_gpu resnet18-cifar --train --device cuda --ranks-max 1 --batch 512 \
-          --steps 300 --precisions bf16 --ceilings "$OUT/ceilings_gpu.json" \
+          --steps 200 --precisions bf16 --ceilings "$OUT/ceilings_gpu.json" \
           --calibrate-missing --verify 99 --repeats 2 --timeout 150 ;;
     *) echo "plan_quiet_host: unknown plan $which" >&2 ;;
   esac

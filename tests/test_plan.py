@@ -76,6 +76,11 @@ def test_one_gpu_training_weighs_the_fast_and_compiled_steps():
             assert f"ddp --ranks 1 --batch 256{p}{speed}" in labels
     assert not any("--bucket-mb" in x or "--grad-compress" in x for x in labels)  # one rank
     assert {"mpi-dp --ranks 1 --batch 256", "mpi-dp --ranks 1 --batch 256 --dtype bf16"} < labels
+    # bf16 weights and bf16 autocast are calibrated apart (two families, not one "bf16")
+    from scalelab.plan.calibrate import missing
+
+    todo = {label(c) for c in missing(s, Pool(), cand.candidates(s), 1)}
+    assert {"ddp --ranks 1 --batch 256 --dtype bf16", "ddp --ranks 1 --batch 256 --amp bf16"} < todo
 
 
 def test_per_rank_batch_grows_with_the_ranks():
@@ -234,6 +239,35 @@ def test_ranking_is_by_predicted_throughput_and_names_its_calibration():
     assert ok["basis"].str.startswith("calibrated").all()
     bare = rank(Context(figures(), None, Pool()), s, cand.candidates(s))
     assert bare.loc[bare["status"] == OK, "basis"].str.startswith("bound").all()
+
+
+def test_a_tensor_rank_is_calibrated_on_a_one_rank_run_of_its_shard():
+    # mlp, 100 hidden units over 3 ranks: the largest shard has 34 units; the whole mlp's
+    # one-rank step is 10 ms at batch 60 of which 4 ms do not shrink with the batch
+    from scalelab.plan.calibrate import missing
+
+    s = PlanSpec(base=RunConfig(workload="mlp", train=True, hidden=100), ranks_max=3,
+                 per_node=3, cores=3, global_batch=60, strategies=("tensor",))  # fmt: skip
+    [three] = [c for c in cand.candidates(s) if c.ranks == 3 and c.threads == 1]
+
+    def point(hidden: int, batch: int, seconds: float) -> CalPoint:
+        cfg = s.config(strategy="mpi-dp", ranks=1, threads=1, batch=batch, hidden=hidden)
+        return CalPoint(Scenario(cfg, 1, 3).family(), "mpi-dp", None, batch, seconds, 0.0,
+                        f"h{hidden}b{batch}")  # fmt: skip
+
+    whole = [point(100, 30, 0.007), point(100, 60, 0.010)]
+    todo = missing(s, Pool(whole), [three], 3)
+    assert [(c.strategy, c.ranks, c.hidden, c.batch) for c in todo] == [("tensor", 1, 34, 60)]
+    ctx = Context(figures(), None, Pool(whole))
+    split = rank(ctx, s, [three]).iloc[0]  # no shard measured: the whole law split 3 ways
+    assert split["basis"] == "calibrated on h100b60"
+    ctx = Context(figures(), None, Pool([*whole, point(34, 60, 0.0045)]))
+    shard = rank(ctx, s, [three]).iloc[0]
+    assert shard["basis"] == "calibrated on h34b60"
+    # the shard's 4.5 ms as measured, against 4 + 6/3 = 6 ms from the split law (contention
+    # and the all-reduce scale both alike)
+    assert shard["ms"] < split["ms"] * 0.9
+    assert missing(s, ctx.pool, [three], 3) == []
 
 
 # --- verification ---------------------------------------------------------------------------

@@ -11,8 +11,11 @@ agree):
     training    mpi-dp --ranks 1 (GPU: ddp --ranks 1 with the candidate's own knobs)
 
 and, when a ddp candidate on several ranks has no measured multi-rank ddp run of its family,
-the smallest of them: DDP's per-step host cost has no ceiling (docs/PREDICT.md). Each is run
-a few times in rounds and the median run kept (measure_medians).
+the smallest of them: DDP's per-step host cost has no ceiling (docs/PREDICT.md). A candidate
+whose rank computes a smaller model is calibrated on that model (the strategy model's
+`calibrated_on`): a tensor rank of the mlp on `tensor --ranks 1` at its shard's ceil(H/N)
+units and its replica's batch. Each is run a few times in rounds and the median run kept
+(measure_medians).
 """
 
 from __future__ import annotations
@@ -51,15 +54,23 @@ def needed_batch(cfg: RunConfig) -> int:
 
 
 def one_rank(spec: PlanSpec, cfg: RunConfig, batch: int, split: str = "batch") -> RunConfig:
-    """The one-rank run that calibrates cfg's family at `batch` items."""
+    """The one-rank run that calibrates cfg's family at `batch` items (cfg as `calibrated_on`
+    gives it)."""
+    if cfg.strategy == "tensor":
+        # One rank of the hand-written split at its shard's size: the shard's step with the
+        # split's own per-step work (its L2 share, the logits' all-reduce), which a plain
+        # mlp of that width does not do (on this 2-core host: 2.5 ms a step against 3.3 ms
+        # for a rank of the 2-rank split).
+        return spec.config(strategy="tensor", engine="scalelab", dp=1, tp=None, ranks=1,
+                           batch=batch, threads=cfg.threads, dtype=cfg.dtype, hidden=cfg.hidden)  # fmt: skip
     if cfg.train:
         strategy = "ddp" if spec.gpu else "mpi-dp"
         keep = {"fast": cfg.fast, "compile": cfg.compile, "amp": cfg.amp} if spec.gpu else {}
         return spec.config(strategy=strategy, ranks=1, batch=batch, threads=cfg.threads,
-                           dtype=cfg.dtype, **keep)  # fmt: skip
+                           dtype=cfg.dtype, hidden=cfg.hidden, **keep)  # fmt: skip
     strategy = "mpi-gpu" if spec.gpu else "mpi"
     return spec.config(strategy=strategy, ranks=1, batch=batch, split=split,
-                       threads=cfg.threads, dtype=cfg.dtype)  # fmt: skip
+                       threads=cfg.threads, dtype=cfg.dtype, hidden=cfg.hidden)  # fmt: skip
 
 
 def missing(spec: PlanSpec, pool: Pool, cfgs: list[RunConfig], per_node: int) -> list[RunConfig]:
@@ -67,7 +78,7 @@ def missing(spec: PlanSpec, pool: Pool, cfgs: list[RunConfig], per_node: int) ->
     for the candidates that would start (a refused one needs none: a user's model with no
     convolution trunk gets no one-rank spatial run)."""
     fams: dict[tuple, list[RunConfig]] = {}
-    for cfg in [c for c in cfgs if refusal(c) is None]:
+    for cfg in [calibrated_on(c) for c in cfgs if refusal(c) is None]:
         fams.setdefault(Scenario(cfg, cfg.ranks, per_node).family(), []).append(cfg)
     todo: list[RunConfig] = []
     for fam, members in fams.items():
@@ -80,6 +91,13 @@ def missing(spec: PlanSpec, pool: Pool, cfgs: list[RunConfig], per_node: int) ->
             todo.append(one_rank(spec, spatial[0], spatial[0].batch, split="spatial"))
         todo += _ddp_host(pool, members, per_node)
     return _unique(todo)
+
+
+def calibrated_on(cfg: RunConfig) -> RunConfig:
+    """The run cfg's compute is calibrated on (predict's strategy model says)."""
+    from scalelab.predict.models.base import MODELS
+
+    return MODELS.get(cfg.strategy)().calibrated_on(cfg) if cfg.strategy in MODELS else cfg
 
 
 def _ddp_host(pool: Pool, members: list[RunConfig], per_node: int) -> list[RunConfig]:

@@ -134,7 +134,7 @@ def near_miss(pool: Pool, scenario: Scenario) -> str | None:
     scenario: the settings that differ (None when the pool has none of the workload)."""
     from scalelab.predict.scenario import MATCH_KEYS
 
-    names = [*MATCH_KEYS, "precision", "threads"]
+    names = [*MATCH_KEYS, "dtype", "amp", "threads"]
     want = scenario.family()
     same = [p for p in pool.singles if p.family[0] == want[0]]
     if not same:

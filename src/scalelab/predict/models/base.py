@@ -6,6 +6,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from scalelab.config import RunConfig
 from scalelab.errors import UsageError
 from scalelab.precision import get_precision
 from scalelab.predict.calibration import Pool
@@ -62,6 +63,12 @@ class StrategyModel(ABC):
     def infeasible(self, scenario: Scenario) -> str | None:
         """Why the scenario cannot run (None: it can); shown in the table, not raised."""
         return None
+
+    def calibrated_on(self, cfg: RunConfig) -> RunConfig:
+        """The run whose one-rank measurement calibrates cfg's compute (its family and the
+        batch calibrate.needed_batch reads): cfg itself, unless one rank computes a smaller
+        model (tensor: a shard of the hidden units)."""
+        return cfg
 
     @abstractmethod
     def predict(self, ctx: Context, scenario: Scenario) -> Prediction: ...

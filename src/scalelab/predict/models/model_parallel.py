@@ -3,13 +3,24 @@ The same model serves `tensor --engine torch` on the mlp (DTensor shards fc1 col
 fc2 row-wise: the same hidden-unit split, its all-reduce over gloo); DTensor on other models
 shards only their Linear pairs and replicates the rest, which this model does not describe.
 
-tensor, per step: the fixed part of t(B) and 1/N of the rest (each rank has 1/N of the
-hidden units, so 1/N of the FLOPs at the full batch), and one all-reduce of the (B, classes)
-partial logits (+1 value for the L2 term) over MPI; its backward sends nothing.
+tensor, per step: one rank's compute, and one all-reduce of the (B, classes) partial logits
+(+1 value for the L2 term) over MPI; its backward sends nothing. A rank computes what one
+rank of the split computes on its own at ceil(H/N) hidden units and the full batch B (fc1's
+rows and fc2's columns of its units, their gradients and SGD step, its L2 share; the largest
+shard sets the pace), so its compute is calibrated on a one-rank run of that width when the
+pool has one (`shard_config`; plan's --calibrate-missing measures `tensor --ranks 1 --hidden
+ceil(H/N)`). Without it, the fixed + per-item law of the whole mlp is
+split: 1/N of the per-item part, and the fixed part kept whole. That fallback is an upper
+bound on time: a CPU step's "fixed" part at these batches is mostly the weights' own traffic
+(reading W1, writing its gradient, the SGD update), which does shrink with 1/N of the units;
+on a 2-core host it predicted the 2-rank split of MNIST's mlp 38% slow.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
+from scalelab.config import RunConfig
 from scalelab.errors import UsageError
 from scalelab.predict.models.base import (
     MODELS,
@@ -33,6 +44,11 @@ class TensorModel(OverMPI):
             return f"{scenario.ranks // dp} ranks but only {scenario.cfg.hidden} hidden units"
         return None
 
+    def calibrated_on(self, cfg: RunConfig) -> RunConfig:
+        if cfg.workload != "mlp":
+            return cfg
+        return shard_config(cfg, max(1, cfg.ranks // max(1, cfg.dp)))
+
     def wire(self, scenario: Scenario) -> Wire:
         """The hand-written split over MPI; DTensor (--engine torch) over torch.distributed."""
         if scenario.cfg.engine == "torch":
@@ -49,12 +65,27 @@ class TensorModel(OverMPI):
         return replicated(ctx, s, self._predict_split, self.wire(s).backend)
 
     def _predict_split(self, ctx: Context, s: Scenario) -> Prediction:
-        compute = ctx.compute(s)
         wire = self.wire(s)
         nbytes = (s.cfg.batch * output_width(s) + 1) * 4
         reduce = ctx.fabric(s, wire.backend).allreduce(nbytes, s.ranks) if s.ranks > 1 else 0.0
-        phases = compute.phases(s.cfg.batch)  # the fixed part does not shrink with the split
-        phases["compute"] /= s.ranks
+        compute = ctx.compute(dataclasses.replace(s, cfg=shard_config(s.cfg, s.ranks)))
+        if compute.law is not None:  # a one-rank run of one rank's shard: its step as measured
+            phases = compute.phases(s.cfg.batch)
+        else:
+            compute = ctx.compute(s)
+            phases = compute.phases(s.cfg.batch)  # the fixed part kept whole (an upper bound)
+            phases["compute"] /= s.ranks
+            compute.notes.append(
+                f"compute: the whole mlp's law split {s.ranks} ways, its fixed part kept whole "
+                f"(no one-rank run at --hidden {shard_config(s.cfg, s.ranks).hidden}, one "
+                "rank's shard, to calibrate on; plan --calibrate-missing measures it)"
+            )
         phases["allreduce"] = reduce + (wire.stage(ctx.figures, nbytes) if s.ranks > 1 else 0.0)
         phases["overhead"] = compute.overhead_s
         return Prediction(s, phases, frozenset({"allreduce"}), compute.sources, list(compute.notes))
+
+
+def shard_config(cfg: RunConfig, ranks: int) -> RunConfig:
+    """The one-rank mlp that computes what one of `ranks` tensor ranks computes: the largest
+    shard's ceil(H / ranks) hidden units (the slowest rank sets the pace) at the same batch."""
+    return dataclasses.replace(cfg, hidden=-(-cfg.hidden // max(1, ranks)))
