@@ -62,7 +62,8 @@ def one_rank(spec: PlanSpec, cfg: RunConfig, batch: int, split: str = "batch") -
         # mlp of that width does not do (on this 2-core host: 2.5 ms a step against 3.3 ms
         # for a rank of the 2-rank split).
         return spec.config(strategy="tensor", engine="scalelab", dp=1, tp=None, ranks=1,
-                           batch=batch, threads=cfg.threads, dtype=cfg.dtype, hidden=cfg.hidden)  # fmt: skip
+                           batch=batch, threads=cfg.threads, dtype=cfg.dtype,
+                           hidden=cfg.hidden)  # fmt: skip
     if cfg.train:
         strategy = "ddp" if spec.gpu else "mpi-dp"
         keep = {"fast": cfg.fast, "compile": cfg.compile, "amp": cfg.amp} if spec.gpu else {}
