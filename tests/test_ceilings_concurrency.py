@@ -54,3 +54,26 @@ def test_processes_sharing_one_core_measure_as_slowed():
         pool.close()
     slowdown = C.curve([1, 2], [alone, both], "", "")["slowdown"]
     assert slowdown[0] == 1.0 and slowdown[1] > 1.4
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs Linux CPU affinity")
+def test_a_workloads_own_step_as_the_kernel():
+    """plan times its workload's step (StepKernel): a training step of the mlp, built in each
+    worker from the config; two workers on one core each take about twice as long."""
+    from scalelab.config import RunConfig
+
+    kernel = C.StepKernel(RunConfig(workload="mlp", train=True, hidden=256), 20)
+    assert kernel.describe() == "one training step of mlp at batch 20, 1 torch thread per process"
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(before)})
+    try:
+        pool = C.Workers(2, kernel)
+    finally:
+        os.sched_setaffinity(0, before)
+    try:
+        alone, both = pool.run(1, 0.1), pool.run(2, 0.2)
+    finally:
+        pool.close()
+    # a step of 784 -> 256 -> 10 at 20 items is ~0.1-1 ms on one core: not a conv's 30 ms
+    assert 1e-5 < alone[0] < 0.01
+    assert C.curve([1, 2], [alone, both], "", "")["slowdown"][1] > 1.4

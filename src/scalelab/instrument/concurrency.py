@@ -15,6 +15,12 @@ times over the time of one process alone:
       "kernel": str, "method": str        # what was timed and how
     }
 
+The kernel is a convolution (`Kernel`) for `scalelab ceilings`; `scalelab plan` times its own
+workload's step instead (`StepKernel`: a training step or a forward of the model at one
+rank's batch): how much processes slow each other depends on what they run (on a 2-core host
+the convolution showed no slowdown at 2 processes while two ranks of MNIST's mlp ran their
+steps 1.15-1.6x slower than one alone).
+
 The workers are started once (importing torch takes a second) and reused for every k; they
 are plain subprocesses talking JSON lines over stdin/stdout, so nothing depends on how the
 parent was started (`python -m scalelab`, pytest, under a launcher). Workers are not pinned to
@@ -29,8 +35,11 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from scalelab.config import RunConfig
 
 
 @dataclass(frozen=True)
@@ -53,6 +62,27 @@ class Kernel:
             f"padding 1 ({self.flops / 1e9:.3g} GFLOP), 1 torch thread per process"
         )
 
+    def spec(self) -> dict[str, Any]:
+        """What a worker builds the kernel from (JSON)."""
+        return {"conv": [self.batch, self.channels, self.size]}
+
+
+@dataclass(frozen=True)
+class StepKernel:
+    """One step of a workload as one rank runs it: cfg's model at `batch` items, a training
+    step (forward, loss, backward, optimizer step) when cfg trains, else a forward."""
+
+    cfg: RunConfig
+    batch: int
+
+    def describe(self) -> str:
+        what = "training step" if self.cfg.train else "forward"
+        name = self.cfg.model or self.cfg.workload
+        return f"one {what} of {name} at batch {self.batch}, 1 torch thread per process"
+
+    def spec(self) -> dict[str, Any]:
+        return {"step": {"cfg": self.cfg.to_dict(), "batch": self.batch}}
+
 
 DEFAULT, QUICK = Kernel(8), Kernel(2)
 METHOD = (
@@ -71,9 +101,13 @@ def levels(cores: int) -> list[int]:
     return [*out, cores]
 
 
-def measure(cores: int, quick: bool = False) -> dict[str, Any]:
-    """The cpu_concurrency section for k over levels(cores)."""
-    kernel, window = (QUICK, 0.1) if quick else (DEFAULT, 0.4)
+def measure(
+    cores: int, quick: bool = False, kernel: Kernel | StepKernel | None = None
+) -> dict[str, Any]:
+    """The cpu_concurrency section for k over levels(cores), timing `kernel` (default: the
+    convolution)."""
+    default, window = (QUICK, 0.1) if quick else (DEFAULT, 0.4)
+    kernel = kernel or default
     ks = levels(max(cores, 1))
     pool = Workers(ks[-1], kernel)
     try:
@@ -100,7 +134,7 @@ def curve(ks: list[int], per_k: list[list[float]], kernel: str, method: str) -> 
 class Workers:
     """n worker subprocesses, each holding the kernel's tensors, warmed up and waiting."""
 
-    def __init__(self, n: int, kernel: Kernel) -> None:
+    def __init__(self, n: int, kernel: Kernel | StepKernel) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         cmd = [sys.executable, "-c", "from scalelab.instrument.concurrency import worker; worker()"]
         self.procs = [
@@ -108,7 +142,7 @@ class Workers:
             for _ in range(n)
         ]
         for p in self.procs:
-            self._send(p, {"kernel": [kernel.batch, kernel.channels, kernel.size]})
+            self._send(p, {"kernel": kernel.spec()})
         for p in self.procs:
             self._reply(p)  # "ready": imported, tensors built, one warm-up call done
 
@@ -148,25 +182,60 @@ def worker() -> None:
     import torch
 
     torch.set_num_threads(1)
-    spec = json.loads(sys.stdin.readline())["kernel"]
-    b, c, s = spec
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(b, c, s, s, generator=gen)
-    w = torch.randn(c, c, 3, 3, generator=gen)
-
-    def call() -> None:
-        torch.nn.functional.conv2d(x, w, padding=1)
-
-    with torch.no_grad():
+    call = _build(json.loads(sys.stdin.readline())["kernel"])
+    for _ in range(2):  # warm-up: allocations, the optimizer's state
         call()
-        print(json.dumps({"ready": True}), flush=True)
-        for line in sys.stdin:
-            req = json.loads(line)
-            while (left := req["start"] - time.time()) > 0:
-                time.sleep(min(left, 0.01))
-            times, began = [], time.perf_counter()
-            while len(times) < 3 or time.perf_counter() - began < req["window"]:
-                t0 = time.perf_counter()
-                call()
-                times.append(time.perf_counter() - t0)
-            print(json.dumps({"seconds": statistics.median(times)}), flush=True)
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        req = json.loads(line)
+        while (left := req["start"] - time.time()) > 0:
+            time.sleep(min(left, 0.01))
+        times, began = [], time.perf_counter()
+        while len(times) < 3 or time.perf_counter() - began < req["window"]:
+            t0 = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - t0)
+        print(json.dumps({"seconds": statistics.median(times)}), flush=True)
+
+
+def _build(spec: dict[str, Any]) -> Callable[[], None]:
+    """The kernel's call from its spec (Kernel.spec, StepKernel.spec)."""
+    import torch
+
+    if "conv" in spec:
+        b, c, s = spec["conv"]
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(b, c, s, s, generator=gen)  # (b, c, s, s)
+        w = torch.randn(c, c, 3, 3, generator=gen)
+
+        def conv() -> None:
+            with torch.no_grad():
+                torch.nn.functional.conv2d(x, w, padding=1)
+
+        return conv
+    from scalelab.precision import get_precision
+    from scalelab.workloads import WORKLOADS
+
+    cfg = RunConfig(**spec["step"]["cfg"])
+    workload = WORKLOADS.get(cfg.workload)(cfg)
+    dtype = get_precision(cfg.dtype).storage
+    model = workload.build_model().to(dtype)
+    inputs = workload.synthetic_inputs(spec["step"]["batch"], 0)
+    x = workload.prepare(inputs.x)  # (batch, *item shape)
+    x = x.to(dtype) if x.is_floating_point() else x
+    if not cfg.train:
+
+        def forward() -> None:
+            with torch.no_grad():
+                model(x)
+
+        return forward
+    model.train()
+    opt = workload.optimizer(model)
+
+    def step() -> None:
+        opt.zero_grad()
+        workload.loss(model, model(x), inputs.y).backward()
+        opt.step()
+
+    return step

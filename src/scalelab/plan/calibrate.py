@@ -26,6 +26,7 @@ import logging
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -37,6 +38,9 @@ from scalelab.predict.calibration import Pool
 from scalelab.predict.figures import Figures
 from scalelab.predict.scenario import Scenario
 from scalelab.record import append_record
+
+if TYPE_CHECKING:
+    from scalelab.instrument.concurrency import StepKernel
 
 
 def needed_batch(cfg: RunConfig) -> int:
@@ -184,14 +188,27 @@ def _label(cfg: RunConfig) -> str:
     return label(cfg)
 
 
-def host_contention(figures: Figures, cores: int, path: Path, repeats: int = 3) -> Figures:
+def contention_kernel(spec: PlanSpec) -> StepKernel:
+    """What the plan's contention curve times: the step one rank of the plain configuration
+    computes (its calibration run's model, one thread, its per-rank batch)."""
+    from scalelab.instrument.concurrency import StepKernel
+    from scalelab.plan.candidates import plain
+
+    cfg = calibrated_on(plain(spec))
+    return StepKernel(dataclasses.replace(cfg, threads=1), needed_batch(cfg))
+
+
+def host_contention(
+    figures: Figures, cores: int, path: Path, repeats: int = 3, kernel: StepKernel | None = None
+) -> Figures:
     """The figures with this host's `cpu_concurrency` curve measured now (`repeats` times,
-    the median slowdown at each process count kept; saved to `path`): on a shared host how
-    much ranks slow each other changes with the load from elsewhere, and one 0.4 s snapshot
-    of it can be off by several times."""
+    the median slowdown at each process count kept; saved to `path`), timing `kernel` (the
+    workload's own step: contention_kernel): on a shared host how much ranks slow each other
+    changes with the load from elsewhere, and one 0.4 s snapshot of it can be off by several
+    times."""
     from scalelab.instrument import concurrency
 
-    curves = [concurrency.measure(cores) for _ in range(repeats)]
+    curves = [concurrency.measure(cores, kernel=kernel) for _ in range(repeats)]
     curve = dict(curves[0])
     for key in ("slowdown", "slowdown_max", "seconds"):
         curve[key] = [float(x) for x in np.median([c[key] for c in curves], axis=0)]

@@ -195,14 +195,16 @@ def _calibrate(spec, pool, cfgs, args, out: Path):
 def _contention(figures, spec, args, out: Path):
     """CPU ranks: the host's cpu_concurrency curve measured by this plan (now, with
     --calibrate-missing; else an earlier plan's in the same folder), else the ceilings'."""
-    from scalelab.plan.calibrate import host_contention, with_contention
+    from scalelab.plan.calibrate import contention_kernel, host_contention, with_contention
 
     path = out / "concurrency.json"
     if spec.gpu or spec.ranks_max < 2:
         return figures
     if args.calibrate_missing:
-        print(f"calibrate: this host's cpu_concurrency, now ({args.repeats} curves)", flush=True)
-        return host_contention(figures, spec.cores, path, args.repeats)
+        kernel = contention_kernel(spec)
+        print(f"calibrate: this host's cpu_concurrency, now ({args.repeats} curves of "
+              f"{kernel.describe()})", flush=True)  # fmt: skip
+        return host_contention(figures, spec.cores, path, args.repeats, kernel)
     return with_contention(figures, path) if path.exists() else figures
 
 
@@ -287,10 +289,10 @@ def _predict_alongside(v, cfgs, spec, ctx, args, out: Path) -> None:
         return
     figures = ctx.figures
     if not spec.gpu and spec.ranks_max > 1:
-        from scalelab.plan.calibrate import host_contention
+        from scalelab.plan.calibrate import contention_kernel, host_contention
 
         curve = out / "concurrency_verify.json"
-        figures = host_contention(figures, spec.cores, curve, args.repeats)
+        figures = host_contention(figures, spec.cores, curve, args.repeats, contention_kernel(spec))
     now = dataclasses.replace(ctx, figures=figures, pool=_calibration_pool(str(path)))
     again = [predict(now, spec, cfg)[0] for cfg in cfgs]  # the table's rows, in order
     v.alongside([p.throughput if p else math.nan for p in again])
