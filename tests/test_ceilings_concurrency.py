@@ -27,6 +27,11 @@ def test_levels_double_up_to_the_cores(cores, want):
     assert C.levels(cores) == want
 
 
+def test_a_curve_of_processes_of_several_threads_counts_them_against_the_cores():
+    c = C.measure(2, quick=True, threads=2)  # 2 cores hold one process of 2 threads
+    assert c["ranks"] == [1] and c["threads"] == 2 and "2 torch thread" in c["kernel"]
+
+
 def test_measured_curve_is_sane_at_small_k():
     c = C.measure(2, quick=True)
     assert c["ranks"] == [1, 2] and c["slowdown"][0] == 1.0

@@ -366,6 +366,25 @@ def test_cpu_ranks_compute_scales_by_the_measured_slowdown(split):
     assert not any("cpu_concurrency" in n for n in one.notes)
 
 
+def test_ranks_of_several_threads_take_the_curve_measured_with_that_many():
+    """2 ranks of 2 threads: the single-threaded curve says s(4) / s(2) = 1.5 / 1.2 = 1.25;
+    a plan's curve of 2-thread processes (by_threads) says 1.7 at 2 of them, and wins."""
+    from scalelab.predict.frame import predict_one
+
+    curve = {"ranks": [1, 2, 4, 8], "slowdown_max": [1.0, 1.2, 1.5, 2.1]}
+    curve["slowdown"] = curve["slowdown_max"]
+    cfg = RunConfig(workload="alexnet", strategy="mpi", split="batch", batch=32, threads=2)
+    s = Scenario(cfg, 1, 64).at(2)
+    plain = predict_one(_alexnet_ctx(), s).phases["compute"]
+    single = predict_one(_alexnet_ctx(curve), s)
+    assert single.phases["compute"] == pytest.approx(1.25 * plain)
+    threaded = {**curve, "by_threads": {"2": {"ranks": [1, 2], "slowdown_max": [1.0, 1.7],
+                                               "slowdown": [1.0, 1.6]}}}  # fmt: skip
+    two = predict_one(_alexnet_ctx(threaded), s)
+    assert two.phases["compute"] == pytest.approx(1.7 * plain)
+    assert any("compute x1.7" in n and "with 2 threads per process" in n for n in two.notes)
+
+
 def test_validate_pairs_each_file_with_its_own_hosts_ceilings(tmp_path):
     """A ceilings file of another host whose name is closer loses to the same host's; a
     results file whose host has only a --comm-only file borrows the rest, and says so."""

@@ -102,19 +102,20 @@ def levels(cores: int) -> list[int]:
 
 
 def measure(
-    cores: int, quick: bool = False, kernel: Kernel | StepKernel | None = None
+    cores: int, quick: bool = False, kernel: Kernel | StepKernel | None = None, threads: int = 1
 ) -> dict[str, Any]:
-    """The cpu_concurrency section for k over levels(cores), timing `kernel` (default: the
-    convolution)."""
+    """The cpu_concurrency section for k over levels(cores // threads), timing `kernel`
+    (default: the convolution) in processes of `threads` torch threads each."""
     default, window = (QUICK, 0.1) if quick else (DEFAULT, 0.4)
     kernel = kernel or default
-    ks = levels(max(cores, 1))
-    pool = Workers(ks[-1], kernel)
+    ks = levels(max(cores // threads, 1))
+    pool = Workers(ks[-1], kernel, threads)
     try:
         per_k = [pool.run(k, window) for k in ks]  # per k: seconds of each process
     finally:
         pool.close()
-    return curve(ks, per_k, kernel.describe(), METHOD.format(window=window))
+    described = kernel.describe().replace("1 torch thread", f"{threads} torch thread")
+    return {**curve(ks, per_k, described, METHOD.format(window=window)), "threads": threads}
 
 
 def curve(ks: list[int], per_k: list[list[float]], kernel: str, method: str) -> dict[str, Any]:
@@ -132,17 +133,18 @@ def curve(ks: list[int], per_k: list[list[float]], kernel: str, method: str) -> 
 
 
 class Workers:
-    """n worker subprocesses, each holding the kernel's tensors, warmed up and waiting."""
+    """n worker subprocesses of `threads` torch threads each, holding the kernel's tensors,
+    warmed up and waiting."""
 
-    def __init__(self, n: int, kernel: Kernel | StepKernel) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    def __init__(self, n: int, kernel: Kernel | StepKernel, threads: int = 1) -> None:
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
         cmd = [sys.executable, "-c", "from scalelab.instrument.concurrency import worker; worker()"]
         self.procs = [
             subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
             for _ in range(n)
         ]
         for p in self.procs:
-            self._send(p, {"kernel": kernel.spec()})
+            self._send(p, {"kernel": kernel.spec(), "threads": threads})
         for p in self.procs:
             self._reply(p)  # "ready": imported, tensors built, one warm-up call done
 
@@ -181,8 +183,9 @@ def worker() -> None:
     time calls for the window; reply with the median call seconds."""
     import torch
 
-    torch.set_num_threads(1)
-    call = _build(json.loads(sys.stdin.readline())["kernel"])
+    first = json.loads(sys.stdin.readline())
+    torch.set_num_threads(first.get("threads", 1))
+    call = _build(first["kernel"])
     for _ in range(2):  # warm-up: allocations, the optimizer's state
         call()
     print(json.dumps({"ready": True}), flush=True)

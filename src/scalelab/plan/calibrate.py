@@ -198,24 +198,48 @@ def contention_kernel(spec: PlanSpec) -> StepKernel:
     return StepKernel(dataclasses.replace(cfg, threads=1), needed_batch(cfg))
 
 
+def contention_threads(spec: PlanSpec) -> list[int]:
+    """Threads per rank of the candidates with several ranks on a node (1 always): a curve
+    is measured for each (`host_contention`)."""
+    return sorted({1} | {t for n, t in spec.layouts() if t and min(n, spec.per_node) > 1})
+
+
 def host_contention(
-    figures: Figures, cores: int, path: Path, repeats: int = 3, kernel: StepKernel | None = None
+    figures: Figures,
+    cores: int,
+    path: Path,
+    repeats: int = 3,
+    kernel: StepKernel | None = None,
+    threads: list[int] | tuple[int, ...] = (1,),
 ) -> Figures:
     """The figures with this host's `cpu_concurrency` curve measured now (`repeats` times,
     the median slowdown at each process count kept; saved to `path`), timing `kernel` (the
     workload's own step: contention_kernel): on a shared host how much ranks slow each other
     changes with the load from elsewhere, and one 0.4 s snapshot of it can be off by several
-    times."""
+    times. For each thread count above 1 in `threads`, a curve of processes of that many
+    threads as well (`by_threads`): two ranks of two threads on 4 cores of the 16-core device
+    computed ~1.6x slower than one, where single-threaded processes at 4 showed 1.06x more
+    than at 2."""
+    curve = _median_curve(cores, repeats, kernel, 1)
+    curve["by_threads"] = {
+        str(t): _median_curve(cores, repeats, kernel, t)
+        for t in threads
+        if t > 1 and cores // t > 1
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(curve, indent=1))
+    return with_contention(figures, path)
+
+
+def _median_curve(cores: int, repeats: int, kernel, threads: int) -> dict:
     from scalelab.instrument import concurrency
 
-    curves = [concurrency.measure(cores, kernel=kernel) for _ in range(repeats)]
+    curves = [concurrency.measure(cores, kernel=kernel, threads=threads) for _ in range(repeats)]
     curve = dict(curves[0])
     for key in ("slowdown", "slowdown_max", "seconds"):
         curve[key] = [float(x) for x in np.median([c[key] for c in curves], axis=0)]
     curve["method"] += f"; the median of {repeats} such curves, one after another"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(curve, indent=1))
-    return with_contention(figures, path)
+    return curve
 
 
 def with_contention(figures: Figures, path: Path) -> Figures:

@@ -80,6 +80,16 @@ class ComputeModel:
         # Every CPU-rank strategy here is bulk-synchronous (a halo exchange per layer, a gather
         # or an all-reduce per step): each step waits for its slowest rank, so the slowest
         # process's slowdown at `busy` sets the pace, not the median's.
+        ranks = min(s.ranks, s.per_node)
+        threaded = self.figures.cpu_slowdown(ranks, slowest=True, threads=threads)
+        if threads > 1 and threaded is not None:  # measured with ranks of `threads` threads
+            self.contention = threaded
+            self.notes.append(
+                f"compute x{threaded:.3g}: the slowest of {ranks} processes of {threads} "
+                f"threads busy per node runs slower than one (cpu_concurrency of "
+                f"{self.figures.path}, measured with {threads} threads per process)"
+            )
+            return
         at = self.figures.cpu_slowdown(busy, slowest=True)
         alone = self.figures.cpu_slowdown(threads, slowest=True)
         if at is None or alone is None:

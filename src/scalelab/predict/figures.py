@@ -87,12 +87,17 @@ class Figures:
         2 n / this."""
         return self._cpu("cpu_mem_bw", 1)
 
-    def cpu_slowdown(self, processes: float, slowest: bool = False) -> float | None:
-        """How much slower each of `processes` single-threaded processes computing at once on
-        the host runs than one alone: the measured `cpu_concurrency` curve, linear between its
-        points and held at its ends (None when the ceilings lack the curve). slowest: the
-        slowest process's slowdown (`slowdown_max`) instead of the median process's."""
+    def cpu_slowdown(
+        self, processes: float, slowest: bool = False, threads: int = 1
+    ) -> float | None:
+        """How much slower each of `processes` processes of `threads` threads computing at
+        once on the host runs than one alone: the measured `cpu_concurrency` curve (for more
+        than one thread, its `by_threads` curve of that count, which a plan measures), linear
+        between its points and held at its ends (None when the ceilings lack the curve).
+        slowest: the slowest process's slowdown (`slowdown_max`) instead of the median's."""
         curve = self.data.get("cpu_concurrency") or {}
+        if threads != 1:
+            curve = (curve.get("by_threads") or {}).get(str(threads)) or {}
         ks, slow = curve.get("ranks"), curve.get("slowdown_max" if slowest else "slowdown")
         if not ks or not slow:
             return None

@@ -195,17 +195,25 @@ def _calibrate(spec, pool, cfgs, args, out: Path):
 def _contention(figures, spec, args, out: Path):
     """CPU ranks: the host's cpu_concurrency curve measured by this plan (now, with
     --calibrate-missing; else an earlier plan's in the same folder), else the ceilings'."""
-    from scalelab.plan.calibrate import contention_kernel, host_contention, with_contention
+    from scalelab.plan.calibrate import contention_kernel, contention_threads, with_contention
 
     path = out / "concurrency.json"
     if spec.gpu or spec.ranks_max < 2:
         return figures
     if args.calibrate_missing:
-        kernel = contention_kernel(spec)
+        kernel, threads = contention_kernel(spec), contention_threads(spec)
         print(f"calibrate: this host's cpu_concurrency, now ({args.repeats} curves of "
-              f"{kernel.describe()})", flush=True)  # fmt: skip
-        return host_contention(figures, spec.cores, path, args.repeats, kernel)
+              f"{kernel.describe()}; threads per process {threads})", flush=True)  # fmt: skip
+        return _host_contention(figures, spec, path, args.repeats)
     return with_contention(figures, path) if path.exists() else figures
+
+
+def _host_contention(figures, spec, path: Path, repeats: int):
+    """The contention curves measured now with the plan's own step, for its thread counts."""
+    from scalelab.plan.calibrate import contention_kernel, contention_threads, host_contention
+
+    kernel, threads = contention_kernel(spec), contention_threads(spec)
+    return host_contention(figures, spec.cores, path, repeats, kernel, threads)
 
 
 def _print_plan(spec, ranked, ceilings: str) -> None:
@@ -289,10 +297,7 @@ def _predict_alongside(v, cfgs, spec, ctx, args, out: Path) -> None:
         return
     figures = ctx.figures
     if not spec.gpu and spec.ranks_max > 1:
-        from scalelab.plan.calibrate import contention_kernel, host_contention
-
-        curve = out / "concurrency_verify.json"
-        figures = host_contention(figures, spec.cores, curve, args.repeats, contention_kernel(spec))
+        figures = _host_contention(figures, spec, out / "concurrency_verify.json", args.repeats)
     now = dataclasses.replace(ctx, figures=figures, pool=_calibration_pool(str(path)))
     again = [predict(now, spec, cfg)[0] for cfg in cfgs]  # the table's rows, in order
     v.alongside([p.throughput if p else math.nan for p in again])
