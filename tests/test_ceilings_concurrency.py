@@ -29,7 +29,7 @@ def test_levels_double_up_to_the_cores(cores, want):
 
 def test_a_curve_of_processes_of_several_threads_counts_them_against_the_cores():
     c = C.measure(2, quick=True, threads=2)  # 2 cores hold one process of 2 threads
-    assert c["ranks"] == [1] and c["threads"] == 2 and "2 torch thread" in c["kernel"]
+    assert c["ranks"] == [1] and c["threads"] == 2 and "2 torch thread(s)" in c["kernel"]
 
 
 def test_measured_curve_is_sane_at_small_k():
@@ -81,7 +81,7 @@ def test_a_step_kernel_says_what_it_times():
     from scalelab.config import RunConfig
 
     step = _mlp_step()
-    assert step.describe() == "one training step of mlp at batch 20, 1 torch thread per process"
+    assert step.describe() == "one training step of mlp at batch 20, 1 torch thread(s) per process"
     assert (
         C.StepKernel(RunConfig(workload="alexnet"), 16)
         .describe()

@@ -4,14 +4,14 @@ section of ceilings.json.
 MPI ranks on CPUs (one thread each) share the host's cores, SMT siblings, caches and memory
 bandwidth, so k ranks computing at once each run slower than one alone. This measures that
 directly: `k` worker processes (one torch thread each) start the same convolution at the same
-instant and time it for a fixed window; the slowdown at k is the median of their per-call
-times over the time of one process alone:
+instant and time it for a fixed window; the slowdown at k is the median over them of each
+one's mean call time, over the time of one process alone:
 
     "cpu_concurrency": {
       "ranks":        [1, 2, 4, ...],     # processes computing at once (powers of 2, cores)
       "slowdown":     [1.0, s2, s4, ...], # median per-process time at k / time at k = 1
       "slowdown_max": [1.0, ...],         # the slowest process at k / time at k = 1
-      "seconds":      [t1, t2, ...],      # median seconds per kernel call at k
+      "seconds":      [t1, t2, ...],      # median over processes of mean seconds per call
       "kernel": str, "method": str        # what was timed and how
     }
 
@@ -55,11 +55,11 @@ class Kernel:
     def flops(self) -> int:
         return 2 * self.batch * self.size**2 * self.channels**2 * 9
 
-    def describe(self) -> str:
+    def describe(self, threads: int = 1) -> str:
         b, c, s = self.batch, self.channels, self.size
         return (
             f"torch conv2d fp32, input ({b}, {c}, {s}, {s}) * weight ({c}, {c}, 3, 3), "
-            f"padding 1 ({self.flops / 1e9:.3g} GFLOP), 1 torch thread per process"
+            f"padding 1 ({self.flops / 1e9:.3g} GFLOP), {threads} torch thread(s) per process"
         )
 
     def spec(self) -> dict[str, Any]:
@@ -75,10 +75,10 @@ class StepKernel:
     cfg: RunConfig
     batch: int
 
-    def describe(self) -> str:
+    def describe(self, threads: int = 1) -> str:
         what = "training step" if self.cfg.train else "forward"
         name = self.cfg.model or self.cfg.workload
-        return f"one {what} of {name} at batch {self.batch}, 1 torch thread per process"
+        return f"one {what} of {name} at batch {self.batch}, {threads} torch thread(s) per process"
 
     def spec(self) -> dict[str, Any]:
         return {"step": {"cfg": self.cfg.to_dict(), "batch": self.batch}}
@@ -87,7 +87,9 @@ class StepKernel:
 DEFAULT, QUICK = Kernel(8), Kernel(2)
 METHOD = (
     "k worker processes (one thread each) start the kernel at the same instant and call it "
-    "back to back for {window:g} s each; per process the median call time; slowdown(k) = "
+    "back to back for {window:g} s each; per process the mean call time (the window over its "
+    "calls: a call shorter than the scheduler's time slice shows time-slicing in the mean, not "
+    "in the median); slowdown(k) = "
     "median over the k processes / the time of one process alone"
 )
 
@@ -114,8 +116,8 @@ def measure(
         per_k = [pool.run(k, window) for k in ks]  # per k: seconds of each process
     finally:
         pool.close()
-    described = kernel.describe().replace("1 torch thread", f"{threads} torch thread")
-    return {**curve(ks, per_k, described, METHOD.format(window=window)), "threads": threads}
+    method = METHOD.format(window=window)
+    return {**curve(ks, per_k, kernel.describe(threads), method), "threads": threads}
 
 
 def curve(ks: list[int], per_k: list[list[float]], kernel: str, method: str) -> dict[str, Any]:
@@ -180,7 +182,7 @@ class Workers:
 
 def worker() -> None:
     """A worker's loop: build the kernel, then per request wait for the start instant and
-    time calls for the window; reply with the median call seconds."""
+    time calls for the window; reply with the mean call seconds (see METHOD)."""
     import torch
 
     first = json.loads(sys.stdin.readline())
@@ -198,7 +200,7 @@ def worker() -> None:
             t0 = time.perf_counter()
             call()
             times.append(time.perf_counter() - t0)
-        print(json.dumps({"seconds": statistics.median(times)}), flush=True)
+        print(json.dumps({"seconds": statistics.fmean(times)}), flush=True)
 
 
 def _build(spec: dict[str, Any]) -> Callable[[], None]:

@@ -201,9 +201,9 @@ def _contention(figures, spec, args, out: Path):
     if spec.gpu or spec.ranks_max < 2:
         return figures
     if args.calibrate_missing:
-        kernel, threads = contention_kernel(spec), contention_threads(spec)
         print(f"calibrate: this host's cpu_concurrency, now ({args.repeats} curves of "
-              f"{kernel.describe()}; threads per process {threads})", flush=True)  # fmt: skip
+              f"{contention_kernel(spec).describe()}; threads per process "
+              f"{contention_threads(spec)})", flush=True)  # fmt: skip
         return _host_contention(figures, spec, path, args.repeats)
     return with_contention(figures, path) if path.exists() else figures
 
