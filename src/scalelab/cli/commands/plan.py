@@ -195,24 +195,24 @@ def _calibrate(spec, pool, cfgs, args, out: Path):
 def _contention(figures, spec, args, out: Path):
     """CPU ranks: the host's cpu_concurrency curve measured by this plan (now, with
     --calibrate-missing; else an earlier plan's in the same folder), else the ceilings'."""
-    from scalelab.plan.calibrate import contention_kernel, contention_threads, with_contention
+    from scalelab.plan.calibrate import with_contention
 
     path = out / "concurrency.json"
     if spec.gpu or spec.ranks_max < 2:
         return figures
     if args.calibrate_missing:
-        print(f"calibrate: this host's cpu_concurrency, now ({args.repeats} curves of "
-              f"{contention_kernel(spec).describe()}; threads per process "
-              f"{contention_threads(spec)})", flush=True)  # fmt: skip
-        return _host_contention(figures, spec, path, args.repeats)
+        return _host_contention(figures, spec, path, args.repeats, echo=True)
     return with_contention(figures, path) if path.exists() else figures
 
 
-def _host_contention(figures, spec, path: Path, repeats: int):
+def _host_contention(figures, spec, path: Path, repeats: int, echo: bool = False):
     """The contention curves measured now with the plan's own step, for its thread counts."""
     from scalelab.plan.calibrate import contention_kernel, contention_threads, host_contention
 
     kernel, threads = contention_kernel(spec), contention_threads(spec)
+    if echo:
+        print(f"calibrate: this host's cpu_concurrency, now ({repeats} curves of "
+              f"{kernel.describe()}; threads per process {threads})", flush=True)  # fmt: skip
     return host_contention(figures, spec.cores, path, repeats, kernel, threads)
 
 
