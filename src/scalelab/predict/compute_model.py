@@ -81,8 +81,8 @@ class ComputeModel:
         # or an all-reduce per step): each step waits for its slowest rank, so the slowest
         # process's slowdown at `busy` sets the pace, not the median's.
         ranks = min(s.ranks, s.per_node)
-        threaded = self.figures.cpu_slowdown(ranks, slowest=True, threads=threads)
-        if threads > 1 and threaded is not None:  # measured with ranks of `threads` threads
+        threaded = self.figures.cpu_slowdown(ranks, True, threads) if threads > 1 else None
+        if threaded is not None:  # measured with processes of `threads` threads
             self.contention = threaded
             self.notes.append(
                 f"compute x{threaded:.3g}: the slowest of {ranks} processes of {threads} "

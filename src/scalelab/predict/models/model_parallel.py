@@ -68,7 +68,8 @@ class TensorModel(OverMPI):
         wire = self.wire(s)
         nbytes = (s.cfg.batch * output_width(s) + 1) * 4
         reduce = ctx.fabric(s, wire.backend).allreduce(nbytes, s.ranks) if s.ranks > 1 else 0.0
-        compute = ctx.compute(dataclasses.replace(s, cfg=shard_config(s.cfg, s.ranks)))
+        shard = self.calibrated_on(s.cfg)  # s is one replica's group here: its ranks are N
+        compute = ctx.compute(dataclasses.replace(s, cfg=shard))
         if compute.law is not None:  # a one-rank run of one rank's shard: its step as measured
             phases = compute.phases(s.cfg.batch)
         else:
@@ -77,8 +78,8 @@ class TensorModel(OverMPI):
             phases["compute"] /= s.ranks
             compute.notes.append(
                 f"compute: the whole mlp's law split {s.ranks} ways, its fixed part kept whole "
-                f"(no one-rank run at --hidden {shard_config(s.cfg, s.ranks).hidden}, one "
-                "rank's shard, to calibrate on; plan --calibrate-missing measures it)"
+                f"(no one-rank run at --hidden {shard.hidden}, one rank's shard, to calibrate "
+                "on; plan --calibrate-missing measures it)"
             )
         phases["allreduce"] = reduce + (wire.stage(ctx.figures, nbytes) if s.ranks > 1 else 0.0)
         phases["overhead"] = compute.overhead_s
