@@ -19,6 +19,7 @@ MPI_PEER_GONE = (
     "MPIDI_CMA_copy_data(68):  copy_iovs(224).........: process_vm_readv failed (errno 3) "
     "(a bug: please report it; SCALELAB_DEBUG=1: traceback)"
 )
+EXIT_STRING = "YOUR APPLICATION TERMINATED WITH THE EXIT STRING:"
 ABORT = (
     "Abort(3) on node 0 (rank 0 in comm 0): application called "
     "MPI_Abort(MPI_COMM_WORLD, 3) - process 0"
@@ -53,6 +54,38 @@ def test_a_killed_rank_is_named_when_mpich_boxes_it_without_the_exit_string(tmp_
     box but before "EXIT STRING: Killed (signal 9)": the box's EXIT CODE is the signal."""
     folder = job(tmp_path, 2, {0: (3, MPI_PEER_GONE)})
     out = explain(folder, [ABORT, *box(PIDS[1], 9)], 3, ENDED, "mpi")
+    assert (out.code, out.message) == (
+        1,
+        "scalelab: rank 1 on nodeA died (signal 9) during halo; job aborted after 0.5 s",
+    )
+
+
+@pytest.mark.parametrize("ranks, named", [(2, "rank 0 or 1"), (3, "one of ranks 0-2")])
+def test_ranks_killed_at_once_are_named_together_not_the_lowest_alone(tmp_path, ranks, named):
+    """Rank 1 killed while the others compute (no MPI call to fail in, so no line of their
+    own): hydra's proxy SIGKILLs them at once and boxes the lowest rank it killed, rank 0.
+    Naming rank 0 would be a guess; the line names every rank that may have died first."""
+    folder = job(tmp_path, ranks, {})
+    captured = [*box(PIDS[0], 9), f"{EXIT_STRING} Killed (signal 9)"]
+    out = explain(folder, captured, 9, ENDED, "mpi")
+    assert (out.code, out.message) == (
+        1,
+        f"scalelab: {named} on nodeA died (signal 9) during halo; the launcher killed the "
+        "others at once, so which died first is unknown; job aborted after 0.5 s",
+    )
+
+
+def test_a_rank_boxed_by_rank_number_is_named_with_its_signal(tmp_path):
+    """MPICH 3/4 and Intel MPI box the killed rank by number, with "KILLED BY SIGNAL"."""
+    folder = job(tmp_path, 2, {0: (3, MPI_PEER_GONE)})
+    captured = [
+        "=" * 83,
+        "=   BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES",
+        f"=   RANK 1 PID {PIDS[1]} RUNNING AT nodeA",
+        "=   KILLED BY SIGNAL: 9 (Killed)",
+        "=" * 83,
+    ]
+    out = explain(folder, captured, 9, ENDED, "mpi")
     assert (out.code, out.message) == (
         1,
         "scalelab: rank 1 on nodeA died (signal 9) during halo; job aborted after 0.5 s",
@@ -96,7 +129,7 @@ def test_a_refusal_comes_before_a_killed_rank(tmp_path):
     folder = job(tmp_path, 2, {0: (2, "scalelab run: error: --halo 9 is thicker than a slab")})
     captured = [
         *box(PIDS[1], 9),
-        "YOUR APPLICATION TERMINATED WITH THE EXIT STRING: Killed (signal 9)",
+        f"{EXIT_STRING} Killed (signal 9)",
     ]
     out = explain(folder, captured, 9, ENDED, "mpi")
     assert (out.code, out.message) == (2, "scalelab run: error: --halo 9 is thicker than a slab")

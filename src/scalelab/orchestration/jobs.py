@@ -140,7 +140,8 @@ def explain(
     if refusals:
         return JobOutcome(2, refusals[0][1], captured)
     if dead is not None and dead[2] is not None:
-        return JobOutcome(1, dead_line(dead, status, ended), captured)
+        alike = _killed_alike(dead, status, silent) if launcher == "mpi" else []
+        return JobOutcome(1, dead_line(dead, status, ended, alike=alike), captured)
     vanished = _vanished_rank(said, silent, status) if launcher == "mpi" else None
     if dead is None and vanished is not None:
         return JobOutcome(1, dead_line(vanished, status, ended, vanished=True), captured)
@@ -176,6 +177,18 @@ def _vanished_rank(
     return rank, status[rank][1], None
 
 
+def _killed_alike(dead: tuple[int, str, int | None], status: dict, silent: set[int]) -> list[int]:
+    """The other silent ranks on the boxed rank's host that could have died first. Hydra's
+    proxy SIGKILLs its ranks that are still running as soon as one dies, then boxes the
+    lowest-ranked of the killed, not the first: rank 1 killed while rank 0 computes (no MPI
+    call to fail in) reads "PID <rank 0's> ... EXIT CODE: 9". A rank that noticed the death
+    first left its own line and is not silent; among the silent the order is unknown."""
+    rank, host, _ = dead
+    if rank not in silent:
+        return []
+    return sorted(r for r in silent if r > rank and status[r][1] == status[rank][1])
+
+
 def notes(folder: Path) -> list[tuple[int, str]]:
     """(exit code, line) the ranks handed over, lowest rank first."""
     out = []
@@ -186,14 +199,34 @@ def notes(folder: Path) -> list[tuple[int, str]]:
 
 
 def dead_line(
-    dead: tuple[int, str, int | None], status: dict, ended: float, vanished: bool = False
+    dead: tuple[int, str, int | None],
+    status: dict,
+    ended: float,
+    vanished: bool = False,
+    alike: list[int] | None = None,
 ) -> str:
-    """The dead rank's line; vanished: it died of a signal nobody reported."""
+    """The dead rank's line; vanished: it died of a signal nobody reported; alike: other
+    ranks killed at once, any of which may have died first (then no one rank is named)."""
     rank, host, signal = dead
     _, st_host, beat, phase = status.get(rank, (None, host, None, "setup"))
     after = f"; job aborted after {max(0.0, ended - beat):.1f} s" if beat else ""
     how = f"died (signal {signal})" if signal else ("died" if vanished else "exited")
-    return f"scalelab: rank {rank} on {host or st_host} {how} during {phase}{after}"
+    who = f"rank {rank}"
+    if alike:
+        who, after = (
+            _one_of([rank, *alike]),
+            ("; the launcher killed the others at once, so which died first is unknown" + after),
+        )
+    return f"scalelab: {who} on {host or st_host} {how} during {phase}{after}"
+
+
+def _one_of(ranks: list[int]) -> str:
+    """'rank 0 or 1', 'one of ranks 0-63', 'one of ranks 0, 2, 5'."""
+    if len(ranks) == 2:
+        return f"rank {ranks[0]} or {ranks[1]}"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"one of ranks {ranks[0]}-{ranks[-1]}"
+    return "one of ranks " + ", ".join(map(str, ranks))
 
 
 def statuses(folder: Path) -> dict[int, tuple[int, str, float, str]]:
@@ -238,11 +271,14 @@ def _dead_rank(
     m = re.search(r"process rank (\d+) with PID \d+ on node (\S+) exited on signal (\d+)", text)
     if m:
         return int(m.group(1)), m.group(2), int(m.group(3))
-    # MPICH: "PID 123 RUNNING AT host" and, when killed, "EXIT STRING: Killed (signal 9)".
-    pid = re.search(r"PID (\d+) RUNNING AT (\S+)", text)
+    # MPICH: "PID 123 RUNNING AT host" and, when killed, "EXIT STRING: Killed (signal 9)";
+    # MPICH 3/4 and Intel MPI box each killed rank: "RANK 1 PID 123 RUNNING AT host",
+    # "KILLED BY SIGNAL: 9 (Killed)".
+    pid = re.search(r"(?:RANK (\d+) )?PID (\d+) RUNNING AT (\S+)", text)
     if pid:
-        rank_of = {s[0]: r for r, s in status.items()}.get(int(pid.group(1)), -1)
-        return rank_of, pid.group(2), _mpich_signal(text, rank_of in silent)
+        by_pid = {s[0]: r for r, s in status.items()}.get(int(pid.group(2)), -1)
+        rank_of = int(pid.group(1)) if pid.group(1) else by_pid
+        return rank_of, pid.group(3), _mpich_signal(text, rank_of in silent)
     return None
 
 
@@ -256,7 +292,7 @@ def _mpich_signal(text: str, silent: bool) -> int | None:
     box = re.search(r"EXIT CODE: (\d+)", text)
     if silent and box and int(box.group(1)) & 0x7F:
         return int(box.group(1)) & 0x7F
-    sig = re.search(r"signal (\d+)", text)  # "EXIT CODE: 9" alone may be exit(9)
+    sig = re.search(r"(?:signal|SIGNAL:) (\d+)", text)  # "EXIT CODE: 9" alone may be exit(9)
     return int(sig.group(1)) if sig else None
 
 
