@@ -30,6 +30,7 @@ from scalelab.strategies.halo import plan_trunk
 
 FIXTURES = Path(__file__).parent / "fixtures" / "predict"
 CEILINGS = FIXTURES / "ceilings_h200x2.json"
+PLAN_CEILINGS = FIXTURES.parent / "plan" / "ceilings_2core.json"
 
 
 @pytest.fixture(scope="module")
@@ -508,6 +509,61 @@ def test_dp_replicas_of_a_pipeline_add_one_gradient_allreduce():
     assert pred.throughput == pytest.approx(256 / pred.seconds)
     bad = Scenario(_vgg(dp=2, engine="torch", ranks=3), 3, 3)
     assert "do not split into --dp 2" in predict_one(ctx, bad).feasible
+
+
+def test_torchs_multi_stage_schedules_are_replayed_from_torchs_order():
+    """VGG-16 over 2 ranks, 8 micro-batches, under torch's schedules: the replay of torch's
+    own order over the S x V stages. Interleaving V = 2 stages per rank keeps the work
+    (compute within the cut's imbalance) and shrinks the bubble towards (K - 1) / V micro-
+    batch times, at the price of a send at every one of the 2K - 1 cuts; zero-bubble's split
+    backward leaves less bubble still; the V-shaped zbv holds stages 0 and 3 on rank 0."""
+    from scalelab.errors import UsageError
+    from scalelab.predict.calibration import CalPoint, Pool
+    from scalelab.predict.frame import predict_one
+    from scalelab.predict.models import Context
+
+    local = Scenario(_vgg(strategy="local"), 1, 1)
+    pool = Pool([CalPoint(local.family(), "local", None, b, t, 0.0, f"b{b}")
+                 for b, t in ((64, 0.020), (256, 0.068))])  # fmt: skip
+    ctx = Context(Figures(json.loads(CEILINGS.read_text()), "c.json"), None, pool)
+
+    def pred(schedule: str, v: int = 1):
+        cfg = _vgg(engine="torch", ranks=2, stages=2, schedule=schedule, virtual_stages=v)
+        out = predict_one(ctx, Scenario(cfg, 2, 2))
+        assert out.feasible is None and out.seconds == pytest.approx(sum(out.phases.values()))
+        return out
+
+    one, inter, zb, zbv = (
+        pred("1f1b"),
+        pred("interleaved-1f1b", 2),
+        pred("zero-bubble", 2),
+        pred("zbv"),
+    )
+    assert inter.phases["compute"] == pytest.approx(one.phases["compute"], rel=0.1)
+    assert zb.phases["bubble"] < inter.phases["bubble"] < one.phases["bubble"] / 2
+    assert inter.phases["p2p"] > one.phases["p2p"]
+    assert "conv" in zbv.where["compute"] and "fc8" in zbv.where["compute"]  # 0 and 3: a V
+    with pytest.raises(UsageError, match="one stage per rank"):
+        predict_one(ctx, Scenario(_vgg(engine="torch", ranks=2, stages=2, virtual_stages=2), 2, 2))
+
+
+def test_every_stage_of_a_cut_holds_a_layer():
+    """The mlp's 5 layers in 4 stages (zbv: 2 per rank): the roofline cut puts the loss's
+    rows, which no layer computes, in a stage of their own; the stage takes a layer from
+    the one before it instead (no engine runs an empty stage)."""
+    import re
+
+    from scalelab.predict.calibration import Pool
+    from scalelab.predict.frame import predict_one
+    from scalelab.predict.models import Context
+
+    cfg = RunConfig(workload="mlp", strategy="pipeline", engine="torch", schedule="zbv",
+                    stages=2, ranks=2, train=True, batch=64)  # fmt: skip
+    ctx = Context(Figures(json.loads(PLAN_CEILINGS.read_text()), "c.json"), None, Pool())
+    pred = predict_one(ctx, Scenario(cfg, 2, 2))
+    (note,) = [n for n in pred.notes if n.startswith("pipeline stages:")]
+    counts = [int(c) for c in re.findall(r"\d+", note.split("layers")[0])]
+    assert len(counts) == 4 and min(counts) >= 1 and sum(counts) == 5, note
 
 
 # --- spatial: a gathered tail runs whole on the root --------------------------------------------

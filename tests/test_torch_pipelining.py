@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from scalelab.strategies.pipeline.torch_sim import replay, simulated_bubble
+from scalelab.strategies.pipeline.torch_sim import replay, simulated_bubble, torch_order
 from scalelab.strategies.pipeline.torch_stages import OwnedOutput, whole_backward_stages
 from torchpp_helpers import check_training, torchrun
 
@@ -33,6 +33,8 @@ def test_every_schedule_trains_like_one_process():
             continue
         check_training(r)
         assert r["executed"] == r["actions"], r["schedule"]
+        # the order predict draws before anything runs (placeholder stages) is the one run
+        assert r["drawn"] == r["actions"], r["schedule"]
         assert 0.0 <= r["bubble_simulated"] < 1.0 and 0.0 <= r["bubble_measured"] < 1.0
 
 
@@ -69,6 +71,39 @@ def test_replay_of_equal_stages_gives_the_textbook_bubble():
     assert makespan == pytest.approx((m + k - 1) * 3.0)
     bubble = simulated_bubble(actions, seconds, k)
     assert all(b == pytest.approx((k - 1) / (m + k - 1)) for b in bubble.values())
+
+
+@pytest.mark.parametrize("k, m", [(2, 4), (4, 8)])
+def test_torchs_orders_drawn_unrun_replay_to_their_closed_forms(k, m):
+    """torch's own action lists (torch_order: the schedule built over placeholder stages),
+    V stages per rank of t / V each (F a third, B two thirds; I and W half of B): GPipe
+    (M + K - 1) t; interleaved 1F1B over V stages M t + (K - 1) t / V (Narayanan et al.
+    2021); the zero-bubble schedules below that and above the busy M t. A send of d seconds
+    between ranks adds to each, the more the more often the schedule crosses ranks."""
+    t = 1.0
+
+    def makespan(name: str, v: int, send: float = 0.0) -> float:
+        n = k * v
+        seconds = {
+            (st, kind): t / v * share
+            for st in range(n)
+            for kind, share in (("F", 1 / 3), ("B", 2 / 3), ("I", 1 / 3), ("W", 1 / 3))
+        }
+        actions = torch_order(name, k, v, m)  # fmt: skip
+        assert sorted(a for acts in actions.values() for a in acts if a[1] == "F") == sorted(
+            (st, "F", i) for st in range(n) for i in range(m)
+        )  # every stage's forward of every micro-batch, once
+        return replay(actions, seconds, n, send)[0]
+
+    assert makespan("gpipe", 1) == pytest.approx((m + k - 1) * t)
+    assert makespan("1f1b", 1) == pytest.approx((m + k - 1) * t)
+    for v in (2, 3):
+        assert makespan("interleaved-1f1b", v) == pytest.approx(m * t + (k - 1) * t / v)
+    for name in ("zero-bubble", "zbv", "dualpipev"):
+        assert m * t < makespan(name, 2) < makespan("interleaved-1f1b", 2) - 1e-9, name
+    # GPipe's sends sit on the fill and the drain: 2 (K - 1) of them
+    assert makespan("gpipe", 1, 0.01) == pytest.approx((m + k - 1) * t + 2 * (k - 1) * 0.01)
+    assert makespan("interleaved-1f1b", 2, 0.01) > makespan("interleaved-1f1b", 2)
 
 
 def test_replay_detects_a_deadlocked_list():

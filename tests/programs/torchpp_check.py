@@ -141,6 +141,12 @@ def compare(name: str, kw: dict, rank: int, world: int) -> dict | None:
     for key in ("bubble_formula", "bubble_simulated", "bubble_measured", "mesh", "actions"):
         if key in notes:
             result[key] = notes[key]
+    if "actions" in notes and "virtual_stages" in notes:  # the order predict draws, unrun
+        from scalelab.strategies.pipeline.torch_sim import torch_order
+
+        drawn = torch_order(notes["schedule"], notes["stages"], notes["virtual_stages"],
+                            notes["microbatches"])  # fmt: skip
+        result["drawn"] = {str(r): [f"{s}{k}{m}" for s, k, m in a] for r, a in drawn.items()}
     if "stage" in notes:
         result["executed"] = {str(r["pp_rank"]): [e[0] for e in r["timeline_ms"] or []]
                               for r in notes["stage"] if r["dp_rank"] == 0}  # fmt: skip

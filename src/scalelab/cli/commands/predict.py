@@ -69,9 +69,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--out", default=None, help="folder for predict.csv/.json and the plot")
     p.add_argument("--no-plots", action="store_true", help="table and files only")
     # Not read by the model: training hyper-parameters, seeds, how a pipeline is re-cut or
-    # placed, which engine runs it, the timeline instrument.
-    unread = {"seed", "lr", "momentum", "l2", "rebalance", "placement", "engine", "timeline"}
-    add_config_options(p, skip={"ranks", "quiet", "virtual_stages"} | RUN_ONLY | unread)
+    # placed, the timeline instrument. (--engine torch with --virtual-stages: torch's
+    # pipeline schedules, replayed from torch's own order.)
+    unread = {"seed", "lr", "momentum", "l2", "rebalance", "placement", "timeline"}
+    add_config_options(p, skip={"ranks", "quiet"} | RUN_ONLY | unread)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,5 +1,7 @@
-"""`pipeline`: the model's layers cut into K stages, one step of B items in M micro-batches of
-m = B / M, run by the GPipe or 1F1B schedule.
+"""`pipeline`: the model's layers cut into K stages (K x V under torch's multi-stage schedules:
+V per rank), one step of B items in M micro-batches of m = B / M, run by the GPipe or 1F1B
+schedule, or under `--engine torch` by any of torch's (interleaved-1f1b, looped-bfs,
+zero-bubble, zbv, dualpipev).
 
     partition  the run's own: the record's `pipeline.balance` (layers per stage, over the
                layer list of the workload's layers()), else an explicit --balance, else
@@ -19,6 +21,12 @@ m = B / M, run by the GPipe or 1F1B schedule.
                p2p: what the sends add to it; overhead: the one-rank record's host time
 With equal stages and free sends the schedule is (M + K - 1) t_s, the textbook bubble
 (K - 1) / (M + K - 1); unequal stages are simulated, not bounded.
+
+torch's multi-stage schedules are replayed from the order torch computes for them
+(strategies/pipeline/torch_sim.py: torch_order, replay): each of the K x V stages takes its
+share of the rows; the split backward's input and weight halves (I, W) each take half of the
+backward. With equal stages and free sends, interleaved 1F1B over V stages per rank comes to
+M + (K - 1) / V micro-batch times (Narayanan et al. 2021), the zero-bubble schedules below it.
 """
 
 from __future__ import annotations
@@ -75,10 +83,13 @@ def balanced_loads(weights: list[float], k: int) -> tuple[list[float], list[int]
     return [sum(weights[a:b]) for a, b in spans], [b - 1 for _, b in spans[:-1]]
 
 
-def partition(scenario: Scenario, row_times: list[float]) -> tuple[list[int], str]:
+def partition(
+    scenario: Scenario, row_times: list[float], stages: int | None = None
+) -> tuple[list[int], str]:
     """(layers per stage, where the cut comes from): the run's, an explicit --balance, or the
-    roofline-balanced cut of the layer list (cut points after the balanced rows)."""
-    k, n_layers = scenario.ranks, len(layer_names(scenario))
+    roofline-balanced cut of the layer list (cut points after the balanced rows), over
+    `stages` (default: one per rank)."""
+    k, n_layers = stages or scenario.ranks, len(layer_names(scenario))
     if scenario.balance is not None:
         return list(scenario.balance), "the run's partition"
     spec, why = scenario.cfg.balance, "cut where the roofline times balance"
@@ -95,7 +106,20 @@ def _layer_counts(scenario: Scenario, row_cuts: list[int], n_layers: int) -> lis
     owners = row_layers(scenario)
     stops = [(n_layers - 1 if owners[c] is None else owners[c]) + 1 for c in row_cuts]
     stops.append(n_layers)
-    return [b - a for a, b in zip([0, *stops[:-1]], stops)]
+    counts = [b - a for a, b in zip([0, *stops[:-1]], stops)]
+    # A stage of rows no layer computes (the loss's) would hold no layer, which no engine
+    # runs: it takes the last layer of the nearest stage before it that can spare one.
+    for st in range(len(counts) - 1, 0, -1):
+        while counts[st] < 1:
+            donor = max((i for i in range(st) if counts[i] > 1), default=None)
+            if donor is None:
+                break
+            counts[donor] -= 1
+            counts[donor + 1] += 1
+            for i in range(donor + 1, st):  # pass it along to st
+                counts[i] -= 1
+                counts[i + 1] += 1
+    return counts
 
 
 @MODELS.register("pipeline", "GPipe/1F1B stages: the run's partition, simulated schedule, sends")
@@ -108,8 +132,9 @@ class PipelineModel(StrategyModel):
         dp = max(1, scenario.cfg.dp)
         if scenario.ranks % dp:
             return f"{scenario.ranks} ranks do not split into --dp {dp} replicas"
-        if scenario.ranks // dp > layers:
-            return f"{scenario.ranks // dp} stages but the model has {layers} layers"
+        stages = scenario.ranks // dp * held_stages(scenario.cfg)
+        if stages > layers:
+            return f"{stages} stages but the model has {layers} layers"
         return None
 
     def predict(self, ctx: Context, s: Scenario) -> Prediction:
@@ -118,31 +143,46 @@ class PipelineModel(StrategyModel):
         return replicated(ctx, s, self._predict_stages, self.wire(s).backend)
 
     def _predict_stages(self, ctx: Context, s: Scenario) -> Prediction:
-        cfg, k = s.cfg, s.ranks
+        cfg, k, v = s.cfg, s.ranks, held_stages(s.cfg)
         m = min(cfg.microbatches, cfg.batch)
         micro = cfg.batch / m
         compute = ctx.compute(_at_batch(s, micro))
         rows = self._row_times(ctx, s, compute, micro)
-        counts, cut_from = partition(s, rows)
+        counts, cut_from = partition(s, rows, k * v)
         owner = row_stages(s, counts)
-        t_stage = [sum(t for t, o in zip(rows, owner) if o == st) for st in range(k)]
+        t_stage = [sum(t for t, o in zip(rows, owner) if o == st) for st in range(k * v)]
         fwd = [t * (FORWARD_SHARE if cfg.train else 1.0) for t in t_stage]
         bwd = [t - f for t, f in zip(t_stage, fwd)]
-        send = self._send(ctx, s, owner, micro) if k > 1 else 0.0
-        bare = simulate(cfg.schedule, m, fwd, bwd, cfg.train, 0.0)
-        full = simulate(cfg.schedule, m, fwd, bwd, cfg.train, send)
-        slow = max(range(k), key=lambda st: bare.busy[st])
+        if cfg.schedule in SCHEDULES and v == 1:  # scalelab's own op lists (either engine)
+            held = list(range(k))
+            bare = simulate(cfg.schedule, m, fwd, bwd, cfg.train, 0.0)
+            send = self._send(ctx, s, owner, micro, held) if k > 1 else 0.0
+            full = simulate(cfg.schedule, m, fwd, bwd, cfg.train, send)
+            (bare_s, busy), full_s = (bare.makespan, bare.busy), full.makespan
+        else:  # torch's order for its multi-stage schedules
+            from scalelab.strategies.pipeline.torch_sim import replay, torch_order
+
+            actions = torch_order(cfg.schedule, k, v, m)
+            holder = {a[0]: r for r, acts in actions.items() for a in acts}  # stage -> rank
+            held = [holder[st] for st in range(k * v)]
+            seconds = _action_seconds(fwd, bwd, cfg)
+            send = self._send(ctx, s, owner, micro, held) if k > 1 else 0.0
+            bare_s, busy_of = replay(actions, seconds, k * v)
+            full_s, _ = replay(actions, seconds, k * v, send)
+            busy = [busy_of[r] for r in range(k)]
+        slow = max(range(k), key=lambda r: busy[r])
         phases = {
-            "compute": bare.busy[slow],
-            "bubble": _clean(bare.makespan - bare.busy[slow]),
-            "p2p": _clean(full.makespan - bare.makespan),
+            "compute": busy[slow],
+            "bubble": _clean(bare_s - busy[slow]),
+            "p2p": _clean(full_s - bare_s),
             "overhead": compute.overhead_s,
         }
         pred = Prediction(s, phases, frozenset({"p2p"}), compute.sources, list(compute.notes))
         pred.notes.append(f"pipeline stages: {counts} layers ({cut_from})")
-        where = self._stage_text(s, counts, slow, t_stage[slow])
+        mine = [st for st in range(k * v) if held[st] == slow]
+        where = self._stage_text(s, counts, slow, mine, sum(t_stage[st] for st in mine))
         pred.where = {"compute": where, "bubble": where}
-        pred.extra = {"slowest_stage": slow, "slowest_stage_share": t_stage[slow] / sum(t_stage)}
+        pred.extra = {"slowest_stage": slow, "slowest_stage_share": busy[slow] / sum(busy)}
         return pred
 
     @staticmethod
@@ -157,40 +197,70 @@ class PipelineModel(StrategyModel):
         scale = compute.seconds(micro) / max(sum(roof), 1e-30)
         return [t * scale for t in roof]
 
-    def _send(self, ctx: Context, s: Scenario, owner: list[int], micro: float) -> float:
+    def _send(
+        self, ctx: Context, s: Scenario, owner: list[int], micro: float, held: list[int]
+    ) -> float:
         """One micro-batch's activations over the costliest cut (compute dtype); the same
-        bytes come back as gradients in training, on the same link."""
+        bytes come back as gradients in training, on the same link. held: the rank of each
+        stage (a cut between stages on different nodes crosses the network)."""
         costs = build_workload(s.cfg).cost_table()
         itemsize = get_precision(s.precision).itemsize
         fabric = ctx.fabric(s, self.wire(s).backend)
         worst = 0.0
-        for st in range(s.ranks - 1):
+        for st in range(len(held) - 1):
             last = max(i for i, o in enumerate(owner) if o == st) if st in owner else 0
-            crosses = st // s.per_node != (st + 1) // s.per_node
+            crosses = held[st] // s.per_node != held[st + 1] // s.per_node
             worst = max(worst, fabric.p2p(micro * costs[last].out_elems * itemsize, crosses))
         return worst
 
     @staticmethod
-    def _stage_text(s: Scenario, counts: list[int], slow: int, seconds: float) -> str:
+    def _stage_text(
+        s: Scenario, counts: list[int], slow: int, stages: list[int], seconds: float
+    ) -> str:
         names = layer_names(s)
-        a, b = bounds(counts)[slow]
+        spans = bounds(counts)
+        held = ", ".join(f"{names[spans[st][0]]}..{names[spans[st][1] - 1]}" for st in stages)
         return (
-            f"slowest stage: rank {slow} of {s.ranks}, {names[a]}..{names[b - 1]}, "
+            f"slowest stage: rank {slow} of {s.ranks}, {held}, "
             f"{seconds * 1e3:.3g} ms per micro-batch"
         )
 
 
+def held_stages(cfg) -> int:
+    """Stages per rank: torch's schedules hold V (the V-shaped ones 2), the others one."""
+    if cfg.engine != "torch":
+        return 1
+    from scalelab.strategies.pipeline.torch_stages import virtual_stages
+
+    return virtual_stages(cfg.schedule, cfg.virtual_stages)
+
+
+def _action_seconds(fwd: list[float], bwd: list[float], cfg) -> dict[tuple[int, str], float]:
+    """One micro-batch's seconds per (stage, action kind). The split backward's input and
+    weight gradients (I, W) each take half the backward: both are one matmul per Linear of
+    the forward's size. A forward-only pass of the schedules torch cannot run in eval
+    (torch_stages.NO_EVAL) runs their backward as well: 2 forwards' worth."""
+    out = {}
+    for st, (f, b) in enumerate(zip(fwd, bwd)):
+        b = b if cfg.train else 2 * f
+        out.update({(st, "F"): f, (st, "B"): b, (st, "I"): b / 2, (st, "W"): b / 2})
+    return out
+
+
 def unmodelled(cfg) -> None:
-    """Refuse what the simulation does not cover: it replays scalelab's own op lists (GPipe,
-    1F1B; torch's engine runs those same orders), one stage per rank. The other schedules'
-    orders are torch's (a live schedule object's pipeline_order), not simulated here."""
+    """Refuse what the simulation does not cover: the hand engine runs scalelab's own op
+    lists (GPipe, 1F1B), one stage per rank; torch's other schedules run under --engine
+    torch only (the strategy refuses them otherwise), and are replayed from torch's order."""
+    if cfg.engine == "torch":
+        held_stages(cfg)  # torch_stages' refusal of a --virtual-stages the schedule cannot hold
+        return
     if cfg.schedule not in SCHEDULES:
         raise UsageError(
-            f"predict simulates the {'/'.join(SCHEDULES)} schedules only; "
-            f"--schedule {cfg.schedule} has no model yet"
+            f"predict simulates the {'/'.join(SCHEDULES)} schedules of the hand engine; "
+            f"--schedule {cfg.schedule} runs under --engine torch"
         )
     if cfg.virtual_stages > 1:
-        raise UsageError(f"predict has no model of --virtual-stages {cfg.virtual_stages} yet")
+        raise UsageError("--virtual-stages needs --engine torch")
 
 
 def _at_batch(s: Scenario, batch: float) -> Scenario:

@@ -11,8 +11,14 @@ torch 2.13's `Schedule1F1B.pipeline_order` shifts the last rank's forwards by on
 (it lists 1F4 for 4 micro-batches: a list drawn for visualisation, not the one it runs).
 
 Replay: each rank runs its list in order, one action at a time; F(s, m) waits for F(s-1, m),
-B or I (s, m) for the backward of (s+1, m) and for F(s, m); W(s, m) for I(s, m). Communication
-is free. A rank's bubble is 1 - (its seconds of actions) / (the makespan).
+B or I (s, m) for the backward of (s+1, m) and for F(s, m); W(s, m) for I(s, m). A dependency
+held by another rank arrives `send` seconds after it finished (0: free communication). A
+rank's bubble is 1 - (its seconds of actions) / (the makespan).
+
+`torch_order` draws a schedule's lists before anything runs (predict): torch's schedule class
+built over placeholder stages (the numbers its order is computed from: stage index, stage
+count, group size and rank; no module, process group or tensor), so a prediction replays the
+order torch will execute, not a re-derivation of it.
 """
 
 from __future__ import annotations
@@ -46,6 +52,28 @@ def schedule_actions(schedule: Any, name: str, ranks: int, micro: int) -> dict[i
     return {r: [a for act in order[r] for a in _flatten(act)] for r in range(ranks)}
 
 
+def torch_order(name: str, ranks: int, v: int, micro: int) -> dict[int, list[Action]]:
+    """Every rank's compute actions for torch's schedule `name` over `ranks` ranks holding
+    `v` stages each (torch_stages.stage_ids places them), `micro` micro-batches. Every rank
+    computes the whole order (torch: "all ranks do this calculation"): rank 0's stages do."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from scalelab.strategies.pipeline.torch_stages import SCHEDULES, SINGLE, stage_ids
+
+    n = ranks * v
+    stubs = [
+        SimpleNamespace(num_stages=n, group_size=ranks, group_rank=0, stage_index=i,
+                        is_first=i == 0, is_last=i == n - 1, submod=nn.Module(),
+                        stage_index_to_group_rank=None)
+        for i in stage_ids(name, 0, ranks, v)
+    ]  # fmt: skip
+    schedule = SCHEDULES[name](stubs[0] if name in SINGLE else stubs, n_microbatches=micro,
+                               loss_fn=lambda out, target: out, scale_grads=False)  # fmt: skip
+    return schedule_actions(schedule, name, ranks, micro)
+
+
 def _deps(action: Action, n_stages: int) -> list[Action]:
     s, kind, m = action
     if kind == "F":
@@ -60,8 +88,11 @@ def replay(
     actions: Mapping[int, Sequence[Action]],
     seconds: Mapping[tuple[int, str], float],
     n_stages: int,
+    send: float = 0.0,
 ) -> tuple[float, dict[int, float]]:
-    """(makespan, busy seconds per rank); seconds[(stage, kind)]: one micro-batch's action."""
+    """(makespan, busy seconds per rank); seconds[(stage, kind)]: one micro-batch's action;
+    send: the seconds an activation or its gradient takes from one rank to another."""
+    holder = {a[0]: r for r, acts in actions.items() for a in acts}  # stage -> rank
     done: dict[tuple[int, str, int], float] = {}
     clock = {r: 0.0 for r in actions}
     pos = {r: 0 for r in actions}
@@ -76,7 +107,7 @@ def replay(
                 needed = [d for d in _deps(act, n_stages) if d in present]
                 if any(d not in done for d in needed):
                     break
-                start = max([clock[r], *(done[d] for d in needed)])
+                start = max([clock[r], *(done[d] + send * (holder[d[0]] != r) for d in needed)])
                 t = seconds.get((act[0], act[1]), 0.0)
                 clock[r] = done[act] = start + t
                 busy[r] += t
