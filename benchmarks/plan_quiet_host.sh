@@ -8,7 +8,9 @@
 # four side by side on one machine disturbed each other by up to 2x.
 #
 #   benchmarks/plan_quiet_host.sh OUT_DIR MNIST_DIR SECONDS PLAN [PLAN ...]
-#       PLAN: alexnet | mlp | mlp4 | tokcnn | resnet18-gpu
+#       PLAN: alexnet | mlp | mlp4 | tokcnn | pipetorch | resnet18-gpu
+#       (pipetorch: the mlp's training under torch.distributed.pipelining over 2 ranks,
+#       gpipe/1f1b/interleaved-1f1b/zero-bubble/zbv, the top 5 verified)
 #       (mlp4: the mlp's tensor split over 2-4 ranks x threads, every candidate verified:
 #       the tensor model against more than 2 ranks; a run there takes ~11 s, mostly
 #       start-up, so mpi-dp's 12 more candidates do not fit one 10-minute call with them)
@@ -25,7 +27,8 @@ mkdir -p "$OUT"
 deadline=$(( $(date +%s) + LIMIT ))
 pinned() { taskset -c "$CORES" "$PYTHON" -m scalelab "$@"; }
 
-cpu_ceilings() {
+cpu_ceilings() {  # CEILINGS=FILE: one measured before on the same pinning, reused
+  [ -n "${CEILINGS:-}" ] && [ ! -f "$OUT/ceilings_cpu4.json" ] && cp "$CEILINGS" "$OUT/"
   [ -f "$OUT/ceilings_cpu4.json" ] && return
   pinned ceilings --quick --device cpu -q -o "$OUT/ceilings_cpu4.json"
   pinned ceilings --comm-only --ranks 2 --backend gloo -q -o "$OUT/ceilings_cpu4.json"
@@ -53,6 +56,8 @@ for which in "$@"; do
         --model-arg dim=64 --model-arg vocab=500 --input-shape 512 --input-dtype int64 \
         --vocab 500 --batch 8 --iters 20 --warmup 2 "${CPU[@]}" --repeats 2 --verify 3 \
         --timeout 120 ;;
+    pipetorch) cpu_ceilings; plan pipetorch mlp --train --batch 64 --steps 40 \
+        --strategies pipeline-torch "${CPU[@]}" --repeats 2 --verify 5 --timeout 60 ;;
     resnet18-gpu)
       [ -f "$OUT/ceilings_gpu.json" ] || pinned ceilings --quick --device cuda --no-comm -q \
           -o "$OUT/ceilings_gpu.json"

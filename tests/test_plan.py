@@ -111,7 +111,8 @@ def test_torch_engine_sources_cover_schedules_and_meshes():
     assert {c.engine for c in cfgs} == {"torch"}
     pipe = [c for c in cfgs if c.strategy == "pipeline"]
     assert {(c.schedule, c.virtual_stages) for c in pipe} == {
-        ("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2)}  # fmt: skip
+        ("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zero-bubble", 2), ("zbv", 1)
+    }  # fmt: skip
     # ranks = dp x stages: 2 = 1x2; 3 = 1x3; 4 = 1x4 and 2 replicas of 2 stages
     assert {_mesh(c) for c in pipe} == {"1x2", "1x3", "1x4", "2x2"}
     assert all(c.ranks == c.dp * c.stages and c.batch % (c.dp * c.microbatches) == 0

@@ -11,7 +11,8 @@ model cannot run under is left out with that strategy's own refusal (applies.py)
     mpi-dp, ddp      data-parallel training
     pipeline         scalelab's engine: stages x micro-batches x gpipe/1f1b
     pipeline-torch   torch.distributed.pipelining (training): --dp D x --stages S,
-                     micro-batches, gpipe/1f1b/interleaved-1f1b (2 virtual stages per rank)
+                     micro-batches, gpipe/1f1b and, 2 stages per rank, interleaved-1f1b,
+                     zero-bubble and zbv
     tensor           the mlp's hidden units over MPI (training)
     tensor-torch     DTensor: --dp D x --tp N, inference and training
 
@@ -136,8 +137,13 @@ def pipeline(spec: PlanSpec) -> Iterator[RunConfig]:
                 yield _config(spec, "pipeline", ranks, threads, p, **knobs)
 
 
-# torch's schedules with the virtual stages per rank each takes (interleaved: 2 per rank)
-TORCH_SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2))
+# torch's schedules with the stages per rank each takes: interleaved and zero-bubble 2 in a
+# loop, zbv 2 in a V (its --virtual-stages is implied: 1 on the command line). Left out:
+# looped-bfs (GPipe's bubble over more sends) and dualpipev (its overlapped forward/backward
+# pairs run one after the other on a CPU: zbv's order with more bookkeeping).
+TORCH_SCHEDULES = (
+    ("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zero-bubble", 2), ("zbv", 1)
+)  # fmt: skip
 
 
 def _meshes(ranks: int) -> list[tuple[int, int]]:

@@ -161,8 +161,11 @@ class PipelineModel(StrategyModel):
             (bare_s, busy), full_s = (bare.makespan, bare.busy), full.makespan
         else:  # torch's order for its multi-stage schedules
             from scalelab.strategies.pipeline.torch_sim import replay, torch_order
+            from scalelab.strategies.pipeline.torch_stages import NO_EVAL
 
             actions = torch_order(cfg.schedule, k, v, m)
+            if not cfg.train and cfg.schedule not in NO_EVAL:  # eval(): the forwards alone
+                actions = {r: [a for a in acts if a[1] == "F"] for r, acts in actions.items()}
             holder = {a[0]: r for r, acts in actions.items() for a in acts}  # stage -> rank
             held = [holder[st] for st in range(k * v)]
             seconds = _action_seconds(fwd, bwd, cfg)
