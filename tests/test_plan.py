@@ -146,6 +146,25 @@ def test_torch_engine_candidates_are_predicted_or_say_why_not():
     assert got["status"].str.contains("tensor parallelism of the mlp only").all()
 
 
+def test_torch_pipeline_candidates_get_one_measured_run_for_their_send_cost():
+    """torch pipelining's cost per transfer has no ceiling: --calibrate-missing adds one
+    2-rank torch-engine pipeline run per family (gpipe, the most micro-batches), besides
+    the one-rank runs; none once the pool holds such a run."""
+    from scalelab.plan.calibrate import missing
+    from scalelab.predict.calibration import MultiPoint
+
+    s = PlanSpec(base=RunConfig(workload="mlp", train=True, hidden=64), ranks_max=2,
+                 per_node=2, cores=2, global_batch=32, strategies=("pipeline-torch",))  # fmt: skip
+    todo = missing(s, Pool(), cand.candidates(s), 2)
+    multi = [c for c in todo if c.ranks > 1]
+    assert [(c.strategy, c.engine, c.schedule, c.stages, c.microbatches) for c in multi] == [
+        ("pipeline", "torch", "gpipe", 2, 8)
+    ]
+    assert all(c.ranks == 1 for c in todo if c not in multi) and len(todo) > len(multi)
+    have = Pool(multis=[MultiPoint(Scenario(multi[0], 2, 2), 0.01, "pp.jsonl:1")])
+    assert not [c for c in missing(s, have, cand.candidates(s), 2) if c.ranks > 1]
+
+
 def test_a_user_model_left_out_where_its_strategy_refuses_it_names_the_layer(tmp_path):
     (tmp_path / "skip.py").write_text(
         "import torch\nfrom torch import nn\n"

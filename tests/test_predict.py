@@ -547,6 +547,41 @@ def test_torchs_multi_stage_schedules_are_replayed_from_torchs_order():
         predict_one(ctx, Scenario(_vgg(engine="torch", ranks=2, stages=2, virtual_stages=2), 2, 2))
 
 
+def test_torch_pipelinings_send_is_calibrated_on_a_measured_run():
+    """The runtime's cost per transfer between ranks, fitted like DDP's host cost: on a
+    measured 2-rank gpipe run that took its replay with a 3 ms send, the fit finds 3 ms, and
+    an interleaved candidate of the same family pays it on each of its transfers (and names
+    the run); with no such run the fabric's p2p stands and the note says so."""
+    from scalelab.predict.calibration import CalPoint, MultiPoint, Pool
+    from scalelab.predict.frame import predict_one
+    from scalelab.predict.models import Context
+    from scalelab.predict.models.pipeline import NO_HOP, PipelineModel
+
+    local = Scenario(_vgg(strategy="local"), 1, 1)
+    singles = [CalPoint(local.family(), "local", None, b, t, 0.0, f"b{b}")
+               for b, t in ((64, 0.020), (256, 0.068))]  # fmt: skip
+    figures = Figures(json.loads(CEILINGS.read_text()), "c.json")
+    bare = Context(figures, None, Pool(singles))
+
+    def torch_pp(schedule: str, v: int = 1) -> Scenario:
+        cfg = _vgg(engine="torch", ranks=2, stages=2, schedule=schedule, virtual_stages=v)
+        return Scenario(cfg, 2, 2)
+
+    measured = torch_pp("gpipe")
+    lay = PipelineModel()._layout(bare, measured)
+    assert lay.send < 0.003  # NVLink moves one micro-batch's activations in well under 3 ms
+    took = lay.replay(0.003)[0] + lay.compute.overhead_s
+    ctx = Context(figures, None, Pool(singles, [MultiPoint(measured, took, "pp.jsonl:1")]))
+    inter = torch_pp("interleaved-1f1b", 2)
+    pred, before = predict_one(ctx, inter), predict_one(bare, inter)
+    assert pred.calibration["pp.jsonl:1"] == "pipeline send cost"
+    assert any("send 3 ms per transfer" in n and "pp.jsonl:1" in n for n in pred.notes)
+    again = PipelineModel()._layout(ctx, inter)
+    assert pred.phases["p2p"] == pytest.approx(again.replay(0.003)[0] - again.replay(0.0)[0])
+    assert pred.phases["p2p"] > before.phases["p2p"] and NO_HOP in before.notes
+    assert predict_one(ctx, measured).seconds == pytest.approx(took)  # its own anchor
+
+
 def test_every_stage_of_a_cut_holds_a_layer():
     """The mlp's 5 layers in 4 stages (zbv: 2 per rank): the roofline cut puts the loss's
     rows, which no layer computes, in a stage of their own; the stage takes a layer from

@@ -11,7 +11,8 @@ agree):
     training    mpi-dp --ranks 1 (GPU: ddp --ranks 1 with the candidate's own knobs)
 
 and, when a ddp candidate on several ranks has no measured multi-rank ddp run of its family,
-the smallest of them: DDP's per-step host cost has no ceiling (docs/PREDICT.md). A candidate
+the smallest of them: DDP's per-step host cost has no ceiling (docs/PREDICT.md); the same for
+a torch-engine pipeline candidate: its runtime's cost per transfer between ranks. A candidate
 whose rank computes a smaller model is calibrated on that model (the strategy model's
 `calibrated_on`): a tensor rank of the mlp on `tensor --ranks 1` at its shard's ceil(H/N)
 units and its replica's batch. Each is run a few times in rounds and the median run kept
@@ -95,6 +96,7 @@ def missing(spec: PlanSpec, pool: Pool, cfgs: list[RunConfig], per_node: int) ->
         if spatial and not any(p.split == "spatial" for p in have):
             todo.append(one_rank(spec, spatial[0], spatial[0].batch, split="spatial"))
         todo += _ddp_host(pool, members, per_node)
+        todo += _pipeline_hop(pool, members, per_node)
     return _unique(todo)
 
 
@@ -113,6 +115,24 @@ def _ddp_host(pool: Pool, members: list[RunConfig], per_node: int) -> list[RunCo
     if pool.multi(Scenario(first, first.ranks, per_node)):
         return []
     return [first]
+
+
+def _pipeline_hop(pool: Pool, members: list[RunConfig], per_node: int) -> list[RunConfig]:
+    """torch pipelining's cost per transfer has no ceiling either: one measured torch-engine
+    pipeline run of the family calibrates it (predict/models/pipeline.py: _hop): the fewest
+    ranks, gpipe (one stage per rank), the most micro-batches (the most transfers to fit the
+    cost on)."""
+    torch = [c for c in members if c.strategy == "pipeline" and c.engine == "torch"
+             and c.ranks > 1 and max(1, c.dp) == 1]  # fmt: skip
+    if not torch:
+        return []
+    first = min(torch, key=_hop_order)
+    have = pool.multi(Scenario(first, first.ranks, per_node))
+    return [] if any(m.scenario.cfg.engine == "torch" for m in have) else [first]
+
+
+def _hop_order(c: RunConfig) -> tuple:
+    return c.ranks, c.schedule != "gpipe", c.virtual_stages, -c.microbatches
 
 
 def _unique(cfgs: list[RunConfig]) -> list[RunConfig]:

@@ -24,8 +24,15 @@ from scalelab.predict.scenario import Scenario
 
 CEILINGS = "scalelab.ceilings/1"
 RUN = "scalelab.run/1"
-# Strategies whose multi-rank records calibrate a per-step host cost (predict/models/ddp.py).
+# Strategies whose multi-rank records calibrate a per-step host cost (predict/models/ddp.py),
+# and the torch pipelining runtime's cost per transfer (predict/models/pipeline.py).
 HOST_CALIBRATED = frozenset({"ddp"})
+
+
+def host_calibrated(cfg: RunConfig) -> bool:
+    return cfg.strategy in HOST_CALIBRATED or (cfg.strategy == "pipeline" and cfg.engine == "torch")
+
+
 # What benchmarks/ddp_scaling.py runs (its summary rows do not repeat it).
 DDP_SUMMARY = {"workload": "resnet18", "amp": "bf16", "channels_last": True}
 
@@ -138,7 +145,7 @@ def _run_record(found: Found, path: Path, where: str, rec: dict[str, Any]) -> No
     seconds = _step_seconds(rec, per_iteration(rec)[1])
     if ranks == 1:
         found.pool(path).singles.append(_cal_point(rec, scenario, seconds, phase_scale(rec), where))
-    elif cfg.strategy in HOST_CALIBRATED:
+    elif host_calibrated(cfg):
         found.pool(path).multis.append(MultiPoint(scenario, seconds, where))
     if cfg.strategy not in MODELS:
         found.skipped[f"{cfg.strategy} runs (no model of that strategy)"] += 1

@@ -32,6 +32,8 @@ M + (K - 1) / V micro-batch times (Narayanan et al. 2021), the zero-bubble sched
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from scalelab.errors import UsageError
 from scalelab.planning.partition import (
@@ -143,6 +145,33 @@ class PipelineModel(StrategyModel):
         return replicated(ctx, s, self._predict_stages, self.wire(s).backend)
 
     def _predict_stages(self, ctx: Context, s: Scenario) -> Prediction:
+        lay = self._layout(ctx, s)
+        k, compute = s.ranks, lay.compute
+        hop, source, note = self._hop(ctx, s) if lay.torch and k > 1 else (0.0, None, None)
+        bare_s, busy = lay.replay(0.0)
+        full_s, _ = lay.replay(max(lay.send, hop))
+        slow = max(range(k), key=lambda r: busy[r])
+        phases = {
+            "compute": busy[slow],
+            "bubble": _clean(bare_s - busy[slow]),
+            "p2p": _clean(full_s - bare_s),
+            "overhead": compute.overhead_s,
+        }
+        pred = Prediction(s, phases, frozenset({"p2p"}), compute.sources, list(compute.notes))
+        pred.notes.append(f"pipeline stages: {lay.counts} layers ({lay.cut_from})")
+        if note is not None:
+            pred.notes.append(note)
+        if source is not None:
+            pred.calibration[source] = "pipeline send cost"
+        mine = [st for st in range(len(lay.held)) if lay.held[st] == slow]
+        seconds = sum(lay.t_stage[st] for st in mine)
+        where = self._stage_text(s, lay.counts, slow, mine, seconds)
+        pred.where = {"compute": where, "bubble": where}
+        pred.extra = {"slowest_stage": slow, "slowest_stage_share": busy[slow] / sum(busy)}
+        return pred
+
+    def _layout(self, ctx: Context, s: Scenario) -> _Layout:
+        """The replica's stages: their times per micro-batch, the schedule's order, the send."""
         cfg, k, v = s.cfg, s.ranks, held_stages(s.cfg)
         m = min(cfg.microbatches, cfg.batch)
         micro = cfg.batch / m
@@ -155,10 +184,12 @@ class PipelineModel(StrategyModel):
         bwd = [t - f for t, f in zip(t_stage, fwd)]
         if cfg.schedule in SCHEDULES and v == 1:  # scalelab's own op lists (either engine)
             held = list(range(k))
-            bare = simulate(cfg.schedule, m, fwd, bwd, cfg.train, 0.0)
-            send = self._send(ctx, s, owner, micro, held) if k > 1 else 0.0
-            full = simulate(cfg.schedule, m, fwd, bwd, cfg.train, send)
-            (bare_s, busy), full_s = (bare.makespan, bare.busy), full.makespan
+
+            def replay_own(send: float) -> tuple[float, list[float]]:
+                sim = simulate(cfg.schedule, m, fwd, bwd, cfg.train, send)
+                return sim.makespan, list(sim.busy)
+
+            run = replay_own
         else:  # torch's order for its multi-stage schedules
             from scalelab.strategies.pipeline.torch_sim import replay, torch_order
             from scalelab.strategies.pipeline.torch_stages import NO_EVAL
@@ -169,24 +200,47 @@ class PipelineModel(StrategyModel):
             holder = {a[0]: r for r, acts in actions.items() for a in acts}  # stage -> rank
             held = [holder[st] for st in range(k * v)]
             seconds = _action_seconds(fwd, bwd, cfg)
-            send = self._send(ctx, s, owner, micro, held) if k > 1 else 0.0
-            bare_s, busy_of = replay(actions, seconds, k * v)
-            full_s, _ = replay(actions, seconds, k * v, send)
-            busy = [busy_of[r] for r in range(k)]
-        slow = max(range(k), key=lambda r: busy[r])
-        phases = {
-            "compute": busy[slow],
-            "bubble": _clean(bare_s - busy[slow]),
-            "p2p": _clean(full_s - bare_s),
-            "overhead": compute.overhead_s,
-        }
-        pred = Prediction(s, phases, frozenset({"p2p"}), compute.sources, list(compute.notes))
-        pred.notes.append(f"pipeline stages: {counts} layers ({cut_from})")
-        mine = [st for st in range(k * v) if held[st] == slow]
-        where = self._stage_text(s, counts, slow, mine, sum(t_stage[st] for st in mine))
-        pred.where = {"compute": where, "bubble": where}
-        pred.extra = {"slowest_stage": slow, "slowest_stage_share": busy[slow] / sum(busy)}
-        return pred
+
+            def replay_torch(send: float) -> tuple[float, list[float]]:
+                makespan, busy = replay(actions, seconds, k * v, send)
+                return makespan, [busy[r] for r in range(k)]
+
+            run = replay_torch
+        send = self._send(ctx, s, owner, micro, held) if k > 1 else 0.0
+        torch = cfg.engine == "torch"
+        return _Layout(compute, counts, cut_from, t_stage, held, send, run, torch)
+
+    def _hop(self, ctx: Context, s: Scenario) -> tuple[float, str | None, str]:
+        """(seconds, the run it comes from, a note): what one activation or gradient costs
+        between two ranks under torch's pipelining runtime, calibrated like DDP's host cost
+        on one measured multi-rank torch-engine pipeline run of the family (the fewest ranks,
+        then the smallest per-rank batch): the send that makes the replay of that run's
+        schedule last its measured step. The fabric's point-to-point time leaves out the
+        runtime's own work per transfer (its SEND/RECV actions, their requests and waits,
+        in Python): on 4 cores of the H100 host one hop over gloo cost ~1 ms where the
+        ceilings' p2p says 0.05 ms."""
+        runs = [m for m in ctx.pool.multi(s)
+                if m.scenario.cfg.engine == "torch" and m.scenario.ranks > 1
+                and max(1, m.scenario.cfg.dp) == 1]  # fmt: skip
+        if not runs:
+            return 0.0, None, NO_HOP
+        m = min(runs, key=lambda r: (r.scenario.ranks, r.scenario.rank_batch, r.source))
+        lay = self._layout(ctx, m.scenario)
+        target = m.seconds - lay.compute.overhead_s
+        lo, hi = lay.send, max(lay.send, target)
+        if lay.replay(lo)[0] >= target:
+            hop = lo
+        else:  # the makespan grows with the send: bisect
+            for _ in range(40):
+                mid = (lo + hi) / 2
+                lo, hi = (mid, hi) if lay.replay(mid)[0] < target else (lo, mid)
+            hop = (lo + hi) / 2
+        note = (
+            f"torch pipelining send {hop * 1e3:.3g} ms per transfer between ranks, calibrated "
+            f"on {m.source} ({m.scenario.ranks} ranks, --schedule {m.scenario.cfg.schedule}, "
+            f"{m.scenario.rank_batch:g} items per step)"
+        )
+        return hop, m.source, note
 
     @staticmethod
     def _row_times(ctx: Context, s: Scenario, compute: ComputeModel, micro: float) -> list[float]:
@@ -227,6 +281,27 @@ class PipelineModel(StrategyModel):
             f"slowest stage: rank {slow} of {s.ranks}, {held}, "
             f"{seconds * 1e3:.3g} ms per micro-batch"
         )
+
+
+NO_HOP = (
+    "torch pipelining send cost not calibrated (no measured multi-rank torch-engine pipeline "
+    "run of this family): each transfer costs the fabric's p2p time, which leaves out the "
+    "runtime's own work per transfer (plan --calibrate-missing measures one)"
+)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """One replica's stages as a schedule replay needs them."""
+
+    compute: ComputeModel
+    counts: list[int]  # layers per stage
+    cut_from: str
+    t_stage: list[float]  # seconds per micro-batch, per stage
+    held: list[int]  # the rank of each stage
+    send: float  # the fabric's time for one micro-batch's activations over the worst cut
+    replay: Callable[[float], tuple[float, list[float]]]  # send -> (makespan, busy per rank)
+    torch: bool  # --engine torch: its runtime's send cost is calibrated (PipelineModel._hop)
 
 
 def held_stages(cfg) -> int:
