@@ -10,7 +10,7 @@
 #   benchmarks/plan_quiet_host.sh OUT_DIR MNIST_DIR SECONDS PLAN [PLAN ...]
 #       PLAN: alexnet | mlp | mlp4 | tokcnn | pipetorch | resnet18-gpu
 #       (pipetorch: the mlp's training under torch.distributed.pipelining over 2 ranks,
-#       gpipe/1f1b/interleaved-1f1b/zero-bubble/zbv, the top 5 verified)
+#       gpipe/1f1b/interleaved-1f1b/zero-bubble/zbv, the top 3 verified)
 #       (mlp4: the mlp's tensor split over 2-4 ranks x threads, every candidate verified:
 #       the tensor model against more than 2 ranks; a run there takes ~11 s, mostly
 #       start-up, so mpi-dp's 12 more candidates do not fit one 10-minute call with them)
@@ -57,7 +57,7 @@ for which in "$@"; do
         --vocab 500 --batch 8 --iters 20 --warmup 2 "${CPU[@]}" --repeats 2 --verify 3 \
         --timeout 120 ;;
     pipetorch) cpu_ceilings; plan pipetorch mlp --train --batch 64 --steps 40 \
-        --strategies pipeline-torch "${CPU[@]}" --repeats 2 --verify 5 --timeout 60 ;;
+        --strategies pipeline-torch "${CPU[@]}" --repeats 2 --verify 3 --timeout 60 ;;
     resnet18-gpu)
       [ -f "$OUT/ceilings_gpu.json" ] || pinned ceilings --quick --device cuda --no-comm -q \
           -o "$OUT/ceilings_gpu.json"
