@@ -125,6 +125,27 @@ def test_a_ranks_own_line_stands_when_no_rank_was_killed_unreported(
     assert (out.code, out.message) == notes[expected]
 
 
+def torchrun_summary(*entries: tuple[int, int]) -> list[str]:
+    """torchrun's failure summary (elastic/multiprocessing/errors), (rank, exitcode) each,
+    the last under "Root Cause"."""
+    lines = ["Failures:"]
+    for i, (rank, code) in enumerate(entries):
+        if i == len(entries) - 1:
+            lines += ["-" * 60, "Root Cause (first observed failure):"]
+        lines += [f"[{i}]:", "  host      : nodeA", f"  rank      : {rank} (local_rank: {rank})",
+                  f"  exitcode  : {code} (pid: {PIDS[rank]})", "  error_file: <N/A>"]  # fmt: skip
+    return lines
+
+
+def test_torchruns_sigterm_of_a_survivor_never_stands_for_the_cause(tmp_path):
+    """Rank 1 raised (its own line) and exited 1; torchrun SIGTERM'd rank 0 and, with no
+    error files, named rank 0 as the root cause: rank 1's line is the one printed."""
+    line = "scalelab run: rank 1 failed: RuntimeError: gloo: Pair is not connected"
+    folder = job(tmp_path, 2, {1: (1, line)})
+    out = explain(folder, torchrun_summary((1, 1), (0, -15)), 1, ENDED, "torchrun")
+    assert (out.code, out.message) == (1, line)
+
+
 def test_a_refusal_comes_before_a_killed_rank(tmp_path):
     folder = job(tmp_path, 2, {0: (2, "scalelab run: error: --halo 9 is thicker than a slab")})
     captured = [

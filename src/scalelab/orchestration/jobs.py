@@ -262,11 +262,15 @@ def _dead_rank(
     # torchrun: its failure entries ("Failures:" and "Root Cause (first observed failure)").
     # A rank killed by a signal wins over the root cause: a peer's all-reduce can raise
     # "Connection closed by peer" and exit before torchrun notices the killed rank. SIGTERM
-    # is torchrun's own stop of the survivors, so any other signal comes first.
+    # is torchrun's own stop of the survivors, never a cause: with no other signal, the rank
+    # that exited by itself is (its own line then names the failure), whatever torchrun's
+    # "root cause" says (without error files it can name a SIGTERM'd survivor: rank 1's gloo
+    # error under torch 2.11 read "rank 0 died (signal 15) during setup").
     entries = _torchrun_failures(text.split("Failures:", 1)[1]) if "Failures:" in text else []
     if entries:
-        killed = sorted((e for e in entries if e[2] is not None), key=lambda e: e[2] == 15)
-        return killed[0] if killed else entries[-1]
+        killed = [e for e in entries if e[2] not in (None, 15)]
+        exited = [e for e in entries if e[2] is None]
+        return (killed or exited or entries)[0 if killed else -1]
     # Open MPI: "... noticed that process rank 1 with PID 0 on node X exited on signal 9"
     m = re.search(r"process rank (\d+) with PID \d+ on node (\S+) exited on signal (\d+)", text)
     if m:
