@@ -183,7 +183,7 @@ def _killed_alike(dead: tuple[int, str, int | None], status: dict, silent: set[i
     lowest-ranked of the killed, not the first: rank 1 killed while rank 0 computes (no MPI
     call to fail in) reads "PID <rank 0's> ... EXIT CODE: 9". A rank that noticed the death
     first left its own line and is not silent; among the silent the order is unknown."""
-    rank, host, _ = dead
+    rank = dead[0]
     if rank not in silent:
         return []
     return sorted(r for r in silent if r > rank and status[r][1] == status[rank][1])
