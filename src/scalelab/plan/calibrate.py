@@ -35,7 +35,7 @@ from scalelab.config import RunConfig
 from scalelab.orchestration.sweep import Point, run_point, slow_note
 from scalelab.plan.applies import refusal
 from scalelab.plan.space import PlanSpec
-from scalelab.predict.calibration import Pool
+from scalelab.predict.calibration import Pool, anchor_key, host_calibrated
 from scalelab.predict.figures import Figures
 from scalelab.predict.scenario import Scenario
 from scalelab.record import append_record
@@ -95,8 +95,7 @@ def missing(spec: PlanSpec, pool: Pool, cfgs: list[RunConfig], per_node: int) ->
         spatial = [c for c in members if c.split == "spatial" and not c.train]
         if spatial and not any(p.split == "spatial" for p in have):
             todo.append(one_rank(spec, spatial[0], spatial[0].batch, split="spatial"))
-        todo += _ddp_host(pool, members, per_node)
-        todo += _pipeline_hop(pool, members, per_node)
+        todo += _host_anchors(pool, members, per_node)
     return _unique(todo)
 
 
@@ -107,32 +106,17 @@ def calibrated_on(cfg: RunConfig) -> RunConfig:
     return MODELS.get(cfg.strategy)().calibrated_on(cfg) if cfg.strategy in MODELS else cfg
 
 
-def _ddp_host(pool: Pool, members: list[RunConfig], per_node: int) -> list[RunConfig]:
-    multi = [c for c in members if c.strategy == "ddp" and c.ranks > 1]
-    if not multi:
-        return []
-    first = min(multi, key=lambda c: (c.ranks, needed_batch(c)))
-    if pool.multi(Scenario(first, first.ranks, per_node)):
-        return []
-    return [first]
-
-
-def _pipeline_hop(pool: Pool, members: list[RunConfig], per_node: int) -> list[RunConfig]:
-    """torch pipelining's cost per transfer has no ceiling either: one measured torch-engine
-    pipeline run of the family calibrates it (predict/models/pipeline.py: _hop): the fewest
-    ranks, gpipe (one stage per rank), the most micro-batches (the most transfers to fit the
-    cost on)."""
-    torch = [c for c in members if c.strategy == "pipeline" and c.engine == "torch"
-             and c.ranks > 1 and max(1, c.dp) == 1]  # fmt: skip
-    if not torch:
-        return []
-    first = min(torch, key=_hop_order)
-    have = pool.multi(Scenario(first, first.ranks, per_node))
-    return [] if any(m.scenario.cfg.engine == "torch" for m in have) else [first]
-
-
-def _hop_order(c: RunConfig) -> tuple:
-    return c.ranks, c.schedule != "gpipe", c.virtual_stages, -c.microbatches
+def _host_anchors(pool: Pool, members: list[RunConfig], per_node: int) -> list[RunConfig]:
+    """Host-side costs have no ceiling (DDP's per step, torch pipelining's per transfer):
+    one measured multi-rank run per strategy of the family calibrates each, the one
+    predict's model reads (Pool.host_anchor)."""
+    todo = []
+    for strategy in sorted({c.strategy for c in members if host_calibrated(c)}):
+        first = min((c for c in members if c.strategy == strategy and host_calibrated(c)),
+                    key=anchor_key)  # fmt: skip
+        if pool.host_anchor(Scenario(first, first.ranks, per_node)) is None:
+            todo.append(first)
+    return todo
 
 
 def _unique(cfgs: list[RunConfig]) -> list[RunConfig]:

@@ -95,8 +95,7 @@ def verify(
     """Measure every row of `chosen` (picks()) and every anchor `repeats` times, interleaved;
     `echo` gets one progress line per run. An anchor equal to a candidate is measured once."""
     cfgs = list(chosen["cfg"])
-    extra = [a for a in anchors if repr(a) not in {repr(c) for c in cfgs}]
-    every = cfgs + extra
+    every = measured(cfgs, anchors)
     records: list[list[dict]] = [[] for _ in every]
     rounds = np.full((repeats, len(every)), np.nan)  # throughput of run (round, config)
     failures: list[str] = []
@@ -113,6 +112,11 @@ def verify(
     where = {repr(c): i for i, c in enumerate(every)}
     v.anchors = [median_run(records[where[repr(a)]]) for a in anchors]
     return v
+
+
+def measured(cfgs: list[RunConfig], anchors: list[RunConfig]) -> list[RunConfig]:
+    """What verify() runs each round: the candidates, then each anchor no candidate equals."""
+    return cfgs + [a for a in anchors if repr(a) not in {repr(c) for c in cfgs}]
 
 
 def _rotated(n: int, r: int) -> list[int]:

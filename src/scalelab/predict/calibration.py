@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from scalelab.config import RunConfig
 from scalelab.predict.scenario import Scenario
 
 
@@ -80,6 +81,30 @@ class Pool:
         fam, strategy = scenario.family(), scenario.cfg.strategy
         same = [m for m in self.multis if m.scenario.cfg.strategy == strategy]
         return self._own([m for m in same if m.scenario.family() == fam])
+
+    def host_anchor(self, scenario: Scenario) -> MultiPoint | None:
+        """The measured run that calibrates the scenario's host-side cost (see
+        host_calibrated), or None when the pool holds none."""
+        runs = [m for m in self.multi(scenario) if host_calibrated(m.scenario.cfg)]
+        return min(runs, key=lambda m: (anchor_key(m.scenario.cfg), m.source), default=None)
+
+
+def host_calibrated(cfg: RunConfig) -> bool:
+    """Whether cfg pays a host-side cost no ceiling measures, calibrated on one measured
+    multi-rank run of its family and strategy: DDP's per step (predict/models/ddp.py), torch
+    pipelining's per transfer between ranks (predict/models/pipeline.py: _hop)."""
+    if cfg.ranks < 2:
+        return False
+    return cfg.strategy == "ddp" or (
+        cfg.strategy == "pipeline" and cfg.engine == "torch" and max(1, cfg.dp) == 1
+    )
+
+
+def anchor_key(cfg: RunConfig) -> tuple:
+    """Which of a family's host-calibrated runs is its anchor (the least of this key): the
+    fewest ranks; for a pipeline gpipe (one stage per rank) with the most micro-batches (the
+    most transfers to fit the cost on); then the smallest batch."""
+    return cfg.ranks, cfg.schedule != "gpipe", cfg.virtual_stages, -cfg.microbatches, cfg.batch
 
 
 def anchor(points: list[CalPoint], scenario: Scenario) -> CalPoint:

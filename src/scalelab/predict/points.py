@@ -18,21 +18,12 @@ from typing import Any
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
 from scalelab.planning.schedule import steady_step
-from scalelab.predict.calibration import CalPoint, MultiPoint, Pool
+from scalelab.predict.calibration import CalPoint, MultiPoint, Pool, host_calibrated
 from scalelab.predict.hosts import Host
 from scalelab.predict.scenario import Scenario
 
 CEILINGS = "scalelab.ceilings/1"
 RUN = "scalelab.run/1"
-# Strategies whose multi-rank records calibrate a per-step host cost (predict/models/ddp.py),
-# and the torch pipelining runtime's cost per transfer (predict/models/pipeline.py).
-HOST_CALIBRATED = frozenset({"ddp"})
-
-
-def host_calibrated(cfg: RunConfig) -> bool:
-    return cfg.strategy in HOST_CALIBRATED or (cfg.strategy == "pipeline" and cfg.engine == "torch")
-
-
 # What benchmarks/ddp_scaling.py runs (its summary rows do not repeat it).
 DDP_SUMMARY = {"workload": "resnet18", "amp": "bf16", "channels_last": True}
 

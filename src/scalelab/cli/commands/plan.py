@@ -257,13 +257,13 @@ class Progress:
 def _verify(spec, ranked, ctx, args, out: Path) -> dict:
     from scalelab.plan.calibrate import missing
     from scalelab.plan.candidates import plain
-    from scalelab.plan.verify import picks, runner, verify
+    from scalelab.plan.verify import measured, picks, runner, verify
     from scalelab.predict.calibration import Pool
 
     chosen = picks(ranked, args.verify, plain(spec))
     # the calibration runs these candidates' predictions lean on, measured again alongside
     anchors = missing(spec, Pool(), list(chosen["cfg"]), spec.per_node)
-    runs = len(chosen) + len([a for a in anchors if repr(a) not in set(map(repr, chosen["cfg"]))])
+    runs = len(measured(list(chosen["cfg"]), anchors))
     print(f"verify: {len(chosen)} candidate(s) and {runs - len(chosen)} calibration run(s) "
           f"x {args.repeats} runs, interleaved", flush=True)  # fmt: skip
     run = runner(out / "verify.jsonl", args.timeout)

@@ -4,7 +4,9 @@ transport a strategy's messages take (host buffers, host-staged GPU data, device
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
@@ -25,6 +27,14 @@ class Context:
     figures: Figures
     network: NetworkProfile | None
     pool: Pool
+    _memo: dict[tuple, Any] = field(default_factory=dict, init=False, repr=False)
+
+    def once(self, key: tuple, make: Callable[[], Any]) -> Any:
+        """make() computed once per key for this context: a family's calibrated host cost is
+        the same for every candidate plan predicts."""
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]
 
     def fabric(self, scenario: Scenario, backend: str) -> Fabric:
         return self.figures.fabric(backend, scenario.per_node, self.network, scenario.nics_per_node)

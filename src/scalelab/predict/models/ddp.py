@@ -19,7 +19,6 @@ buffers; staged d2h + h2d on GPUs); --nonblocking all-reduces layer by layer und
 
 from __future__ import annotations
 
-from scalelab.predict.calibration import MultiPoint
 from scalelab.predict.models.base import (
     MODELS,
     Context,
@@ -77,11 +76,11 @@ class DDPModel(StrategyModel):
 
     def host_cost(self, ctx: Context, s: Scenario) -> tuple[float, str | None, str]:
         """(D seconds per step, the measured run it comes from, a note)."""
-        runs = [m for m in ctx.pool.multi(s) if m.scenario.ranks > 1]
-        if not runs:
+        m = ctx.pool.host_anchor(s)
+        if m is None:
             return 0.0, None, NO_HOST_COST
-        m: MultiPoint = min(runs, key=lambda r: (r.scenario.ranks, r.scenario.rank_batch, r.source))
-        host = max(0.0, m.seconds - self.without_host(ctx, m.scenario).seconds)
+        bare = ctx.once(("ddp host", m.source), lambda: self.without_host(ctx, m.scenario))
+        host = max(0.0, m.seconds - bare.seconds)
         note = (
             f"DDP host cost {host * 1e3:.3g} ms/step, calibrated on {m.source} "
             f"({m.scenario.ranks} ranks, {m.scenario.rank_batch:g} per rank)"

@@ -45,6 +45,7 @@ from scalelab.planning.partition import (
 )
 from scalelab.planning.schedule import SCHEDULES, simulate
 from scalelab.precision import get_precision
+from scalelab.predict.calibration import MultiPoint
 from scalelab.predict.compute_model import ComputeModel, build_workload, roofline_layers
 from scalelab.predict.models.base import MODELS, Context, StrategyModel
 from scalelab.predict.models.mesh2d import replicated
@@ -213,34 +214,34 @@ class PipelineModel(StrategyModel):
     def _hop(self, ctx: Context, s: Scenario) -> tuple[float, str | None, str]:
         """(seconds, the run it comes from, a note): what one activation or gradient costs
         between two ranks under torch's pipelining runtime, calibrated like DDP's host cost
-        on one measured multi-rank torch-engine pipeline run of the family (the fewest ranks,
-        then the smallest per-rank batch): the send that makes the replay of that run's
+        on one measured multi-rank torch-engine pipeline run of the family (Pool.host_anchor):
+        the send that makes the replay of that run's
         schedule last its measured step. The fabric's point-to-point time leaves out the
         runtime's own work per transfer (its SEND/RECV actions, their requests and waits,
         in Python): on 4 cores of the H100 host one hop over gloo cost ~1 ms where the
         ceilings' p2p says 0.05 ms."""
-        runs = [m for m in ctx.pool.multi(s)
-                if m.scenario.cfg.engine == "torch" and m.scenario.ranks > 1
-                and max(1, m.scenario.cfg.dp) == 1]  # fmt: skip
-        if not runs:
+        m = ctx.pool.host_anchor(s)
+        if m is None:
             return 0.0, None, NO_HOP
-        m = min(runs, key=lambda r: (r.scenario.ranks, r.scenario.rank_batch, r.source))
-        lay = self._layout(ctx, m.scenario)
-        target = m.seconds - lay.compute.overhead_s
-        lo, hi = lay.send, max(lay.send, target)
-        if lay.replay(lo)[0] >= target:
-            hop = lo
-        else:  # the makespan grows with the send: bisect
-            for _ in range(40):
-                mid = (lo + hi) / 2
-                lo, hi = (mid, hi) if lay.replay(mid)[0] < target else (lo, mid)
-            hop = (lo + hi) / 2
+        hop = ctx.once(("pipeline hop", m.source), lambda: self._fit_hop(ctx, m))
         note = (
             f"torch pipelining send {hop * 1e3:.3g} ms per transfer between ranks, calibrated "
             f"on {m.source} ({m.scenario.ranks} ranks, --schedule {m.scenario.cfg.schedule}, "
             f"{m.scenario.rank_batch:g} items per step)"
         )
         return hop, m.source, note
+
+    def _fit_hop(self, ctx: Context, m: MultiPoint) -> float:
+        """The send that makes the replay of m's schedule last its measured step."""
+        lay = self._layout(ctx, m.scenario)
+        target = m.seconds - lay.compute.overhead_s
+        lo, hi = lay.send, max(lay.send, target)
+        if lay.replay(lo)[0] >= target:
+            return lo
+        for _ in range(40):  # the makespan grows with the send: bisect
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if lay.replay(mid)[0] < target else (lo, mid)
+        return (lo + hi) / 2
 
     @staticmethod
     def _row_times(ctx: Context, s: Scenario, compute: ComputeModel, micro: float) -> list[float]:
