@@ -163,6 +163,12 @@ def test_torch_pipeline_candidates_get_one_measured_run_for_their_send_cost():
     assert all(c.ranks == 1 for c in todo if c not in multi) and len(todo) > len(multi)
     have = Pool(multis=[MultiPoint(Scenario(multi[0], 2, 2), 0.01, "pp.jsonl:1")])
     assert not [c for c in missing(s, have, cand.candidates(s), 2) if c.ranks > 1]
+    # the run measured for it is the one the model reads, whatever else the pool holds
+    other = dataclasses.replace(multi[0], schedule="1f1b", microbatches=2)
+    both = Pool(multis=[MultiPoint(Scenario(other, 2, 2), 0.02, "pp.jsonl:0"), *have.multis])
+    interleaved = next(c for c in cand.candidates(s) if c.schedule == "interleaved-1f1b"
+                       and c.threads == multi[0].threads)  # fmt: skip
+    assert both.host_anchor(Scenario(interleaved, 2, 2)).source == "pp.jsonl:1"
 
 
 def test_a_user_model_left_out_where_its_strategy_refuses_it_names_the_layer(tmp_path):
