@@ -134,6 +134,49 @@ def test_topology_error_inside_mpiexec_exits_2():
     assert proc.returncode == 2 and "3 ranks but only 2 items" in proc.stderr
 
 
+@pytest.mark.parametrize("extra", ["", "--bind-to core --report-bindings"])
+def test_open_mpi_leaves_placing_threads_to_the_os(monkeypatch, extra):
+    """Open MPI binds each of up to 2 ranks to one core: --threads 2 then runs two threads
+    on one core. scalelab starts it with --bind-to none, unless the user binds."""
+    from scalelab.comm import launch
+
+    class Done:
+        stdout = "mpiexec (OpenRTE) 4.1.6\n"
+
+    monkeypatch.setattr(launch, "find_mpiexec", lambda: "/usr/bin/mpiexec")
+    monkeypatch.setattr(launch.subprocess, "run", lambda *a, **k: Done())
+    monkeypatch.setenv("SCALELAB_MPIEXEC_ARGS", extra)
+    cmd, _ = mpiexec_command(2)
+    assert cmd[:4] == ["/usr/bin/mpiexec", "-n", "2", "--oversubscribe"]
+    assert cmd[len(cmd) - len(extra.split()) :] == extra.split()  # the user's come last
+    assert cmd.count("--bind-to") == 1 and cmd[cmd.index("--bind-to") + 1] == (
+        "core" if extra else "none"
+    )
+
+
+@pytest.mark.mpi
+def test_ranks_bound_to_one_core_each_had_both(tmp_path, monkeypatch):
+    """The launcher binds each rank to its own core (SCALELAB_MPIEXEC_ARGS): the record's
+    CPUs are the ranks' masks together, not the root's one core (which warned '2 processes
+    on 1 CPUs' on the H100 VM), and each rank's mask is kept."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one CPU: two ranks cannot each have a core")
+    version = subprocess.run([mpiexec_command(1)[0][0], "--version"], capture_output=True,
+                             text=True).stdout  # fmt: skip
+    bind = "-bind-to core" if "HYDRA" in version else "--bind-to core"
+    monkeypatch.setenv("SCALELAB_MPIEXEC_ARGS", bind)
+    out = tmp_path / "runs.jsonl"
+    args = ["run", "alexnet", "--strategy", "mpi", "--ranks", "2", "--batch", "2",
+            "--image-size", "67", "--iters", "2", "--warmup", "0", "--threads", "1"]  # fmt: skip
+    proc = _run([sys.executable, "-m", "scalelab", *args, "--out", str(out)])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (rec,) = read_records(out)
+    masks = rec["host"]["rank_cpus"]
+    assert [len(m) for m in masks] == [1, 1] and masks[0] != masks[1]
+    assert rec["host"]["cpus"] == 2 and rec["host"]["allowed_cpus"] <= 2
+    assert not any("processes on" in w for w in rec["warnings"]), rec["warnings"]
+
+
 def _cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

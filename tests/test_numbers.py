@@ -70,15 +70,37 @@ def test_cpu_limits_from_cgroup_and_slurm(tmp_path):
     assert H.ranks_on_host(8, {"LOCAL_WORLD_SIZE": "4"}) == 4 and H.ranks_on_host(3, {}) == 3
 
 
-def test_busy_seconds_reads_only_our_cpus(tmp_path):
+def test_busy_seconds_per_cpu(tmp_path):
     stat = tmp_path / "stat"
     # user nice system idle iowait irq softirq steal: busy = all but idle and iowait
     stat.write_text(
         "cpu  9 9 9 9 9 9 9 9 0 0\ncpu0 100 0 50 1000 7 0 0 0 0 0\ncpu1 200 0 0 5 5 0 0 0 0 0\n"
     )
     tick = __import__("os").sysconf("SC_CLK_TCK")
-    assert H.busy_seconds([0], stat) == pytest.approx(150 / tick)
-    assert H.busy_seconds([0, 1], stat) == pytest.approx(350 / tick)
+    assert H.cpu_busy(stat) == pytest.approx({0: 150 / tick, 1: 200 / tick})  # no "cpu" total
+
+
+def test_ranks_bound_to_their_own_cores_have_the_union_of_their_masks(monkeypatch):
+    """A launcher that binds each rank to one core (Open MPI at 2 ranks) leaves every rank a
+    one-CPU mask: the run still had both CPUs, and 2 threads per rank oversubscribe them."""
+    import socket
+
+    for var in (*H.LOCAL_SIZE_VARS, "SLURM_CPUS_ON_NODE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(H, "cgroup_quota", lambda: None)
+    me = socket.gethostname()
+    places = [H.Place(me, (0,), 1.0), H.Place(me, (1,), 1.0), H.Place("elsewhere", (2, 3), 1.0)]
+    warnings, host = H.run_checks(3, 1, [1.0] * 3, None, "iterations", places)
+    # 3 ranks, 2 of them here (the launcher's local size is unset: the world stands for it)
+    assert host["allowed_cpus"] == 2 and host["rank_cpus"] == [[0], [1]]
+    assert warnings == ["3 processes on 2 CPUs (affinity): ranks wait for cores"]
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "2")
+    assert H.run_checks(3, 1, [1.0] * 3, None, "iterations", places)[0] == []
+    warnings, _ = H.run_checks(3, 2, [1.0] * 3, None, "iterations", places)
+    assert warnings == [
+        "2 processes x 2 torch threads on 2 CPUs (affinity): threads wait for cores "
+        "(pass --threads to cap them)"
+    ]
 
 
 def test_load_and_spread_warnings():

@@ -123,7 +123,7 @@ def _execute(
         with instrumented(cfg, strategy, model, workload) as inst:  # --trace, --nvml, --per-layer
             output, inputs = _run_mode(strategy, workload, model)
         output.notes.update(inst.notes(output))
-        load, rank_walls = _rank_numbers(strategy, probe, output)
+        load, rank_walls, places = _rank_numbers(strategy, probe, output)
     except UsageError:
         raise
     except Exception as exc:
@@ -147,7 +147,7 @@ def _execute(
     if cfg.save_weights is not None:  # inference: the weights it ran (they are unchanged)
         save_weights(output.model if output.model is not None else model, cfg.save_weights)
     record = build_record(cfg, workload, strategy, output, check)
-    _add_checks(record, strategy, output, load)
+    _add_checks(record, strategy, output, load, places)
     record["rank_wall_s"] = rank_walls
     if results is not None:
         append_record(results, record)
@@ -168,24 +168,33 @@ def _slow_note(line: str, work: Callable[[], Any], after_s: float = 3.0) -> Any:
 
 def _rank_numbers(
     strategy: Strategy, probe: host_checks.HostProbe, output: RunOutput
-) -> tuple[dict[str, Any] | None, list[float | None] | None]:
+) -> tuple[dict[str, Any] | None, list[float | None] | None, list[host_checks.Place]]:
     """On the root: (what other processes did on our CPUs while the run ran, each rank's wall
-    that its rank_phases lie inside). Every rank's own CPU seconds are gathered, so sibling
-    ranks do not count as load. Collective."""
+    that its rank_phases lie inside, where each rank ran). Every rank's place (host, affinity
+    mask, CPU seconds) is gathered: the root's host's ranks' CPU seconds do not count as load,
+    and their masks together are the CPUs the run had there (a launcher may bind each rank to
+    its own cores). Collective."""
     walls = output.timings.walls
     if not walls:
         wall = None
     else:  # training: the whole run; inference: the median-wall iteration (iteration_phases)
         wall = sum(walls) if output.history is not None else output.timings.iteration_wall()
-    mine = (probe.own_cpu_s(), wall)
+    mine = (probe.place(), wall)
     got = strategy.comm.gather_object(mine) if strategy.comm.size > 1 else [mine]
     if not strategy.is_root:
-        return None, None
-    return probe.host_load(sum(c for c, _ in got)), [w for _, w in got]
+        return None, None, []
+    places = [p for p, _ in got]
+    here, cpus = host_checks.local(places, mine[0].host)
+    load = probe.host_load(sum(p.cpu_s for p in here), cpus)
+    return load, [w for _, w in got], places
 
 
 def _add_checks(
-    record: dict[str, Any], strategy: Strategy, output: RunOutput, load: dict[str, Any] | None
+    record: dict[str, Any],
+    strategy: Strategy,
+    output: RunOutput,
+    load: dict[str, Any] | None,
+    places: list[host_checks.Place],
 ) -> None:
     """The record's `warnings` (oversubscription, host load, spread) and `host` numbers."""
     import torch  # already imported by every strategy
@@ -195,7 +204,7 @@ def _add_checks(
     threads = torch.get_num_threads() if cpu_threads else 1
     what = "epochs" if output.history is not None else "iterations"
     warnings, host = host_checks.run_checks(
-        strategy.comm.size, threads, output.timings.walls, load, what
+        strategy.comm.size, threads, output.timings.walls, load, what, places
     )
     record["warnings"] = warnings
     record["host"] = host

@@ -1,7 +1,8 @@
 """Is this run's time worth believing? Checks of the host a run had, for its `warnings` list.
 
 - oversubscription: more processes (or processes x torch threads) on this host than CPUs the
-  job may use: the affinity mask, the cgroup CPU quota, the Slurm allocation, the smallest;
+  job may use: the union of its ranks' affinity masks (a launcher may bind each rank to its
+  own cores), the cgroup CPU quota, the Slurm allocation, the smallest;
 - host load: CPU time other processes took on our CPUs while the run ran (from /proc/stat,
   minus every rank's own CPU time), more than the CPUs our run left free;
 - spread: the timed repetitions' CV over stats.SPREAD_CV.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import os
 import resource
+import socket
 import sys
 import time
 from collections.abc import Sequence
@@ -54,9 +56,12 @@ def slurm_cpus(env: dict[str, str] | None = None) -> int | None:
     return int(value) if value and value.isdigit() else None
 
 
-def cpu_allowance(env: dict[str, str] | None = None) -> tuple[float, str]:
-    """(CPUs this job may use on this host, what limits it)."""
-    limits = [(float(len(affinity_cpus())), "affinity")]
+def cpu_allowance(
+    env: dict[str, str] | None = None, cpus: Sequence[int] | None = None
+) -> tuple[float, str]:
+    """(CPUs this job may use on this host, what limits it); `cpus`: the union of its ranks'
+    affinity masks here (default: this process's)."""
+    limits = [(float(len(affinity_cpus() if cpus is None else cpus)), "affinity")]
     quota = cgroup_quota()
     if quota is not None:
         limits.append((quota, "cgroup quota"))
@@ -76,21 +81,35 @@ def ranks_on_host(size: int, env: dict[str, str] | None = None) -> int:
 
 
 # --- host load while the run ran ----------------------------------------------------------
-def busy_seconds(cpus: Sequence[int], stat: Path = Path("/proc/stat")) -> float | None:
-    """Busy (non-idle, non-iowait) seconds summed over `cpus` since boot; None off Linux."""
+def cpu_busy(stat: Path = Path("/proc/stat")) -> dict[int, float] | None:
+    """Busy (non-idle, non-iowait) seconds of every CPU since boot; None off Linux."""
     try:
         lines = stat.read_text().splitlines()
     except OSError:
         return None
     tick = os.sysconf("SC_CLK_TCK")
-    wanted = {f"cpu{c}" for c in cpus}
-    total = 0
+    out = {}
     for line in lines:
         parts = line.split()
-        if parts and parts[0] in wanted:
+        if parts and parts[0].startswith("cpu") and parts[0][3:].isdigit():
             values = [int(v) for v in parts[1:9]]  # user nice system idle iowait irq softirq steal
-            total += sum(values) - values[3] - values[4]
-    return total / tick
+            out[int(parts[0][3:])] = (sum(values) - values[3] - values[4]) / tick
+    return out
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where one rank ran: its host, its affinity mask, its CPU seconds over the run."""
+
+    host: str
+    cpus: tuple[int, ...]
+    cpu_s: float
+
+
+def local(places: Sequence[Place], host: str) -> tuple[list[Place], list[int]]:
+    """(the ranks on `host`, the union of their masks: the CPUs the job may use there)."""
+    here = [p for p in places if p.host == host]
+    return here, sorted({c for p in here for c in p.cpus})
 
 
 def own_cpu_seconds() -> float:
@@ -106,28 +125,33 @@ class HostProbe:
 
     cpus: list[int]
     wall0: float
-    busy0: float | None
+    busy0: dict[int, float] | None  # every CPU's: the ranks here may hold other masks
     own0: float
     loadavg: float | None
 
     @classmethod
     def start(cls) -> HostProbe:
-        cpus = affinity_cpus()
         load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-        return cls(cpus, time.perf_counter(), busy_seconds(cpus), own_cpu_seconds(), load)
+        return cls(affinity_cpus(), time.perf_counter(), cpu_busy(), own_cpu_seconds(), load)
 
     def own_cpu_s(self) -> float:
         return own_cpu_seconds() - self.own0
 
-    def host_load(self, job_cpu_s: float) -> dict[str, Any]:
-        """What the run's CPUs did meanwhile: others' CPU seconds over the run, as CPUs."""
+    def place(self) -> Place:
+        return Place(socket.gethostname(), tuple(self.cpus), self.own_cpu_s())
+
+    def host_load(self, job_cpu_s: float, cpus: Sequence[int] | None = None) -> dict[str, Any]:
+        """What the run's CPUs (`cpus`: every rank's here; default this process's) did
+        meanwhile: others' CPU seconds over the run, as CPUs. `job_cpu_s`: the CPU seconds
+        of the job's processes on this host."""
+        cpus = self.cpus if cpus is None else cpus
         seconds = time.perf_counter() - self.wall0
-        busy1 = busy_seconds(self.cpus)
-        out: dict[str, Any] = {"cpus": len(self.cpus), "seconds": seconds,
+        busy1 = cpu_busy()
+        out: dict[str, Any] = {"cpus": len(cpus), "seconds": seconds,
                                "loadavg_before": self.loadavg, "job_cpu_s": job_cpu_s}  # fmt: skip
         if busy1 is not None and self.busy0 is not None and seconds > 0:
-            others = max(busy1 - self.busy0 - job_cpu_s, 0.0)
-            out["others_cpus"] = others / seconds  # average CPUs other processes kept busy
+            busy = sum(busy1.get(c, 0.0) - self.busy0.get(c, 0.0) for c in cpus)
+            out["others_cpus"] = max(busy - job_cpu_s, 0.0) / seconds  # others' average CPUs
         return out
 
 
@@ -170,13 +194,22 @@ def spread_warning(walls: Sequence[float], what: str = "iterations") -> list[str
 
 
 def run_checks(
-    size: int, threads: int, walls: Sequence[float], load: dict[str, Any] | None, what: str
+    size: int,
+    threads: int,
+    walls: Sequence[float],
+    load: dict[str, Any] | None,
+    what: str,
+    places: Sequence[Place] = (),
 ) -> tuple[list[str], dict[str, Any]]:
-    """(warnings, the numbers behind them) for a run of `size` ranks."""
-    allowance = cpu_allowance()
+    """(warnings, the numbers behind them) for a run of `size` ranks; `places`: every rank's
+    (gathered; else this process's mask stands for the ranks here)."""
+    here_places, union = local(places, socket.gethostname())
+    allowance = cpu_allowance(cpus=union or None)
     here = ranks_on_host(size)
     host = {"allowed_cpus": allowance[0], "limited_by": allowance[1], "ranks_here": here,
             "torch_threads": threads, **(load or {})}  # fmt: skip
+    if any(len(p.cpus) < len(union) for p in here_places):  # the launcher bound each rank
+        host["rank_cpus"] = [list(p.cpus) for p in here_places]
     warnings = oversubscription(here, threads, allowance)
     if load is not None:
         warnings += load_warning(load, here * threads)
