@@ -45,8 +45,8 @@ plan() {  # plan NAME ARGS...: one plan, its stdout/stderr in NAME.txt/.err
 CPU=(--ranks-max 2 --ceilings "$OUT/ceilings_cpu4.json" --calibrate-missing)
 for which in "$@"; do
   case $which in
-    alexnet) cpu_ceilings; plan alexnet alexnet --batch 32 --image-size 99 --iters 5 \
-        --warmup 1 "${CPU[@]}" --repeats 3 --verify 3 --timeout 120 ;;
+    alexnet) cpu_ceilings; plan alexnet alexnet --batch 32 --image-size 99 --iters 10 \
+        --warmup 1 "${CPU[@]}" --repeats 2 --verify 3 --timeout 120 ;;
     mlp) cpu_ceilings; plan mlp mlp --train --batch 100 --steps 40 --data-dir "$MNIST" \
         --strategies mpi-dp,ddp,tensor "${CPU[@]}" --repeats 2 --verify 3 --timeout 120 ;;
     mlp4) cpu_ceilings; plan mlp4 mlp --train --batch 100 --steps 40 --data-dir "$MNIST" \
@@ -54,7 +54,7 @@ for which in "$@"; do
         --calibrate-missing --repeats 2 --verify 99 --timeout 120 ;;
     tokcnn) cpu_ceilings; plan tokcnn --model examples/models/tokcnn.py:tokcnn \
         --model-arg dim=64 --model-arg vocab=500 --input-shape 512 --input-dtype int64 \
-        --vocab 500 --batch 8 --iters 20 --warmup 2 "${CPU[@]}" --repeats 2 --verify 3 \
+        --vocab 500 --batch 8 --iters 40 --warmup 2 "${CPU[@]}" --repeats 2 --verify 2 \
         --timeout 120 ;;
     pipetorch) cpu_ceilings; plan pipetorch mlp --train --batch 64 --steps 40 \
         --strategies pipeline-torch "${CPU[@]}" --repeats 2 --verify 3 --timeout 60 ;;
