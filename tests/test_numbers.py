@@ -98,9 +98,13 @@ def test_ranks_bound_to_their_own_cores_have_the_union_of_their_masks(monkeypatc
     assert H.run_checks(3, 1, [1.0] * 3, None, "iterations", places)[0] == []
     warnings, _ = H.run_checks(3, 2, [1.0] * 3, None, "iterations", places)
     assert warnings == [
-        "2 processes x 2 torch threads on 2 CPUs (affinity): threads wait for cores "
-        "(pass --threads to cap them)"
+        "2 processes x 2 torch threads on 2 CPUs (affinity): threads wait for cores (the "
+        "launcher bound each rank to 1 CPU(s): mpirun --bind-to none or --map-by slot:PE=2, "
+        "srun --cpus-per-task=2)"
     ]
+    unbound = [H.Place(me, (0, 1), 1.0), H.Place(me, (0, 1), 1.0)]
+    warnings, host = H.run_checks(2, 2, [1.0] * 3, None, "iterations", unbound)
+    assert "rank_cpus" not in host and warnings[0].endswith("(pass --threads to cap them)")
 
 
 def test_load_and_spread_warnings():

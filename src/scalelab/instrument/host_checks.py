@@ -156,14 +156,21 @@ class HostProbe:
 
 
 # --- the warnings ---------------------------------------------------------------------------
-def oversubscription(ranks_here: int, threads: int, allowance: tuple[float, str]) -> list[str]:
+def oversubscription(
+    ranks_here: int, threads: int, allowance: tuple[float, str], bound: int | None = None
+) -> list[str]:
+    """`bound`: the CPUs the launcher bound each rank to, where it bound them."""
     cpus, why = allowance
     if ranks_here > cpus:
         return [f"{ranks_here} processes on {cpus:g} CPUs ({why}): ranks wait for cores"]
     if ranks_here * threads > cpus:
+        fix = "pass --threads to cap them"
+        if bound is not None and bound < threads:
+            fix = (f"the launcher bound each rank to {bound} CPU(s): mpirun --bind-to none or "
+                   f"--map-by slot:PE={threads}, srun --cpus-per-task={threads}")  # fmt: skip
         return [
             f"{ranks_here} processes x {threads} torch threads on {cpus:g} CPUs ({why}): "
-            "threads wait for cores (pass --threads to cap them)"
+            f"threads wait for cores ({fix})"
         ]
     return []
 
@@ -208,9 +215,11 @@ def run_checks(
     here = ranks_on_host(size)
     host = {"allowed_cpus": allowance[0], "limited_by": allowance[1], "ranks_here": here,
             "torch_threads": threads, **(load or {})}  # fmt: skip
+    bound = None
     if any(len(p.cpus) < len(union) for p in here_places):  # the launcher bound each rank
         host["rank_cpus"] = [list(p.cpus) for p in here_places]
-    warnings = oversubscription(here, threads, allowance)
+        bound = max(len(p.cpus) for p in here_places)
+    warnings = oversubscription(here, threads, allowance, bound)
     if load is not None:
         warnings += load_warning(load, here * threads)
     warnings += spread_warning(walls, what)
