@@ -45,21 +45,18 @@ def child(args: argparse.Namespace) -> None:
 
     sys.path.insert(0, str(HERE.parent / "src"))
     from scalelab.config import RunConfig
-    from scalelab.predict.scenario import build_workload
+    from scalelab.instrument.concurrency import StepKernel
 
     torch.set_num_threads(1)
     cfg = RunConfig(workload=args.workload, batch=args.batch, image_size=args.image_size)
-    work = build_workload(cfg)
-    model = work.build_model().eval()
-    x = work.prepare(work.synthetic_inputs(args.batch, 0).x)  # (batch, 3, size, size)
+    forward = StepKernel(cfg, args.batch).build()  # the model on (batch, *item) inputs
     walls = []
     steal0 = _steal()
-    with torch.inference_mode():
-        for i in range(args.warmup + args.iters):
-            t0 = time.perf_counter()
-            model(x)
-            if i >= args.warmup:
-                walls.append(time.perf_counter() - t0)
+    for i in range(args.warmup + args.iters):
+        t0 = time.perf_counter()
+        forward()
+        if i >= args.warmup:
+            walls.append(time.perf_counter() - t0)
     out = {"walls_s": walls, "steal_jiffies": _steal() - steal0, "cpu": _cpu_now()}
     print(json.dumps(out), flush=True)
 

@@ -83,6 +83,10 @@ class StepKernel:
     def spec(self) -> dict[str, Any]:
         return {"step": {"cfg": self.cfg.to_dict(), "batch": self.batch}}
 
+    def build(self) -> Callable[[], None]:
+        """The step as a call, its model and inputs built (what a worker times)."""
+        return _build(self.spec())
+
 
 DEFAULT, QUICK = Kernel(8), Kernel(2)
 METHOD = (
