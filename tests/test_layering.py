@@ -1,8 +1,11 @@
-"""The packages import in one direction: no cycle between packages (a top-level module counts
-as its own package), and analysis/ stays pure: records in, DataFrames out.
+"""The packages import in one direction, the one docs/ARCHITECTURE.md draws: no import of a
+higher layer (type-only imports included: a lower layer that needs a higher one's shape owns a
+protocol), no package the diagram does not place, no cycle between packages (a top-level module
+counts as its own package) or between the modules of one, and analysis/ stays pure: records
+in, DataFrames out.
 
-Imports are read from the source (ast), function-local ones included; only imports under
-`if TYPE_CHECKING:` are left out, since they never run.
+Imports are read from the source (ast), function-local ones included; the cycle checks leave
+out imports under `if TYPE_CHECKING:`, since they never run; the layer check reads them too.
 """
 
 from __future__ import annotations
@@ -14,7 +17,12 @@ from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "scalelab"
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src" / "scalelab"
+ARCHITECTURE = ROOT / "docs" / "ARCHITECTURE.md"
+# Outside the diagram: the entry point sits above everything, the package root (its
+# __version__) below everything.
+TOP, BOTTOM = {"__main__"}, {"__version__", "scalelab"}
 
 # What analysis/ may never import: it reads records, it does not run or launch anything.
 ANALYSIS_MUST_NOT_IMPORT = {"strategies", "comm", "cli", "orchestration", "runner", "train", "fast"}
@@ -49,18 +57,19 @@ def _targets(node: ast.AST, module: str, is_package: bool) -> list[str]:
     return [base] + [f"{base}.{a.name}" for a in node.names]
 
 
-def read_imports(source: Path) -> dict[str, set[str]]:
-    """module -> the scalelab modules (or names in them) it imports at run time."""
+def read_imports(source: Path, type_only: bool = False) -> dict[str, set[str]]:
+    """module -> the scalelab modules (or names in them) it imports at run time (type_only:
+    also those under `if TYPE_CHECKING:`)."""
     out: dict[str, set[str]] = collections.defaultdict(set)
     for path in source.rglob("*.py"):
         module, is_package = _module_name(path, source)
         tree = ast.parse(path.read_text(encoding="utf-8"))
-        skipped = {
+        skipped = set() if type_only else {
             id(inner)
             for node in ast.walk(tree)
             if isinstance(node, ast.If) and _type_checking(node)
             for inner in ast.walk(node)
-        }
+        }  # fmt: skip
         for node in ast.walk(tree):
             if id(node) not in skipped:
                 out[module].update(
@@ -79,10 +88,10 @@ def package_of(module: str) -> str:
     return module.split(".")[1] if "." in module else module
 
 
-def package_edges() -> dict[tuple[str, str], set[str]]:
+def package_edges(imports: dict[str, set[str]] | None = None) -> dict[tuple[str, str], set[str]]:
     """(importer package, imported package) -> the importing modules."""
     edges: dict[tuple[str, str], set[str]] = collections.defaultdict(set)
-    for module, targets in module_imports().items():
+    for module, targets in (module_imports() if imports is None else imports).items():
         for target in targets:
             a, b = package_of(module), package_of(target)
             if a != b:
@@ -192,3 +201,71 @@ def test_the_checker_sees_a_cycle_and_a_type_checking_import(tmp_path):
             if package_of(module) != package_of(t):
                 edges[(package_of(module), package_of(t))].add(module)
     assert cycles(edges) == [["a", "b"]]
+
+
+def diagram_layers(text: str) -> dict[str, int]:
+    """package -> its layer (0 at the top) from the architecture page's first code block:
+    a line starting with two spaces and a name holds a layer; its names end at the first run
+    of two spaces (`data/ oracle/`, `config.py, config_sections.py`); deeper-indented lines
+    continue a description; the rule line between the halves is no layer."""
+    block = text.split("```", 2)[1]
+    layers: dict[str, int] = {}
+    for line in block.splitlines():
+        if not line.startswith("  ") or line[2:3] in (" ", "─", ""):
+            continue
+        head = line[2:].split("  ", 1)[0]
+        names = [
+            n.strip().removesuffix("/").removesuffix(".py") for n in head.replace(",", " ").split()
+        ]
+        depth = len(set(layers.values()))
+        layers.update({n: depth for n in names if n})
+    return layers
+
+
+def upward_imports(edges, layers: dict[str, int]) -> list[str]:
+    """Each import of a higher layer, and each package the diagram does not place."""
+
+    def level(pkg: str) -> float:
+        if pkg in TOP:
+            return -1
+        return len(layers) + 1 if pkg in BOTTOM else layers.get(pkg, float("nan"))
+
+    found = []
+    for (a, b), modules in sorted(edges.items()):
+        for pkg in (a, b):
+            if level(pkg) != level(pkg):  # NaN: not in the diagram
+                found.append(f"{pkg} is not in docs/ARCHITECTURE.md's diagram")
+        if level(b) < level(a):
+            found.append(f"{a} -> {b} goes up ({', '.join(sorted(modules))})")
+    return sorted(set(found))
+
+
+def test_every_import_goes_down_the_architecture_diagram():
+    layers = diagram_layers(ARCHITECTURE.read_text(encoding="utf-8"))
+    assert {"cli", "strategies", "train", "fast", "predict", "planning"} <= set(layers)
+    found = upward_imports(package_edges(read_imports(SRC, type_only=True)), layers)
+    assert not found, "imports against docs/ARCHITECTURE.md's layers:\n" + "\n".join(found)
+
+
+def test_the_layer_check_sees_an_upward_type_only_import(tmp_path):
+    """The checker itself: a TYPE_CHECKING import of a higher layer and an unplaced package
+    are both reported; a downward import is not."""
+    text = (
+        "x\n```\n  top/     a\n           more\n  ─── rule\n  mid/ side.py   b\n  low.py  c\n```\n"
+    )
+    layers = diagram_layers(text)
+    assert layers == {"top": 0, "mid": 1, "side": 1, "low": 2}
+    pkg = tmp_path / "scalelab"
+    (pkg / "mid").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "mid" / "__init__.py").write_text("")
+    (pkg / "low.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from scalelab.mid import x\n"
+    )
+    (pkg / "top.py").write_text("from scalelab import low\nfrom scalelab import stray\n")
+    found = upward_imports(package_edges(read_imports(pkg, type_only=True)), layers)
+    assert found == [
+        "low -> mid goes up (scalelab.low)",
+        "stray is not in docs/ARCHITECTURE.md's diagram",
+    ]
+    assert upward_imports(package_edges(read_imports(pkg)), layers) == found[1:]

@@ -15,12 +15,12 @@ import sys
 import pytest
 import torch
 
-from scalelab.analysis.timeline import trace_events, write_trace
 from scalelab.analysis.waits import attribute, overlap, rank_breakdown, run_summary, wait_table
 from scalelab.config import RunConfig
 from scalelab.instrument.collective_bench import bandwidths, parse_nccl_tests
 from scalelab.instrument.spans import SPANS, SpanLog, annotate, slow_rank_delay
 from scalelab.instrument.timer import PhaseTimer
+from scalelab.instrument.trace_events import trace_events, write_trace
 from scalelab.planning.schedule import SCHEDULES
 from scalelab.record import read_records
 from scalelab.workloads import WORKLOADS

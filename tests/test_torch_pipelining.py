@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from scalelab.strategies.pipeline.torch_sim import replay, simulated_bubble, torch_order
+from scalelab.planning.torch_schedule import replay, simulated_bubble, torch_order
 from scalelab.strategies.pipeline.torch_stages import OwnedOutput, whole_backward_stages
 from torchpp_helpers import check_training, torchrun
 

@@ -142,7 +142,7 @@ def compare(name: str, kw: dict, rank: int, world: int) -> dict | None:
         if key in notes:
             result[key] = notes[key]
     if "actions" in notes and "virtual_stages" in notes:  # the order predict draws, unrun
-        from scalelab.strategies.pipeline.torch_sim import torch_order
+        from scalelab.planning.torch_schedule import torch_order
 
         drawn = torch_order(notes["schedule"], notes["stages"], notes["virtual_stages"],
                             notes["microbatches"])  # fmt: skip

@@ -1,6 +1,6 @@
 """Where communication time went: waiting for the slowest peer, or moving bytes.
 
-From a record's timeline (analysis/timeline.py), every communication span is matched with the
+From a record's timeline (instrument/trace_events.py), every communication span is matched with the
 same operation on the other ranks: same iteration, same phase path (or DDP bucket), same
 occurrence within the iteration. Ranks meet there, so for rank r
 
@@ -20,7 +20,7 @@ from typing import Any
 
 import pandas as pd
 
-from scalelab.analysis.timeline import is_comm
+from scalelab.instrument.trace_events import is_comm
 
 
 def _first_iteration(rec: dict[str, Any]) -> int:

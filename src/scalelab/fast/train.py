@@ -29,7 +29,7 @@ from scalelab.train.sources import GlobalBatches, Step
 from scalelab.workloads.base import Inputs, Workload
 
 if TYPE_CHECKING:
-    from scalelab.strategies.torch_base import TorchStrategy
+    from scalelab.train.host import TrainHost
 
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -214,7 +214,7 @@ class FastTrainer(Trainer):
         return time.perf_counter() - start - self.excluded, self.timer.lap()
 
 
-def step_unsupported(strategy: TorchStrategy, opt: torch.optim.Optimizer) -> str | None:
+def step_unsupported(strategy: TrainHost, opt: torch.optim.Optimizer) -> str | None:
     """Why no captured step can run here (device, optimizer, precision), or None."""
     if strategy.device.type != "cuda":
         return f"on {strategy.device.type}: CUDA graphs unavailable (no CUDA GPU)"
@@ -228,7 +228,7 @@ def step_unsupported(strategy: TorchStrategy, opt: torch.optim.Optimizer) -> str
 
 
 def unsupported(
-    strategy: TorchStrategy, opt: torch.optim.Optimizer, plan: TrainPlan, own_hooks: str | None
+    strategy: TrainHost, opt: torch.optim.Optimizer, plan: TrainPlan, own_hooks: str | None
 ) -> str | None:
     """Why the captured step cannot stand in for the one-process train_step here, or None.
     own_hooks: the strategy's reason (it reduces gradients or draws batches its own way)."""
@@ -243,7 +243,7 @@ def unsupported(
 
 
 def fast_trainer(
-    strategy: TorchStrategy, reason: str | None, feed: Feed, what: str = "step", **graph
+    strategy: TrainHost, reason: str | None, feed: Feed, what: str = "step", **graph
 ) -> Callable[..., Trainer] | None:
     """A FastTrainer bound to feed (graph: GraphStep options), for train_epochs/run_training's
     make_trainer; or None, after one line saying why the plain training loop runs instead."""
@@ -258,7 +258,7 @@ def fast_trainer(
 
 
 def local_fast_trainer(
-    strategy: TorchStrategy,
+    strategy: TrainHost,
     workload: Workload,
     plan: TrainPlan,
     train: Inputs,

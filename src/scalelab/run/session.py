@@ -12,7 +12,7 @@ Record fields:
   layers: the root rank's PerLayer.rows() (with --nvml also each layer's power_w and
       energy_j); rank_layers: every rank's (ranks > 1)
   timeline (--timeline, --trace): every rank's spans on the root's clock (instrument/spans.py,
-      analysis/timeline.py); --trace also writes DIR/timeline.json (Chrome trace events)
+      instrument/trace_events.py); --trace also writes DIR/timeline.json (Chrome trace events)
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ class Instrumentation:
 
     def _timeline(self, ranks: list[dict[str, Any]]) -> dict[str, Any]:
         """The record's timeline: spans from the earliest start; --trace: DIR/timeline.json."""
-        from scalelab.analysis.timeline import make_timeline, write_trace
+        from scalelab.instrument.trace_events import make_timeline, write_trace
 
         timeline = make_timeline(ranks)
         if self.cfg.trace:

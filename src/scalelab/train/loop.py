@@ -39,7 +39,7 @@ from scalelab.train.steps import TorchStep, TrainStep, grad_scaler, train_step  
 from scalelab.workloads.base import Inputs, Workload
 
 if TYPE_CHECKING:
-    from scalelab.strategies.torch_base import TorchStrategy
+    from scalelab.train.host import TrainHost
 
 
 def total_steps(n: int, batch: int, epochs: int, limit: int | None) -> int:
@@ -83,7 +83,7 @@ def require_labels(train: Inputs | None, heldout: Inputs | None) -> None:
 
 
 def default_plan(
-    strategy: TorchStrategy, workload: Workload, model: nn.Module, train: Inputs, heldout: Inputs
+    strategy: TrainHost, workload: Workload, model: nn.Module, train: Inputs, heldout: Inputs
 ) -> TrainPlan:
     cfg = strategy.cfg
     require_labels(train, heldout)
@@ -99,7 +99,7 @@ def default_plan(
 
 @torch.no_grad()
 def evaluate(
-    strategy: TorchStrategy, workload: Workload, model: nn.Module, data: Inputs, batch: int
+    strategy: TrainHost, workload: Workload, model: nn.Module, data: Inputs, batch: int
 ) -> float:
     """Held-out accuracy (fraction of items whose arg-max class is the label)."""
     model.eval()
@@ -164,7 +164,7 @@ class Trainer:
 
     def __init__(
         self,
-        strategy: TorchStrategy,
+        strategy: TrainHost,
         workload: Workload,
         model: nn.Module,
         plan: TrainPlan,
@@ -319,7 +319,7 @@ class Trainer:
 
 
 def run_training(
-    strategy: TorchStrategy,
+    strategy: TrainHost,
     workload: Workload,
     model: nn.Module,
     plan: TrainPlan,
@@ -353,7 +353,7 @@ def run_training(
 
 
 def train_epochs(
-    strategy: TorchStrategy,
+    strategy: TrainHost,
     workload: Workload,
     model: nn.Module,
     train: Inputs,

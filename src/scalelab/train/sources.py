@@ -19,7 +19,7 @@ import torch
 from scalelab.workloads.base import Inputs
 
 if TYPE_CHECKING:
-    from scalelab.strategies.torch_base import TorchStrategy
+    from scalelab.train.host import TrainHost
 
 
 def batch_order(n: int, epoch: int, seed: int) -> torch.Tensor:
@@ -65,7 +65,7 @@ class GlobalBatches(BatchSource):
     """The one-process order (batch_order, batch_slices); each rank keeps strategy.shard(batch).
     Needs the training set on every rank that calls it."""
 
-    def __init__(self, strategy: TorchStrategy, train: Inputs, batch: int, seed: int) -> None:
+    def __init__(self, strategy: TrainHost, train: Inputs, batch: int, seed: int) -> None:
         self.strategy, self.train, self.global_batch, self.seed = strategy, train, batch, seed
 
     def steps_per_epoch(self) -> int:

@@ -17,18 +17,18 @@ from scalelab.train.sources import Step
 from scalelab.workloads.base import Workload
 
 if TYPE_CHECKING:
-    from scalelab.strategies.torch_base import TorchStrategy
+    from scalelab.train.host import TrainHost
     from scalelab.train.loop import TrainPlan
 
 
-def grad_scaler(strategy: TorchStrategy) -> torch.amp.GradScaler:
+def grad_scaler(strategy: TrainHost) -> torch.amp.GradScaler:
     """fp16 autocast on CUDA needs loss scaling; everywhere else the scaler is a no-op."""
     fp16 = strategy.precision.autocast is torch.float16 and strategy.device.type == "cuda"
     return torch.amp.GradScaler(strategy.device.type, enabled=fp16)
 
 
 def train_step(
-    strategy: TorchStrategy,
+    strategy: TrainHost,
     plan: TrainPlan,
     model: nn.Module,
     opt: torch.optim.Optimizer,
@@ -100,7 +100,7 @@ class TorchStep(TrainStep):
     """One autograd step: forward, backward, the strategy's gradient reduction, the optimizer."""
 
     def __init__(
-        self, strategy: TorchStrategy, workload: Workload, model: nn.Module, plan: TrainPlan
+        self, strategy: TrainHost, workload: Workload, model: nn.Module, plan: TrainPlan
     ) -> None:
         self.strategy, self.model, self.plan, self.timer = strategy, model, plan, strategy.timer
         self.opt = workload.optimizer(model)

@@ -39,8 +39,8 @@ def format_run(rec: dict, table, summary: dict) -> str:
 def run(args: argparse.Namespace) -> int:
     import pandas as pd
 
-    from scalelab.analysis.timeline import timeline_records
     from scalelab.analysis.waits import run_summary, wait_table
+    from scalelab.instrument.trace_events import timeline_records
     from scalelab.record import read_records
 
     records = timeline_records(select(read_records(args.results), args.run, args.results))

@@ -26,7 +26,7 @@ def select(records: list[dict], run_id: str | None, results: str) -> list[dict]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from scalelab.analysis.timeline import timeline_records, write_trace
+    from scalelab.instrument.trace_events import timeline_records, write_trace
     from scalelab.record import read_records
 
     records = timeline_records(select(read_records(args.results), args.run, args.results))

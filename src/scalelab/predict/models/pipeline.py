@@ -23,7 +23,7 @@ With equal stages and free sends the schedule is (M + K - 1) t_s, the textbook b
 (K - 1) / (M + K - 1); unequal stages are simulated, not bounded.
 
 torch's multi-stage schedules are replayed from the order torch computes for them
-(strategies/pipeline/torch_sim.py: torch_order, replay): each of the K x V stages takes its
+(planning/torch_schedule.py: torch_order, replay): each of the K x V stages takes its
 share of the rows; the split backward's input and weight halves (I, W) each take half of the
 backward. With equal stages and free sends, interleaved 1F1B over V stages per rank comes to
 M + (K - 1) / V micro-batch times (Narayanan et al. 2021), the zero-bubble schedules below it.
@@ -192,8 +192,7 @@ class PipelineModel(StrategyModel):
 
             run = replay_own
         else:  # torch's order for its multi-stage schedules
-            from scalelab.strategies.pipeline.torch_sim import replay, torch_order
-            from scalelab.strategies.pipeline.torch_stages import NO_EVAL
+            from scalelab.planning.torch_schedule import NO_EVAL, replay, torch_order
 
             actions = torch_order(cfg.schedule, k, v, m)
             if not cfg.train and cfg.schedule not in NO_EVAL:  # eval(): the forwards alone
@@ -309,7 +308,7 @@ def held_stages(cfg) -> int:
     """Stages per rank: torch's schedules hold V (the V-shaped ones 2), the others one."""
     if cfg.engine != "torch":
         return 1
-    from scalelab.strategies.pipeline.torch_stages import virtual_stages
+    from scalelab.planning.torch_schedule import virtual_stages
 
     return virtual_stages(cfg.schedule, cfg.virtual_stages)
 
@@ -318,7 +317,7 @@ def _action_seconds(fwd: list[float], bwd: list[float], cfg) -> dict[tuple[int, 
     """One micro-batch's seconds per (stage, action kind). The split backward's input and
     weight gradients (I, W) each take half the backward: both are one matmul per Linear of
     the forward's size. A forward-only pass of the schedules torch cannot run in eval
-    (torch_stages.NO_EVAL) runs their backward as well: 2 forwards' worth."""
+    (planning/torch_schedule.NO_EVAL) runs their backward as well: 2 forwards' worth."""
     out = {}
     for st, (f, b) in enumerate(zip(fwd, bwd)):
         b = b if cfg.train else 2 * f

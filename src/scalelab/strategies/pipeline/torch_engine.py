@@ -16,7 +16,7 @@ Checkpoints and --save-weights gather each stage's parameters from replica 0 ont
 The record's `pipeline` field carries what the hand engine's does (per-stage times, bubble
 measured and simulated, timelines) plus engine, virtual stages and the mesh: the simulation
 replays the schedule's own action lists with the measured per-stage times
-(strategies/pipeline/torch_sim.py).
+(planning/torch_schedule.py).
 
 Two gaps of torch 2.13's split backward (zero-bubble, zbv, dualpipev) are closed in
 torch_stages.py with torch's own API: a stage after parameter-free stages runs its whole
@@ -37,18 +37,16 @@ from scalelab.errors import UsageError
 from scalelab.instrument.timer import device_sync, timed_iterations
 from scalelab.planning import partition as part
 from scalelab.planning import profiling
+from scalelab.planning.torch_schedule import NO_EVAL, stage_ids, virtual_stages
 from scalelab.results import RunOutput
 from scalelab.strategies import penalty as pen
 from scalelab.strategies.mesh import Layout, MeshGroups
 from scalelab.strategies.pipeline.torch_report import RunLog, torch_pipeline_notes
 from scalelab.strategies.pipeline.torch_stages import (
-    NO_EVAL,
     Clock,
     Pass,
     build_pass,
     micro_for,
-    stage_ids,
-    virtual_stages,
     whole_backward_stages,
 )
 from scalelab.strategies.torchdist_base import TorchDistStrategy

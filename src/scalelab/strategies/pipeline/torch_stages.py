@@ -22,35 +22,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleDualPipeV,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleLoopedBFS,
-    ScheduleZBVZeroBubble,
-)
+from torch.distributed.pipelining import PipelineStage
 
 from scalelab.errors import UsageError
-
-SCHEDULES: dict[str, type] = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved-1f1b": ScheduleInterleaved1F1B,
-    "looped-bfs": ScheduleLoopedBFS,
-    "zero-bubble": ScheduleInterleavedZeroBubble,
-    "zbv": ScheduleZBVZeroBubble,
-    "dualpipev": ScheduleDualPipeV,
-}
-SINGLE = ("gpipe", "1f1b")  # one stage per rank (PipelineScheduleSingle)
-V_SHAPE = ("zbv", "dualpipev")  # exactly two stages per rank, in a V
-# torch 2.13: eval() of these runs their backward actions ("can't steal_bwd_input if this
-# stage doesn't have backward" at 2I0 for ZBV), so their forward-only passes run the training
-# schedule with a zero loss (a backward of zeros, the gradients dropped).
-NO_EVAL = ("zero-bubble", "zbv", "dualpipev")
-SPLIT_BACKWARD = NO_EVAL  # the schedules that run backward as input, then weight gradients
+from scalelab.planning.torch_schedule import SCHEDULES, SINGLE, SPLIT_BACKWARD
 
 
 def whole_backward_stages(holds_parameters: list[bool]) -> frozenset[int]:
@@ -92,25 +67,6 @@ class OwnedOutput(nn.Module):
     def forward(self, *args: Any) -> Any:
         out = self.piece(*args)
         return out.clone() if isinstance(out, torch.Tensor) and out._is_view() else out
-
-
-def virtual_stages(schedule: str, requested: int) -> int:
-    if schedule in V_SHAPE:
-        if requested not in (1, 2):
-            raise UsageError(
-                f"--schedule {schedule} holds 2 stages per rank; drop --virtual-stages"
-            )
-        return 2
-    if schedule in SINGLE and requested != 1:
-        raise UsageError(f"--schedule {schedule} holds one stage per rank; drop --virtual-stages")
-    return requested
-
-
-def stage_ids(schedule: str, rank: int, ranks: int, v: int) -> list[int]:
-    """The pipeline stages (0 .. S*V - 1) rank `rank` of `ranks` holds."""
-    if schedule in V_SHAPE:
-        return [rank, 2 * ranks - 1 - rank]
-    return [rank + k * ranks for k in range(v)]
 
 
 def micro_for(n: int, micro: int) -> int:

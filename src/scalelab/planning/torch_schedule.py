@@ -19,6 +19,10 @@ rank's bubble is 1 - (its seconds of actions) / (the makespan).
 built over placeholder stages (the numbers its order is computed from: stage index, stage
 count, group size and rank; no module, process group or tensor), so a prediction replays the
 order torch will execute, not a re-derivation of it.
+
+The schedule tables (torch's classes by name, which hold one, V or two stages per rank, which
+cannot run eval) live here too, beside the replay, so predict/ reads them without importing a
+strategy; strategies/pipeline/torch_stages.py builds the stages over them.
 """
 
 from __future__ import annotations
@@ -26,7 +30,55 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from torch.distributed.pipelining import (
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
+)
+
+from scalelab.errors import UsageError
 from scalelab.planning.schedule import one_f_one_b_ops
+
+SCHEDULES: dict[str, type] = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved-1f1b": ScheduleInterleaved1F1B,
+    "looped-bfs": ScheduleLoopedBFS,
+    "zero-bubble": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
+}
+SINGLE = ("gpipe", "1f1b")  # one stage per rank (PipelineScheduleSingle)
+V_SHAPE = ("zbv", "dualpipev")  # exactly two stages per rank, in a V
+# torch 2.13: eval() of these runs their backward actions ("can't steal_bwd_input if this
+# stage doesn't have backward" at 2I0 for ZBV), so their forward-only passes run the training
+# schedule with a zero loss (a backward of zeros, the gradients dropped).
+NO_EVAL = ("zero-bubble", "zbv", "dualpipev")
+SPLIT_BACKWARD = NO_EVAL  # the schedules that run backward as input, then weight gradients
+
+
+def virtual_stages(schedule: str, requested: int) -> int:
+    if schedule in V_SHAPE:
+        if requested not in (1, 2):
+            raise UsageError(
+                f"--schedule {schedule} holds 2 stages per rank; drop --virtual-stages"
+            )
+        return 2
+    if schedule in SINGLE and requested != 1:
+        raise UsageError(f"--schedule {schedule} holds one stage per rank; drop --virtual-stages")
+    return requested
+
+
+def stage_ids(schedule: str, rank: int, ranks: int, v: int) -> list[int]:
+    """The pipeline stages (0 .. S*V - 1) rank `rank` of `ranks` holds."""
+    if schedule in V_SHAPE:
+        return [rank, 2 * ranks - 1 - rank]
+    return [rank + k * ranks for k in range(v)]
+
 
 Action = tuple[int, str, int]  # (stage, kind, micro-batch)
 COMPUTE = ("F", "B", "I", "W")
@@ -59,8 +111,6 @@ def torch_order(name: str, ranks: int, v: int, micro: int) -> dict[int, list[Act
     from types import SimpleNamespace
 
     from torch import nn
-
-    from scalelab.strategies.pipeline.torch_stages import SCHEDULES, SINGLE, stage_ids
 
     n = ranks * v
     stubs = [
