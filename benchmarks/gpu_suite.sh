@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The GPU test suite (`pytest -m gpu`) on the device machine, bounded and logged:
+#
+#   benchmarks/gpu_suite.sh OUT_DIR [SECONDS] [PYTEST ARGS...]
+#
+# writes OUT_DIR/gpu_suite_<N>gpu.log (every test's outcome as it ends, the durations, the
+# summary; nvidia-smi's GPU list first) and exits with pytest's code (124: it ran past SECONDS,
+# default 300, the issue's bound for a fresh host, Triton autotuning included).
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT_DIR=$1; shift
+LIMIT=${1:-300}; shift || true
+PYTHON=${PYTHON:-python3}
+mkdir -p "$OUT_DIR"
+gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+log="$OUT_DIR/gpu_suite_${gpus}gpu.log"
+{
+  date -u +"%F %T UTC"; git rev-parse --short HEAD 2>/dev/null; nvidia-smi -L
+  start=$(date +%s)
+  timeout --signal=KILL "$LIMIT" "$PYTHON" -m pytest -m gpu -p no:randomly -p no:cacheprovider \
+    -rA -v --durations=15 "$@"
+  code=$?
+  echo "gpu_suite: exit $code after $(( $(date +%s) - start )) s (limit $LIMIT s) on $gpus GPU(s)"
+  exit $code
+} 2>&1 | tee "$log"
+exit "${PIPESTATUS[0]}"
