@@ -15,9 +15,11 @@ import sys
 import pytest
 import torch
 
+from scalelab.analysis.device_overlap import collective_bandwidth, step_breakdown
 from scalelab.analysis.waits import attribute, overlap, rank_breakdown, run_summary, wait_table
 from scalelab.config import RunConfig
 from scalelab.instrument.collective_bench import bandwidths, parse_nccl_tests
+from scalelab.instrument.kernel_trace import with_kernels
 from scalelab.instrument.spans import SPANS, SpanLog, annotate, slow_rank_delay
 from scalelab.instrument.timer import PhaseTimer
 from scalelab.instrument.trace_events import trace_events, write_trace
@@ -404,6 +406,62 @@ def test_ddp_trace_has_one_slice_per_bucket_with_its_bytes(tmp_path):
         assert len(last) > 1 and sum(e["args"]["bytes"] for e in last) == 4 * params
     for totals in read_records(runs)[-1]["ddp_comm"]:  # the record's per-rank totals
         assert sum(totals["bucket_bytes"]) == 4 * params and totals["calls"] >= 3
+    _check_traced_work_placed(read_records(runs)[-1], tmp_path, runs)
+
+
+def _check_traced_work_placed(rec, tmp_path, runs):
+    """The profiler traces' work joins the timeline on its clock: every rank gains device
+    and device-comm spans; each traced operator lies inside a phase of its own iteration
+    (the clocks are aligned to well under a step); the step table's union arithmetic holds;
+    `scalelab timeline` draws the two lanes and prints the table."""
+    merged, notes = with_kernels(rec)
+    assert notes == []
+    for spans in merged["timeline"]["ranks"]:
+        phases = [(s[1], s[1] + s[2], s[4]) for s in spans if s[3] == "main" and "/" not in s[0]]
+        device = [s for s in spans if s[3] == "device"]
+        assert device and any(s[3] == "device-comm" for s in spans)
+        for _, start, dur, _, it, _ in device:
+            assert any(a - 1e-3 <= start and start + dur <= b + 1e-3 for a, b, i in phases
+                       if i == it), (start, dur, it)  # fmt: skip
+    steps = step_breakdown(merged)
+    assert set(steps["rank"]) == {0, 1} and len(steps) >= 2
+    tol = 1e-9
+    assert (steps["overlap_s"] <= steps[["compute_s", "comm_s"]].min(axis=1) + tol).all()
+    assert (steps["exposed_comm_s"] - (steps["comm_s"] - steps["overlap_s"])).abs().max() < tol
+    assert (
+        steps["compute_s"] + steps["comm_s"] - steps["overlap_s"] <= steps["step_s"] + tol
+    ).all()
+    out = _scalelab(tmp_path, "timeline", runs, "-o", tmp_path / "merged.json").stdout
+    assert "device time per traced step" in out and "exposed_comm ms" in out
+    trace = json.loads((tmp_path / "merged.json").read_text())
+    check_trace_schema(trace)
+    assert {e["tid"] for e in trace["traceEvents"] if e["ph"] == "X"} >= {0, 1, 2, 3}
+
+
+def _dev(name, start, dur, lane, it=0, **args):
+    return [name, start, dur, lane, it, args]
+
+
+def test_device_time_is_an_interval_union_and_busbw_follows_nccl_tests():
+    """Two compute kernels on two streams at once count once; communication while computing
+    is hidden, the rest exposed; a rank that starts a collective 2 ms before its peer waited
+    2 ms; busbw of an all-reduce of 8 MB moved in 1 ms on 2 ranks = 8e9 B/s x 2(n-1)/n."""
+    ar = {"collective": "allreduce", "bytes": 8_000_000, "group": 2}
+    rank0 = [_dev("k1", 0.000, 0.004, "device", stream=7), _dev("k2", 0.001, 0.002, "device"),
+             _dev("ncclAllReduce", 0.003, 0.003, "device-comm", **ar)]  # fmt: skip
+    rank1 = [_dev("k1", 0.000, 0.005, "device"),
+             _dev("ncclAllReduce", 0.005, 0.001, "device-comm", **ar)]  # fmt: skip
+    rec = {"timeline": {"ranks": [rank0, rank1]}}
+    steps = step_breakdown(rec).set_index("rank")
+    assert steps.loc[0, "compute_s"] == pytest.approx(0.004)  # [0, 4] ms, k2 inside it
+    assert steps.loc[0, "comm_s"] == pytest.approx(0.003)
+    assert steps.loc[0, "overlap_s"] == pytest.approx(0.001)  # [3, 4] ms
+    assert steps.loc[0, "exposed_comm_s"] == pytest.approx(0.002)
+    assert steps.loc[0, "step_s"] == pytest.approx(0.006) and steps.loc[0, "idle_s"] == 0
+    assert steps.loc[0, "wait_s"] == pytest.approx(0.002) and steps.loc[1, "wait_s"] == 0
+    bw = collective_bandwidth(rec).set_index("rank")
+    assert bw.loc[0, "transfer_s"] == pytest.approx(0.001)
+    assert bw.loc[0, "busbw_Bps"] == pytest.approx(8e9 * 2 * (2 - 1) / 2)
 
 
 @pytest.mark.mpi
@@ -532,12 +590,22 @@ def test_nccl_buckets_timed_by_cuda_events(tmp_path):
         "--bucket-mb",
         "1",
         "--quiet",
-        "--timeline",
+        "--trace",
+        tmp_path / "tr",
         "--out",
         runs,
     )
     rec = read_records(runs)[-1]
     assert all(r["clock"] == "cuda events" and r["allreduce_s"] > 0 for r in rec["ddp_comm"])
+    merged, notes = with_kernels(rec)
+    assert notes == []
+    for spans in merged["timeline"]["ranks"]:  # NCCL's kernels apart from the compute ones
+        nccl = [s for s in spans if s[3] == "device-comm"]
+        assert nccl and all(s[0].lower().startswith("nccl") for s in nccl)
+        assert any(s[3] == "device" for s in spans)
+    steps = step_breakdown(merged)
+    assert (steps["comm_s"] > 0).all() and (steps["compute_s"] > 0).all()
+    assert (steps["overlap_s"] <= steps[["compute_s", "comm_s"]].min(axis=1) + 1e-9).all()
     cfg = RunConfig(workload="resnet18")
     params = sum(p.numel() for p in WORKLOADS.get("resnet18")(cfg).build_model().parameters())
     for spans in rec["timeline"]["ranks"]:

@@ -117,7 +117,7 @@ def blame(rec: dict[str, Any]) -> dict[int, float]:
     return {r: float(got.get(r, 0.0)) for r in ranks}
 
 
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     out: list[tuple[float, float]] = []
     for s, e in sorted(intervals):
         if out and s <= out[-1][1]:
@@ -127,7 +127,7 @@ def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return out
 
 
-def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+def intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
     """Length of the overlap of two unions of disjoint sorted intervals."""
     total, ends = 0.0, [e for _, e in b]
     for s, e in a:
@@ -151,16 +151,16 @@ def overlap(spans: list[list[Any]], first: int = 0) -> tuple[float, float]:
     Compute: non-communication phases that do not themselves contain communication on the
     phase lane, each cut at its last hand-over to the comm lane (_computing)."""
     timed = [sp for sp in spans if sp[4] >= first]
-    comm = _union([(s, s + d) for p, s, d, lane, *_ in timed if is_comm(p) or lane == "comm"])
-    main_comm = _union([(s, s + d) for p, s, d, lane, *_ in timed if lane == "main" and is_comm(p)])
+    comm = union([(s, s + d) for p, s, d, lane, *_ in timed if is_comm(p) or lane == "comm"])
+    main_comm = union([(s, s + d) for p, s, d, lane, *_ in timed if lane == "main" and is_comm(p)])
     beside = [s for _, s, _, lane, *_ in timed if lane == "comm"]
     compute = [
         _computing(s, s + d, beside)
         for p, s, d, lane, *_ in timed
-        if lane == "main" and not is_comm(p) and _intersection([(s, s + d)], main_comm) == 0.0
+        if lane == "main" and not is_comm(p) and intersection([(s, s + d)], main_comm) == 0.0
     ]
     busy = sum(e - s for s, e in comm)
-    return busy, _intersection(comm, _union(compute))
+    return busy, intersection(comm, union(compute))
 
 
 def run_summary(rec: dict[str, Any]) -> dict[str, Any]:

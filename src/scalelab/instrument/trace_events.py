@@ -7,9 +7,11 @@ rank's spans on the root's clock:
      "dropped": [per rank], "ranks": [[[name, start_s, dur_s, lane, iteration, args], ...]]}
 
 The trace has one process per rank (per run when several records are merged) and one thread
-per lane: `phases` (the phase stack, nested slices) and `comm` (work beside it: DDP's bucket
-all-reduces). Communication slices carry bytes, peers and the collective in `args`; pipeline
-micro-batch slices are named F<m>/B<m>. Format: the Trace Event Format's complete events
+per lane: `phases` (the phase stack, nested slices), `comm` (work beside it: DDP's bucket
+all-reduces) and, for a run traced with --trace, the device's kernels and its communication
+kernels (instrument/kernel_trace.py places them on the same clock). Communication slices
+carry bytes, peers and the collective in `args`; pipeline micro-batch slices are named
+F<m>/B<m>. Format: the Trace Event Format's complete events
 ("ph": "X", ts/dur in microseconds) and metadata events ("ph": "M") naming processes/threads.
 """
 
@@ -39,8 +41,15 @@ COMM_PHASES = frozenset(
         "broadcast",
     }  # fmt: skip
 )
-LANES = ("main", "comm")
-LANE_NAMES = {"main": "phases", "comm": "comm (beside the phases)"}
+# main: the phase stack; comm: work beside it (DDP's buckets); device and device-comm: the
+# profiler trace's kernels (instrument/kernel_trace.py), communication kernels apart.
+LANES = ("main", "comm", "device", "device-comm")
+LANE_NAMES = {
+    "main": "phases",
+    "comm": "comm (beside the phases)",
+    "device": "device: kernels, copies",
+    "device-comm": "device: communication kernels",
+}
 RANKS_PER_RUN = 1000  # pid = run index * RANKS_PER_RUN + rank
 
 
@@ -138,7 +147,7 @@ def _metadata(rec: dict[str, Any], pid: int, rank: int, tl: dict[str, Any]) -> l
 
 def _slice(span: list[Any], pid: int, rank: int) -> dict[str, Any]:
     path, start, dur, lane, iteration, args = span
-    comm = is_comm(path) or lane == "comm"
+    comm = is_comm(path) or lane in ("comm", "device-comm")
     return {
         "name": slice_name(path, args),
         "cat": "comm" if comm else "compute",
