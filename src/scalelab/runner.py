@@ -270,7 +270,7 @@ def build_record(
     # A training step costs ~3 forwards (backward = grad wrt activations + grad wrt weights).
     flops = workload.flops_per_item() * items * (3 if out.history is not None else 1)
     rec = new_record(
-        status="ok",
+        status="ok" if check is None or check.passed else "check-failed",
         workload=cfg.workload,
         strategy=cfg.strategy,
         mode="train" if cfg.train else "infer",
@@ -307,6 +307,18 @@ def build_record(
         rec.update(loss=out.history.loss, accuracy=out.history.accuracy, steps=out.history.steps)
         rec.update(headline(timings, items))
     return rec
+
+
+def check_failure_line(rec: dict[str, Any]) -> str | None:
+    """The one line naming a failed check (None when it passed or did not run): what was
+    compared with what, the error and the bound it broke."""
+    if rec.get("status") != "check-failed":
+        return None
+    return (
+        f"{rec['workload']} under {rec['strategy']} x{rec['ranks']} ({rec['precision']}): "
+        f"relerr {rec['relerr']:.2e} against the {rec.get('reference', 'float64')} reference "
+        f"exceeds the tolerance {rec['tolerance']:.1e}"
+    )
 
 
 def format_summary(rec: dict[str, Any]) -> str:

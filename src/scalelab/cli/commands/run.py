@@ -25,12 +25,12 @@ from scalelab.cli.options import (
 from scalelab.comm import job_status
 from scalelab.comm.launch import inside_launcher, settle_config, torchrun_command
 from scalelab.config import RunConfig
-from scalelab.errors import UsageError
+from scalelab.errors import EXIT_FAILED, UsageError
 from scalelab.orchestration import srun_task
 from scalelab.orchestration.jobs import JobOutcome, relaunch_job, run_job
 from scalelab.outputs import check_run_outputs
 from scalelab.record import DEFAULT_RESULTS, append_record, failed_record
-from scalelab.runner import check_config, execute, format_summary
+from scalelab.runner import check_config, check_failure_line, execute, format_summary
 from scalelab.strategies import STRATEGIES
 from scalelab.train import checkpoint
 from scalelab.train.guards import TrainingDiverged
@@ -175,7 +175,20 @@ def run_one(args: argparse.Namespace) -> tuple[int, dict[str, Any] | None]:
     if not args.no_record:
         print(f"  record appended to {args.out}", file=_human(args))
     sys.stdout.flush()
+    _say_check_failed(report.record)
     return report.exit_code, report.record
+
+
+def _say_check_failed(record: dict[str, Any]) -> None:
+    """The contract's one line for a failed check (exit 1); a rank of a launched job hands
+    it to the launching process, which prints it instead of naming a dead rank."""
+    what = check_failure_line(record)
+    if what is None:
+        return
+    line = f"scalelab run{job_status.CHECK_FAILED}{what}"
+    if not job_status.report(line, EXIT_FAILED):
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
 
 
 def _last_new_record(results: Path | None, before: int) -> dict[str, Any] | None:
