@@ -128,9 +128,10 @@ def explain(
 ) -> JobOutcome:
     """The one line: a rank's refusal first (exit 2: every rank refused alike), then a failed
     check (the job finished: the root exited 1 after its record, which torchrun and mpiexec
-    report as a rank's exit; nobody died), then a rank killed by a signal (the others' failures follow from it), then, under mpiexec, a rank
-    that vanished without a line while the others' lines say a peer vanished, then a rank's
-    own failure line, then the rank the launcher saw exit, else the launcher's code."""
+    report as a rank's exit; nobody died), then a rank killed by a signal (the others'
+    failures follow from it), then, under mpiexec, a rank that vanished without a line while
+    the others' lines say a peer vanished, then a rank's own failure line, then the rank the
+    launcher saw exit, else the launcher's code."""
     said = notes(folder)
     refusals = [n for n in said if n[0] == 2]
     status = statuses(folder)

@@ -55,13 +55,22 @@ def load_factory(spec: str) -> Callable[..., Any]:
     return obj
 
 
+# Packages a README line's model comes from that scalelab's own install does not bring.
+OPTIONAL = {
+    "torchvision": 'pip install "scalelab[vision]" (torchvision, the build that matches '
+    "your torch)",
+}
+
+
 def _import(spec: str, name: str):
     if name.endswith(".py") or "/" in name or "\\" in name:
         return _import_path(spec, Path(name))
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError as exc:
-        raise UsageError(f"--model {spec}: no module named {exc.name!r}") from None
+        top = (exc.name or "").partition(".")[0]
+        fix = f": {OPTIONAL[top]}" if top in OPTIONAL else ""
+        raise UsageError(f"--model {spec}: no module named {exc.name!r}{fix}") from None
     except Exception as exc:  # the user's module failed while importing
         raise UsageError(f"--model {spec}: importing {name} raised {_one_line(exc)}") from None
 

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from scalelab import environment
 from scalelab.cli.base import COMMANDS, Command
 from scalelab.cli.options import (
     add_config_options,
@@ -230,6 +231,10 @@ def _defaults(args: argparse.Namespace) -> dict[str, Any]:
 def preflight(strategy: type, cfg: RunConfig) -> None:
     """Checks a strategy can make without ranks (so a launcher never starts for bad input)."""
     check_config(cfg)
+    if _launcher(strategy, cfg) == "mpi":  # mpi4py and a library it loads, or one line
+        problem = environment.mpi_problem()
+        if problem is not None:
+            raise UsageError(problem)
     check = getattr(strategy, "preflight", None)
     global_batch = check(cfg) if check is not None else cfg.batch
     if cfg.resume is not None:

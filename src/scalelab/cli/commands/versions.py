@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import os
 import subprocess
 import sys
@@ -92,10 +91,11 @@ def unavailable(v: Variant, base: RunConfig) -> str | None:
     if v.device == "cuda" and v.ranks > torch.cuda.device_count():
         return f"needs {v.ranks} GPUs, this machine has {torch.cuda.device_count()}"
     if STRATEGIES.get(v.strategy).launcher == "mpi":
-        if importlib.util.find_spec("mpi4py") is None:
-            return (
-                "mpi4py is not installed (pip install -e '.[mpich]', or '.[mpi]' over a site MPI)"
-            )
+        from scalelab.environment import mpi_problem
+
+        problem = mpi_problem()
+        if problem is not None:
+            return problem
         from scalelab.comm.launch import find_mpiexec
 
         try:
