@@ -336,3 +336,20 @@ def _cause(rows: list[ModuleError]) -> ModuleError | None:
                    for o in flagged if o is not r)
     ]  # fmt: skip
     return max(inner, key=lambda r: r.ratio) if inner else None
+
+
+def a_priori(model: nn.Module, u: float) -> float:
+    """A relerr bound from the dtype's rounding alone: BASE * u * sqrt(k) summed over every
+    leaf module's reduction of length k (depth enters through the sum)."""
+    leaves = [m for m in model.modules() if not list(m.children())]
+    return sum(BASE * u * math.sqrt(reduction_length(m)) for m in leaves)
+
+
+def explanation_lines(stored: dict[str, Any] | None) -> list[str]:
+    """The summary's lines for a record's `explain` (to_record's dict); none without one."""
+    if not stored:
+        return []
+    cause = stored.get("cause")
+    rows = [ModuleError(**m) for m in stored.get("modules", [])]
+    found = None if cause is None else ModuleError(**cause)
+    return Explanation(rows, found, stored["unit_roundoff"], stored.get("notes", [])).lines()
