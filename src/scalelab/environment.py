@@ -80,10 +80,13 @@ def _mpi_module():
 def mpi_problem() -> str | None:
     """Why MPI strategies cannot run here, in one line (None: mpi4py loads an MPI library).
     Loads the library (not MPI_Init): call it only where MPI is about to be used."""
+    missing = "MPI strategies need mpi4py and an MPI library: " + MPI_FIX
+    if importlib.util.find_spec("mpi4py") is None:
+        return missing
     try:
         import mpi4py
     except ImportError:
-        return "MPI strategies need mpi4py and an MPI library: " + MPI_FIX
+        return missing
     if "mpi4py.MPI" in sys.modules:
         return None
     mpi4py.rc.initialize = False  # loading is not initialising: comm/mpi.import_mpi does that

@@ -4,7 +4,7 @@ saying how, and, when the check fails or `--explain` asks, where the error enter
 The bound (record: `tolerance`, `tolerance_basis`):
   --tolerance X   X, as given
   one process     max(the dtype's fixed tolerance (precision.py, the floor), the a-priori
-                  bound BASE * u * sum over leaves of sqrt(reduction length))
+                  bound APRIORI * u * sqrt(sum over leaf modules of their reduction length))
   a strategy      max(the floor, FACTOR x the relerr of the plain one-process run in the
                   same dtype and device on the same inputs): the split must not lose what one
                   process keeps. When that one process itself exceeds its own bound, the
@@ -58,7 +58,8 @@ def derive_bound(
         return Bound(given, "--tolerance")
     own = Bound(floor, f"the {dtype} tolerance {floor:.0e}")
     if a_priori > floor:
-        own = Bound(a_priori, f"a-priori: 8 u sqrt(k) over the layers, u of {dtype}")
+        how = f"a-priori: {ex.APRIORI:g} u sqrt(sum of reduction lengths), u of {dtype}"
+        own = Bound(a_priori, how)
     if single is None:
         return own
     if single > own.value:
@@ -88,7 +89,8 @@ def inference_check(
     run_model, model64 = models(workload, params, strategy)
     single = None
     if strategy.name != "local" or cfg.fast:  # the run was not the plain one-process run
-        single = relative_error(one_process(workload, strategy, run_model, inputs.x), ref)
+        single = _or_none(lambda: relative_error(one_process(workload, strategy, run_model,
+                                                             inputs.x), ref))  # fmt: skip
     prior = ex.a_priori(model64, u)
     bound = derive_bound(cfg.tolerance, precision.tolerance, prior, single, precision.name)
     result = check_output(out, ref, bound.value, digest_tolerance(precision))
@@ -96,11 +98,24 @@ def inference_check(
               "a_priori_bound": prior, "one_process_relerr": single}  # fmt: skip
     lines = []
     if cfg.explain or not result.passed:
-        why = explain_run(workload, strategy, run_model, model64, inputs.x, u)
-        why.notes += split_or_dtype(result.relerr, single, bound, precision.name)
-        fields["explain"] = why.to_record()
-        lines = why.lines()
+        why = _or_none(lambda: explain_run(workload, strategy, run_model, model64, inputs.x, u))
+        if why is not None:
+            why.notes += split_or_dtype(result.relerr, single, bound, precision.name)
+            fields["explain"] = why.to_record()
+            lines = why.lines()
     return InferenceCheck(result, fields, lines)
+
+
+def _or_none(work):
+    """work(), or None when the model does not fit one device in one process (a pipeline's
+    reason to exist): the bound then falls back to one process's own, and nothing is
+    explained."""
+    try:
+        return work()
+    except (torch.OutOfMemoryError, MemoryError):
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return None
 
 
 def models(
