@@ -135,37 +135,37 @@ def capture(
     model: nn.Module, x: torch.Tensor, context: Callable[[], AbstractContextManager] = nullcontext
 ) -> dict[str, list[_Call]]:
     """module path -> its calls (inputs, first tensor output, kernel in force), in call order.
-    Inputs are copied before the call, outputs right after it (ReLU(inplace=True) follows)."""
+    Each module's forward is wrapped on the instance, not hooked: torch's fused paths (the
+    TransformerEncoderLayer fast path in eval) turn off when a module carries hooks, and the
+    explanation must see the kernels the run used. Inputs are copied before the call,
+    outputs right after it (a later ReLU(inplace=True) would change them)."""
     calls: dict[str, list[_Call]] = {}
-    pending: dict[str, list[tuple]] = {}
-
-    def before(name: str):
-        def record(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            pending.setdefault(name, []).append((_copy(args), _copy(kwargs)))
-
-        return record
-
-    def after(name: str):
-        def record(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
-            args, kwargs = pending[name].pop()
-            first = _first_tensor(out)
-            if first is not None:
-                kernel = kernel_choice(module, first, _first_tensor(args))
-                calls.setdefault(name, []).append(_Call(args, kwargs, _copy(first), kernel))
-
-        return record
-
-    handles = []
-    for n, m in model.named_modules():
-        handles.append(m.register_forward_pre_hook(before(n), with_kwargs=True))
-        handles.append(m.register_forward_hook(after(n), with_kwargs=True))
+    saved = []
+    for name, module in model.named_modules():
+        saved.append((module, module.__dict__.get("forward")))
+        module.forward = _recorder(name, module, module.forward, calls)
     try:
         with torch.no_grad(), context():
             model(x)
     finally:
-        for h in handles:
-            h.remove()
+        for module, own in saved:
+            del module.forward
+            if own is not None:
+                module.forward = own
     return calls
+
+
+def _recorder(name: str, module: nn.Module, forward: Callable, calls: dict) -> Callable:
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        before = (_copy(args), _copy(kwargs))
+        out = forward(*args, **kwargs)
+        first = _first_tensor(out)
+        if first is not None:
+            kernel = kernel_choice(module, first, _first_tensor(args))
+            calls.setdefault(name, []).append(_Call(*before, _copy(first), kernel))
+        return out
+
+    return recorded
 
 
 def kernel_choice(module: nn.Module, out: torch.Tensor, x: torch.Tensor | None) -> str:
@@ -305,11 +305,21 @@ def explain(
                     out_err=_err(r.output, f.output),
                     own_err=own[name, i],
                     expected=budget[name] + GROWTH * passed,
-                    kernel=r.kernel,
+                    kernel=_fused(modules[name], name, names, r.kernel),
                 )
             )
     rows.sort(key=lambda r: (_depth(r.module), r.module, r.call))
     return Explanation(rows, _cause(rows), u)
+
+
+def _fused(module: nn.Module, name: str, names: set[str], kernel: str) -> str:
+    """kernel, plus torch's fused encoder path when a TransformerEncoderLayer ran without
+    calling its children (eval mode: torch._transformer_encoder_layer_fwd, native attention)."""
+    layer = nn.TransformerEncoderLayer | nn.TransformerDecoderLayer
+    attn = f"{name}.self_attn" if name else "self_attn"
+    if not isinstance(module, layer) or attn in names:
+        return kernel
+    return ", ".join(p for p in (kernel, "fused fast path (children not called)") if p)
 
 
 def _depth(name: str) -> int:
