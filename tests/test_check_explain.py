@@ -130,3 +130,16 @@ def test_without_an_mpi_library_only_mpi_strategies_are_refused(tmp_path):
     env = subprocess.run([sys.executable, "-m", "scalelab", "env", "--json"], capture_output=True,
                          text=True, env={**os.environ, **gone}, timeout=120)  # fmt: skip
     assert "finds no MPI library" in json.loads(env.stdout)["mpi_problem"]
+
+
+def test_versions_report_and_the_schema_read_check_failed():
+    """A failed check is a finished run (its timings stand) that says check-failed."""
+    pytest.importorskip("pandas")
+    from scalelab.analysis.frame import ok_records, records_frame
+    from scalelab.cli.commands.versions import Variant, format_table
+    from scalelab.record_schema import problem
+
+    rec = _run(**MLP)
+    assert problem(rec) is None and ok_records([rec]) == [rec]
+    assert list(records_frame([rec])["status"]) == ["check-failed"]
+    assert "check-failed" in format_table([(Variant("local", "local"), rec)])
