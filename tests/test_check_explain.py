@@ -143,3 +143,24 @@ def test_versions_report_and_the_schema_read_check_failed():
     assert problem(rec) is None and ok_records([rec]) == [rec]
     assert list(records_frame([rec])["status"]) == ["check-failed"]
     assert "check-failed" in format_table([(Variant("local", "local"), rec)])
+
+
+def test_strict_fp32_turns_reduced_precision_kernels_off_and_back():
+    import torch
+
+    from scalelab.precision import strict_fp32
+
+    before = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = True  # cuDNN may use TF32 for fp32 convolutions
+    try:
+        with strict_fp32(True):
+            assert not torch.backends.cuda.matmul.allow_tf32
+            assert not torch.backends.cudnn.allow_tf32
+            assert torch.backends.cuda.math_sdp_enabled()
+            assert not torch.backends.cuda.flash_sdp_enabled()
+        assert torch.backends.cudnn.allow_tf32 and torch.backends.cuda.flash_sdp_enabled()
+        rec = _run(**MLP, model_arg=("bad=0",), strict_fp32=True)
+        assert rec["status"] == "ok" and rec["config"]["strict_fp32"]
+        assert torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cudnn.allow_tf32 = before

@@ -56,18 +56,17 @@ def unit_roundoff(precision: Precision, device: str) -> float:
 @contextmanager
 def strict_fp32(on: bool) -> Iterator[None]:
     """--strict-fp32: fp32 matmul and convolution in IEEE fp32 (TF32 off for cuBLAS and
-    cuDNN, float32 matmul precision "highest", which also keeps oneDNN on the CPU from bf16)
-    and scaled-dot-product attention on its math backend; everything put back after."""
+    cuDNN) and scaled-dot-product attention on its math backend; everything put back after.
+    Only the per-backend flags the strategies set themselves are touched: torch refuses to
+    read the generic float32 matmul precision once legacy and per-backend settings mix."""
     if not on:
         yield
         return
     cuda = torch.backends.cuda
     sdp = ("flash", "mem_efficient", "cudnn")
     saved_sdp = {n: getattr(cuda, f"{n}_sdp_enabled")() for n in sdp if _has_sdp(n)}
-    saved = (cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
-             torch.get_float32_matmul_precision(), cuda.math_sdp_enabled())  # fmt: skip
+    saved = (cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, cuda.math_sdp_enabled())
     cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    torch.set_float32_matmul_precision("highest")
     cuda.enable_math_sdp(True)
     for name in saved_sdp:
         getattr(cuda, f"enable_{name}_sdp")(False)
@@ -75,8 +74,7 @@ def strict_fp32(on: bool) -> Iterator[None]:
         yield
     finally:
         cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[0], saved[1]
-        torch.set_float32_matmul_precision(saved[2])
-        cuda.enable_math_sdp(saved[3])
+        cuda.enable_math_sdp(saved[2])
         for name, was in saved_sdp.items():
             getattr(cuda, f"enable_{name}_sdp")(was)
 

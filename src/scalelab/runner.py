@@ -140,7 +140,7 @@ def _execute(
         raise RunFailed(bad)
     check, verdict = None, None
     if cfg.check:
-        verdict = _inference_check(workload, strategy, output, inputs, reference_params)
+        verdict = _inference_check(workload, strategy, model, output, inputs, reference_params)
         check = verdict.result
     if cfg.save_weights is not None:  # inference: the weights it ran (they are unchanged)
         save_weights(output.model if output.model is not None else model, cfg.save_weights)
@@ -158,6 +158,7 @@ def _execute(
 def _inference_check(
     workload: Workload,
     strategy: Strategy,
+    model: Any,
     output: RunOutput,
     inputs: Inputs,
     params: dict[str, np.ndarray],
@@ -170,7 +171,7 @@ def _inference_check(
     )
     return _slow_note(
         "check: the one-process run in the same dtype, the bound, the explanation...",
-        lambda: inference_check(workload, strategy, output.output, inputs, params, ref),
+        lambda: inference_check(workload, strategy, model, output.output, inputs, params, ref),
     )
 
 

@@ -186,6 +186,13 @@ def kernel_choice(module: nn.Module, out: torch.Tensor, x: torch.Tensor | None) 
             parts.append("TF32 cuDNN")
         if isinstance(module, nn.MultiheadAttention | nn.TransformerEncoderLayer):
             parts.append("SDPA " + sdpa_backends())
+    try:  # "high"/"medium": TF32 or bf16 passes (torch refuses when settings were mixed)
+        precision = torch.get_float32_matmul_precision()
+    except RuntimeError:
+        precision = "highest"
+    matmul = nn.Linear | nn.Bilinear | nn.MultiheadAttention | nn.modules.conv._ConvNd
+    if out.dtype == torch.float32 and precision != "highest" and isinstance(module, matmul):
+        parts.append(f"float32 matmul precision {precision}")
     return ", ".join(parts)
 
 

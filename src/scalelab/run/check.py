@@ -73,32 +73,39 @@ def derive_bound(
 def inference_check(
     workload: Workload,
     strategy: Strategy,
+    model: torch.nn.Module,
     out: np.ndarray,
     inputs: Inputs,
     params: dict[str, np.ndarray],
     ref: np.ndarray,
 ) -> InferenceCheck:
     """The run's output against the float64 reference ref, held to the derived bound;
-    explained when it fails or --explain asks. Root rank only."""
+    explained when it fails or --explain asks. model: the run's (its structure sets the
+    a-priori bound); fresh copies are built only for a comparison. Root rank only."""
     cfg, precision = strategy.cfg, strategy.precision
     if not isinstance(strategy, TorchStrategy):  # serial: the float64 NumPy forward itself
         bound = derive_bound(cfg.tolerance, precision.tolerance, 0.0, None, precision.name)
         result = check_output(out, ref, bound.value, digest_tolerance(precision))
         return InferenceCheck(result, {"tolerance_basis": bound.basis}, [])
     u = unit_roundoff(precision, strategy.device.type)
-    run_model, model64 = models(workload, params, strategy)
+    built: list[torch.nn.Module] = []
+
+    def pair() -> list[torch.nn.Module]:  # (run-dtype copy, float64 copy), built on first use
+        built[:] = built or models(workload, params, strategy)
+        return built
+
     single = None
     if strategy.name != "local" or cfg.fast:  # the run was not the plain one-process run
-        single = _or_none(lambda: relative_error(one_process(workload, strategy, run_model,
+        single = _or_none(lambda: relative_error(one_process(workload, strategy, pair()[0],
                                                              inputs.x), ref))  # fmt: skip
-    prior = ex.a_priori(model64, u)
+    prior = ex.a_priori(model, u)
     bound = derive_bound(cfg.tolerance, precision.tolerance, prior, single, precision.name)
     result = check_output(out, ref, bound.value, digest_tolerance(precision))
     fields = {"tolerance_basis": bound.basis, "tolerance_floor": precision.tolerance,
               "a_priori_bound": prior, "one_process_relerr": single}  # fmt: skip
     lines = []
     if cfg.explain or not result.passed:
-        why = _or_none(lambda: explain_run(workload, strategy, run_model, model64, inputs.x, u))
+        why = _or_none(lambda: explain_run(workload, strategy, *pair(), inputs.x, u))
         if why is not None:
             why.notes += split_or_dtype(result.relerr, single, bound, precision.name)
             fields["explain"] = why.to_record()
