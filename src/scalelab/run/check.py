@@ -16,6 +16,7 @@ Training checks are not done here (the training check reads its own bound).
 from __future__ import annotations
 
 import copy
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,7 @@ from scalelab.strategies import Strategy
 from scalelab.strategies.torch_base import TorchStrategy
 from scalelab.workloads import Inputs, Workload
 
+_log = logging.getLogger("scalelab.run")
 FACTOR = 10.0  # a strategy may be this much worse than one process in the same dtype
 
 
@@ -115,14 +117,17 @@ def inference_check(
 
 def _or_none(work):
     """work(), or None when the model does not fit one device in one process (a pipeline's
-    reason to exist): the bound then falls back to one process's own, and nothing is
-    explained."""
+    reason to exist) or the comparison cannot run: the bound then falls back to one
+    process's own, and nothing is explained. The run's own verdict never depends on it."""
     try:
         return work()
     except (torch.OutOfMemoryError, MemoryError):
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        return None
+        _log.warning("check: the one-process comparison does not fit in memory; skipped")
+    except Exception as exc:  # noqa: BLE001 (a comparison's failure is not the run's)
+        _log.warning(f"check: the one-process comparison failed ({type(exc).__name__}: {exc})")
+    return None
 
 
 def models(
