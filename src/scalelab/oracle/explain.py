@@ -1,6 +1,6 @@
 """Where the error entered: the model run in the run's dtype/device and in float64 on the same
-inputs, with forward hooks on every module of its tree (containers too: precision can be lost
-in a module's own forward between its children).
+inputs, with every module of its tree watched (containers too: precision can be lost in a
+module's own forward between its children; each forward is wrapped, not hooked, see capture).
 
 For each call of each module (first tensor output; N items):
   in_err   relerr of its floating inputs against the float64 run's (what it was handed)
