@@ -46,7 +46,10 @@ def _check_program(proc, ranks):
         assert r["relerr"] <= r["tolerance"] and r["digest"] == r["reference_digest"], r
         assert len(r["rank_phases"]) == ranks
     by_split = {(r["workload"], r["split"]): r for r in runs}
-    assert all(r["tolerance"] == 1e-5 for k, r in by_split.items() if "bf16" not in k[1])
+    # the bound: the fp32 floor, or 10x one process in fp32 on the same inputs (run/check.py)
+    for k, r in by_split.items():
+        if "bf16" not in k[1]:
+            assert r["tolerance"] == pytest.approx(max(1e-5, 10 * r["one_process_relerr"])), r
     assert by_split[("alexnet", "spatial-bf16")]["relerr"] > 1e-4  # autocast really lowered
     return by_split
 

@@ -49,6 +49,25 @@ class RunConfig:
         "Compare the output with the float64 NumPy oracle; exit 1 if over tolerance.",
         section="infer",
     )
+    # The inference check's bound, its explanation and strict kernels (run/check.py).
+    explain: bool = opt(
+        False,
+        "With --check: report each module's error against float64 and name where the error "
+        "entered (always done when the check fails).",
+        section="infer",
+    )
+    tolerance: float | None = opt(
+        None,
+        "With --check: the relerr bound, overriding the derived one (the per-dtype tolerance "
+        "as a floor; for a distributed strategy, 10x the one-process run in the same dtype).",
+        section="infer",
+    )
+    strict_fp32: bool = opt(
+        False,
+        "fp32 as IEEE fp32: TF32 off for matmul and cuDNN, the math attention (SDPA) backend; "
+        "shows whether a kernel choice lost the precision.",
+        section="run",
+    )
     seed: int = opt(0, "Seeds weights, synthetic inputs and data splits.", section="run")
     quiet: bool = opt(False, "No progress lines on stderr.", section="run")
     threads: int | None = opt(

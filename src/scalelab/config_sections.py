@@ -59,6 +59,8 @@ class Section:
                 raise UsageError(f"--{flag(name)} must be {bound}, got {value}")
         for name, (lo, hi, lo_open) in self.floats.items():
             value = getattr(cfg, name)
+            if value is None:  # an optional float: None passes, as for ints
+                continue
             inside = lo < value <= hi if lo_open else lo <= value <= hi
             if not (math.isfinite(value) and inside):
                 span = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
@@ -81,6 +83,13 @@ def _known(value: Any, known: tuple, what: str) -> None:
 def _run_rules(cfg: Any) -> None:
     _known(cfg.dtype, tuple(PRECISIONS), "dtype")
     _known(cfg.device, DEVICES, "device")
+    if cfg.strict_fp32 and cfg.dtype not in ("fp32", "fp64"):
+        raise UsageError(f"--strict-fp32 goes with --dtype fp32 (or fp64), not {cfg.dtype}")
+
+
+def _infer_rules(cfg: Any) -> None:
+    if (cfg.explain or cfg.tolerance is not None) and not cfg.check:
+        raise UsageError("--explain and --tolerance go with --check")
 
 
 def _workload_rules(cfg: Any) -> None:
@@ -161,7 +170,8 @@ SECTIONS: dict[str, Section] = {
         # Timing and data sizes are read in both modes as far as a caller can tell: scripts
         # and tests pass one set of them to inference and training runs alike.
         Section("timing", "timing", {"iters": (1, 10**7), "warmup": (0, 10**7)}),
-        Section("infer", "inference (without --train)"),
+        Section("infer", "inference (without --train)",
+                floats={"tolerance": (0.0, 1e6, True)}, rules=_infer_rules),
         Section("train", "training (--train)", {"epochs": (1, 10**6), "steps": (1, BIG)},
             {"lr": (0.0, 1e30, True), "momentum": (0.0, 0.999999, False),
              "l2": (0.0, 1e6, False)}),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import platform
 import socket
@@ -57,17 +58,45 @@ def nvidia_driver() -> str | None:
         return None
 
 
+MPI_FIX = 'load your MPI (`module load <your MPI>`) or install MPICH: pip install "scalelab[mpich]"'
+
+
 def _mpi_module():
-    """mpi4py's MPI module, imported without initialising MPI (None without mpi4py)."""
+    """mpi4py's MPI module, imported without initialising MPI (None without mpi4py, or when
+    mpi4py finds no MPI library: mpi_problem says why)."""
     try:
         import mpi4py
     except ImportError:
         return None
     if "mpi4py.MPI" not in sys.modules:
         mpi4py.rc.initialize = False  # MPI_Get_library_version may be called before MPI_Init
-    from mpi4py import MPI
-
+    try:
+        from mpi4py import MPI
+    except RuntimeError:  # mpi4py's "cannot load MPI library": none on the loader's path
+        return None
     return MPI
+
+
+def mpi_problem() -> str | None:
+    """Why MPI strategies cannot run here, in one line (None: mpi4py loads an MPI library).
+    Loads the library (not MPI_Init): call it only where MPI is about to be used."""
+    missing = "MPI strategies need mpi4py and an MPI library: " + MPI_FIX
+    if importlib.util.find_spec("mpi4py") is None:
+        return missing
+    try:
+        import mpi4py
+    except ImportError:
+        return missing
+    if "mpi4py.MPI" in sys.modules:
+        return None
+    mpi4py.rc.initialize = False  # loading is not initialising: comm/mpi.import_mpi does that
+    mpi4py.rc.finalize = False
+    try:
+        from mpi4py import MPI  # noqa: F401
+    except RuntimeError as exc:
+        why = " ".join(str(exc).split("\n")[1:2]) or str(exc)
+        return f"mpi4py {mpi4py.__version__} finds no MPI library ({why}): {MPI_FIX}"
+    return None
 
 
 def mpi_library() -> str | None:
@@ -143,10 +172,12 @@ def mpi_cuda_aware(version: str) -> bool | None:
 
 
 def mpi_info() -> dict[str, Any]:
-    """Which MPI (version line), which PMI it speaks, CUDA-awareness and its mpiexec."""
+    """Which MPI (version line), which PMI it speaks, CUDA-awareness and its mpiexec; when
+    mpi4py is installed but finds no library, `mpi_problem` says so and how to fix it."""
     MPI = _mpi_module()
     if MPI is None:
-        return {"mpi_library": None}
+        problem = mpi_problem() if importlib.util.find_spec("mpi4py") is not None else None
+        return {"mpi_library": None, **({"mpi_problem": problem} if problem else {})}
     version = MPI.Get_library_version()
     mpiexec = mpiexec_of_library()
     return {
@@ -189,8 +220,12 @@ def git_commit() -> dict[str, Any]:
     return {"git_commit": head, "git_dirty": bool(dirty.strip())}
 
 
-@lru_cache(maxsize=1)
-def collect() -> dict[str, Any]:
+@lru_cache(maxsize=2)
+def collect(load_mpi: bool = False) -> dict[str, Any]:
+    """The environment a record carries. The MPI library is named when this process already
+    loaded it (an MPI run) or load_mpi asks (`scalelab env`): a run that needs no MPI never
+    loads it (mpi4py without a library on the loader's path would end it)."""
+    mpi = mpi_info() if load_mpi or "mpi4py.MPI" in sys.modules else {"mpi_library": None}
     return {
         "hostname": socket.gethostname(),
         "platform": platform.platform(),
@@ -201,7 +236,7 @@ def collect() -> dict[str, Any]:
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if torch.cuda.is_available() else None,
         "numpy": np.__version__,
-        **mpi_info(),
+        **mpi,
         **gpu_info(),
         **git_commit(),
     }

@@ -8,6 +8,8 @@ margin; tf32 and fp16 keep a 10/11-bit mantissa (u ~ 5e-4), bf16 an 8-bit one (u
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -39,3 +41,44 @@ def get_precision(name: str) -> Precision:
         return PRECISIONS[name]
     except KeyError:
         raise UsageError(f"unknown dtype {name!r} (known: {', '.join(PRECISIONS)})") from None
+
+
+def unit_roundoff(precision: Precision, device: str) -> float:
+    """u of the arithmetic a run's kernels are expected to use: the autocast dtype's, TF32's
+    10-bit mantissa on a GPU (2**-11), else the storage dtype's (fp32: 2**-24)."""
+    if precision.autocast is not None:
+        return torch.finfo(precision.autocast).eps / 2
+    if precision.tf32 and device == "cuda":
+        return 2.0**-11
+    return torch.finfo(precision.storage).eps / 2
+
+
+@contextmanager
+def strict_fp32(on: bool) -> Iterator[None]:
+    """--strict-fp32: fp32 matmul and convolution in IEEE fp32 (TF32 off for cuBLAS and
+    cuDNN) and scaled-dot-product attention on its math backend; everything put back after.
+    Only the per-backend flags the strategies set themselves are touched: torch refuses to
+    read the generic float32 matmul precision once legacy and per-backend settings mix."""
+    if not on:
+        yield
+        return
+    cuda = torch.backends.cuda
+    sdp = ("flash", "mem_efficient", "cudnn")
+    saved_sdp = {n: getattr(cuda, f"{n}_sdp_enabled")() for n in sdp if _has_sdp(n)}
+    saved = (cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, cuda.math_sdp_enabled())
+    cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    cuda.enable_math_sdp(True)
+    for name in saved_sdp:
+        getattr(cuda, f"enable_{name}_sdp")(False)
+    try:
+        yield
+    finally:
+        cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[0], saved[1]
+        cuda.enable_math_sdp(saved[2])
+        for name, was in saved_sdp.items():
+            getattr(cuda, f"enable_{name}_sdp")(was)
+
+
+def _has_sdp(name: str) -> bool:
+    cuda = torch.backends.cuda
+    return hasattr(cuda, f"{name}_sdp_enabled") and hasattr(cuda, f"enable_{name}_sdp")

@@ -35,12 +35,18 @@ FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {
     "relerr": (NUMBER, True),
     "tolerance": (NUMBER, True),
     "check_passed": ((bool,), True),
+    "tolerance_basis": (TEXT, True),
+    "one_process_relerr": (NUMBER, True),
+    "explain": ((dict,), True),
     "loss": ((list,), True),
     "accuracy": ((list,), True),
     "walls_s": ((list,), True),
     "wall_spread_s": ((dict,), True),
     "error": (TEXT, True),
 }
+# A run that finished carries its timings: "ok", or "check-failed" (it ran, and its output
+# disagreed with the reference beyond the bound it was held to: exit 1). "failed" carries none.
+FINISHED = ("ok", "check-failed")
 REQUIRED_WHEN_OK = ("workload", "strategy", "mode", "ranks", "items", "wall_s", "config")
 CONFIG_FIELDS = {"batch": (int,), "ranks": (int,), "hidden": (int,), "image_size": (int,),
                  "workload": TEXT, "strategy": TEXT, "device": TEXT, "dtype": TEXT,
@@ -54,10 +60,10 @@ def problem(rec: dict[str, Any]) -> str | None:
             continue
         if not _is(rec[name], kinds):
             return f"field {name!r} holds {_kind(rec[name])}, expected {kinds[0].__name__}"
-    if rec.get("status") == "ok" or ("status" not in rec and "wall_s" in rec):  # read as a run
+    if finished(rec):  # read as a run
         for name in REQUIRED_WHEN_OK:
             if rec.get(name) is None:
-                return f"status ok but no {name!r}"
+                return f"status {rec.get('status', 'ok')} but no {name!r}"
         if rec["ranks"] < 1 or not math.isfinite(rec["wall_s"]) or rec["items"] < 0:
             return "ranks < 1, items < 0 or a non-finite wall_s"
     for name, kinds in CONFIG_FIELDS.items():
@@ -76,6 +82,14 @@ def problem(rec: dict[str, Any]) -> str | None:
         if not all(v is None or _is(v, NUMBER) for v in rec.get(name) or []):
             return f"{name} holds a value that is not a number"
     return None
+
+
+def finished(rec: dict[str, Any]) -> bool:
+    """A run that finished with timings (status ok or check-failed; old records without a
+    status that carry a wall time)."""
+    if "status" not in rec:
+        return "wall_s" in rec
+    return rec["status"] in FINISHED
 
 
 def _is(value: Any, kinds: tuple[type, ...]) -> bool:

@@ -22,10 +22,12 @@ from scalelab.comm import job_status
 from scalelab.config import RunConfig
 from scalelab.errors import RunFailed, UsageError
 from scalelab.instrument import host_checks
-from scalelab.oracle.check import CheckResult, check_output
-from scalelab.precision import PRECISIONS, Precision
+from scalelab.oracle.check import CheckResult
+from scalelab.oracle.explain import explanation_lines
+from scalelab.precision import strict_fp32
 from scalelab.record import append_record, failed_record, new_record
 from scalelab.results import RunOutput
+from scalelab.run.check import InferenceCheck, inference_check
 from scalelab.run.numbers import numbers_lines
 from scalelab.run.session import instrumented
 from scalelab.strategies import STRATEGIES, Strategy
@@ -58,7 +60,8 @@ def execute(cfg: RunConfig, results: Path | None) -> RunReport:
         strategy.close()  # every rank refused alike: nobody to abort
         raise
     try:
-        return _execute(cfg, workload, strategy, results)
+        with strict_fp32(cfg.strict_fp32):  # the run and its check alike
+            return _execute(cfg, workload, strategy, results)
     except BaseException as exc:
         if strategy.comm.size > 1 and not isinstance(exc, (SystemExit, RunFailed)):
             # One rank failing alone would leave the others blocked in a collective.
@@ -135,24 +138,41 @@ def _execute(
     if bad is not None:  # a diverged or poisoned run: failed, and its weights are not kept
         _record_failure(strategy, cfg, results, RunFailed(bad))
         raise RunFailed(bad)
-    check = None
+    check, verdict = None, None
     if cfg.check:
-        ref = _slow_note(
-            f"check: the float64 oracle's forward pass over {len(inputs.x)} items...",
-            lambda: workload.reference_forward(reference_params, inputs.x.numpy()),
-        )
-        check = check_output(
-            output.output, ref, strategy.precision.tolerance, digest_tolerance(strategy.precision)
-        )
+        verdict = _inference_check(workload, strategy, model, output, inputs, reference_params)
+        check = verdict.result
     if cfg.save_weights is not None:  # inference: the weights it ran (they are unchanged)
         save_weights(output.model if output.model is not None else model, cfg.save_weights)
     record = build_record(cfg, workload, strategy, output, check)
+    if verdict is not None:
+        record.update(verdict.fields)
     _add_checks(record, strategy, output, load, places)
     record["rank_wall_s"] = rank_walls
     if results is not None:
         append_record(results, record)
     host_checks.emit(record["warnings"])
     return RunReport(record, check)
+
+
+def _inference_check(
+    workload: Workload,
+    strategy: Strategy,
+    model: Any,
+    output: RunOutput,
+    inputs: Inputs,
+    params: dict[str, np.ndarray],
+) -> InferenceCheck:
+    """run/check.py's verdict: the output against the float64 reference, held to the bound
+    derived for the model (explained when it fails or --explain asks)."""
+    ref = _slow_note(
+        f"check: the float64 oracle's forward pass over {len(inputs.x)} items...",
+        lambda: workload.reference_forward(params, inputs.x.numpy()),
+    )
+    return _slow_note(
+        "check: the one-process run in the same dtype, the bound, the explanation...",
+        lambda: inference_check(workload, strategy, model, output.output, inputs, params, ref),
+    )
 
 
 def _slow_note(line: str, work: Callable[[], Any], after_s: float = 3.0) -> Any:
@@ -221,11 +241,6 @@ def nonfinite(output: RunOutput) -> str | None:
     return None
 
 
-def digest_tolerance(precision: Precision) -> float:
-    """fp64 and fp32 runs share the fp32 digest grid, so serial and local digests compare."""
-    return max(precision.tolerance, PRECISIONS["fp32"].tolerance)
-
-
 def _run_mode(
     strategy: Strategy, workload: Workload, model: Any
 ) -> tuple[RunOutput, Inputs | None]:
@@ -270,7 +285,7 @@ def build_record(
     # A training step costs ~3 forwards (backward = grad wrt activations + grad wrt weights).
     flops = workload.flops_per_item() * items * (3 if out.history is not None else 1)
     rec = new_record(
-        status="ok",
+        status="ok" if check is None or check.passed else "check-failed",
         workload=cfg.workload,
         strategy=cfg.strategy,
         mode="train" if cfg.train else "infer",
@@ -309,6 +324,25 @@ def build_record(
     return rec
 
 
+def check_failure_line(rec: dict[str, Any]) -> str | None:
+    """The one line naming a failed check (None when it passed or did not run): what was
+    compared with what, the error and the bound it broke."""
+    if rec.get("status") != "check-failed":
+        return None
+    cause = (rec.get("explain") or {}).get("cause")
+    where = ""
+    if cause:
+        kernel = f", {cause['kernel']}" if cause.get("kernel") else ""
+        where = f"; the error enters at {cause['module'] or 'the model'} ({cause['kind']}{kernel})"
+    elif (rec.get("explain") or {}).get("notes"):
+        where = "; " + rec["explain"]["notes"][0]
+    return (
+        f"{rec['workload']} under {rec['strategy']} x{rec['ranks']} ({rec['precision']}): "
+        f"relerr {rec['relerr']:.2e} against the {rec.get('reference', 'float64')} reference "
+        f"exceeds the tolerance {rec['tolerance']:.1e}{where}"
+    )
+
+
 def format_summary(rec: dict[str, Any]) -> str:
     """A few human lines for the terminal; the record holds everything else."""
     cfg = rec["config"]
@@ -337,10 +371,12 @@ def format_summary(rec: dict[str, Any]) -> str:
     ]
     if "relerr" in rec:
         verdict = "ok" if rec["check_passed"] else "FAILED"
+        basis = f": {rec['tolerance_basis']}" if rec.get("tolerance_basis") else ""
         lines.append(
-            f"  check: relerr {rec['relerr']:.2e} (tolerance {rec['tolerance']:.0e}) "
+            f"  check: relerr {rec['relerr']:.2e} (tolerance {rec['tolerance']:.1e}{basis}) "
             f"{verdict} | digest {rec['digest']} (float64 oracle {rec['reference_digest']})"
         )
+        lines += explanation_lines(rec.get("explain"))
     if rec["mode"] == "train":
         lines.append(
             f"  final loss {rec['loss'][-1]:.4f} | held-out accuracy {rec['accuracy'][-1]:.4f}"

@@ -59,6 +59,8 @@ for workload, options, splits in CASES:
                 "ranks",
                 "relerr",
                 "tolerance",
+                "tolerance_basis",
+                "one_process_relerr",
                 "digest",
                 "reference_digest",
                 "check_passed",

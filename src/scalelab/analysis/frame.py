@@ -15,6 +15,7 @@ from typing import Any
 import pandas as pd
 
 from scalelab.config import RunConfig, upgrade_record_config
+from scalelab.record_schema import finished
 
 # Config fields that do not change what is measured, so runs differing only in them are
 # repeats of the same experiment (paths, verbosity, checkpointing, repetition counts).
@@ -64,8 +65,9 @@ COLUMNS = [
 
 
 def ok_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Finished runs only: failed points carry no timings."""
-    return [r for r in records if r.get("status", "ok") == "ok" and "wall_s" in r]
+    """Finished runs only (ok or check-failed: their timings stand; the check columns say
+    the verdict): failed points carry no timings."""
+    return [r for r in records if finished(r) and "wall_s" in r]
 
 
 def per_iteration(rec: dict[str, Any]) -> tuple[float, float]:

@@ -23,6 +23,7 @@ from typing import Any
 import pandas as pd
 
 from scalelab.analysis.frame import config_of, experiment_key, label, layer_rows
+from scalelab.record_schema import FINISHED
 
 MB = 1e6
 PER_LAYER_COLUMNS = [
@@ -38,7 +39,7 @@ def _number(value: Any, scale: float = 1.0) -> float:
 
 
 def _ok(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [r for r in records if r.get("status", "ok") == "ok"]
+    return [r for r in records if r.get("status", "ok") in FINISHED]
 
 
 def per_layer_frame(records: list[dict[str, Any]]) -> pd.DataFrame:

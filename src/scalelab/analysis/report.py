@@ -332,7 +332,11 @@ def write_report(
         sections += make()
         bar.step(name)
     now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    lead = f"{len(records)} records ({len(ok_records(records))} finished), generated {now}."
+    failed_checks = sum(r.get("status") == "check-failed" for r in records)
+    lead = (
+        f"{len(records)} records ({len(ok_records(records))} finished, {failed_checks} "
+        f"check-failed), generated {now}."
+    )
     path = out / "index.html"
     path.write_text(html.page(title, lead, sections))
     return path

@@ -18,6 +18,7 @@ from scalelab.config import RunConfig
 from scalelab.errors import UsageError
 from scalelab.orchestration.sweep import config_key
 from scalelab.record import append_record, failed_record, read_records
+from scalelab.record_schema import FINISHED
 
 
 def point_config(argv: list[str]) -> tuple[RunConfig, Path]:
@@ -44,7 +45,7 @@ def _records(results: Path) -> list[dict[str, Any]]:
 
 
 def is_done(cfg: RunConfig, results: Path) -> bool:
-    return any(r.get("status") == "ok" and same_point(cfg, r) for r in _records(results))
+    return any(r.get("status") in FINISHED and same_point(cfg, r) for r in _records(results))
 
 
 def record_failure(cfg: RunConfig, results: Path, reason: str) -> bool:

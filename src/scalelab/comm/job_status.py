@@ -20,6 +20,7 @@ JOB_DIR_VAR = "SCALELAB_JOB_DIR"
 RANK_VARS = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
 STATUS_BYTES = 256
 RECORD_FILE = "record.json"
+CHECK_FAILED = ": check failed: "  # in the one line of a run whose check failed (exit 1)
 _beacon: mmap.mmap | None = None
 
 
@@ -60,6 +61,11 @@ def report(line: str, code: int) -> bool:
     tmp.write_text(f"{code}\n{line}")
     os.replace(tmp, Path(folder) / f"note.rank{this_rank()}")
     return True
+
+
+def is_check_failure(line: str) -> bool:
+    """A rank's line saying the run finished and its check failed: no rank died."""
+    return CHECK_FAILED in line
 
 
 def hand_over_record(record: dict) -> bool:

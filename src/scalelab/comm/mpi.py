@@ -19,7 +19,7 @@ import torch
 
 from scalelab.comm import slurm
 from scalelab.comm.base import Comm, Request
-from scalelab.environment import query_cuda_aware
+from scalelab.environment import mpi_problem, query_cuda_aware
 from scalelab.errors import UsageError
 
 _NUMPY_REDUCIBLE = {torch.float32, torch.float64, torch.int32, torch.int64, torch.float16}
@@ -27,13 +27,11 @@ _NUMPY_REDUCIBLE = {torch.float32, torch.float64, torch.int32, torch.int64, torc
 
 def import_mpi():
     """mpi4py's MPI module, initialised (thread-multiple requested) and finalised at exit."""
-    try:
-        import mpi4py
-    except ImportError:
-        raise UsageError(
-            "MPI strategies need mpi4py and an MPI library: pip install -e '.[mpich]' (or "
-            "'.[mpi]' with your cluster's MPI loaded)"
-        ) from None
+    problem = mpi_problem()  # mpi4py missing, or no MPI library on the loader's path
+    if problem is not None:
+        raise UsageError(problem)
+    import mpi4py
+
     mpi4py.rc.initialize = False  # we initialise ourselves, so import order never matters
     mpi4py.rc.finalize = False
     from mpi4py import MPI

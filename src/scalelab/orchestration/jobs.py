@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from scalelab.comm.job_status import JOB_DIR_VAR, RECORD_FILE
+from scalelab.comm.job_status import JOB_DIR_VAR, RECORD_FILE, is_check_failure
 from scalelab.comm.launch import mpiexec_command, torchrun_command
 
 
@@ -126,10 +126,12 @@ def _torch_failed(captured: list[str]) -> bool:
 def explain(
     folder: Path, captured: list[str], code: int, ended: float, launcher: str
 ) -> JobOutcome:
-    """The one line: a rank's refusal first (exit 2: every rank refused alike), then a rank
-    killed by a signal (the others' failures follow from it), then, under mpiexec, a rank
-    that vanished without a line while the others' lines say a peer vanished, then a rank's
-    own failure line, then the rank the launcher saw exit, else the launcher's code."""
+    """The one line: a rank's refusal first (exit 2: every rank refused alike), then a failed
+    check (the job finished: the root exited 1 after its record, which torchrun and mpiexec
+    report as a rank's exit; nobody died), then a rank killed by a signal (the others'
+    failures follow from it), then, under mpiexec, a rank that vanished without a line while
+    the others' lines say a peer vanished, then a rank's own failure line, then the rank the
+    launcher saw exit, else the launcher's code."""
     said = notes(folder)
     refusals = [n for n in said if n[0] == 2]
     status = statuses(folder)
@@ -139,6 +141,9 @@ def explain(
     dead = _dead_rank(captured, status, silent)
     if refusals:
         return JobOutcome(2, refusals[0][1], captured)
+    checks = [n for n in said if n[0] == 1 and is_check_failure(n[1])]
+    if checks:
+        return JobOutcome(1, checks[0][1], captured)
     if dead is not None and dead[2] is not None:
         alike = _killed_alike(dead, status, silent) if launcher == "mpi" else []
         return JobOutcome(1, dead_line(dead, status, ended, alike=alike), captured)

@@ -102,7 +102,7 @@ def _outcome(
         _end_step()
         return 1
     notes = jobs.notes(folder)
-    if notes and notes[0][0] != 2:
+    if notes and notes[0][0] != 2 and not job_status.is_check_failure(notes[0][1]):
         # A rank that failed because a peer died (gloo's "connection closed"): the dead
         # rank's task is cancelling the step and says why; give its signal time to come.
         _wait_for(stopped, PEER_GRACE_S)

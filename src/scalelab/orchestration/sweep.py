@@ -47,6 +47,7 @@ from scalelab.errors import UsageError
 from scalelab.orchestration.jobs import NOISE
 from scalelab.outputs import inside
 from scalelab.record import append_record, failed_record, read_records
+from scalelab.record_schema import FINISHED
 from scalelab.strategies import STRATEGIES
 from scalelab.workloads import WORKLOADS
 
@@ -258,7 +259,7 @@ def done_keys(results: Path) -> set[str]:
         if "holds no scalelab records" in str(exc):
             return set()
         raise
-    return {config_key(r.get("config") or {}) for r in records if r.get("status") == "ok"}
+    return {config_key(r.get("config") or {}) for r in records if r.get("status") in FINISHED}
 
 
 def command(point: Point, results: Path) -> tuple[list[str], dict[str, str] | None]:
@@ -341,7 +342,7 @@ def run_point(point: Point, results: Path, timeout: float | None = None) -> Outc
     seconds = time.perf_counter() - start
     key = point.match_key()
     new = [r for r in _records(results)[before:] if config_key(r.get("config") or {}) == key]
-    finished = [r for r in new if r.get("status") == "ok"]
+    finished = [r for r in new if r.get("status") in FINISHED]
     if finished:
         rec = finished[-1]
         status = "check failed" if rec.get("check_passed") is False else "ok"

@@ -21,6 +21,7 @@ from scalelab.planning.schedule import steady_step
 from scalelab.predict.calibration import CalPoint, MultiPoint, Pool, host_calibrated
 from scalelab.predict.hosts import Host
 from scalelab.predict.scenario import Scenario
+from scalelab.record_schema import FINISHED
 
 CEILINGS = "scalelab.ceilings/1"
 RUN = "scalelab.run/1"
@@ -104,7 +105,7 @@ def _run_record(found: Found, path: Path, where: str, rec: dict[str, Any]) -> No
     from scalelab.analysis.frame import per_iteration, phase_scale, run_config
     from scalelab.predict.models import MODELS
 
-    if rec.get("status", "ok") != "ok" or "wall_s" not in rec:
+    if rec.get("status", "ok") not in FINISHED or "wall_s" not in rec:
         found.skipped["failed runs"] += 1
         return
     from scalelab.record_schema import problem

@@ -9,12 +9,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
 from scalelab.comm.base import Comm
 from scalelab.config import RunConfig
+from scalelab.environment import mpi_problem
 from scalelab.errors import UsageError
 from scalelab.strategies.base import STRATEGIES
 from scalelab.strategies.split import SplitStrategy
@@ -42,9 +41,8 @@ class MPIStrategy(SplitStrategy):
 
 
 def require_mpi4py() -> None:
-    """One clear line when mpi4py is missing (without initialising MPI in this process)."""
-    if importlib.util.find_spec("mpi4py") is None:
-        raise UsageError(
-            "MPI strategies need mpi4py and an MPI library: pip install -e '.[mpich]' "
-            "(or '.[mpi]' with a site MPI loaded)"
-        )
+    """One clear line when mpi4py is missing or finds no MPI library (without initialising
+    MPI in this process)."""
+    problem = mpi_problem()
+    if problem is not None:
+        raise UsageError(problem)

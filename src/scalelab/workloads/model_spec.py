@@ -18,6 +18,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from scalelab.errors import UsageError
@@ -55,13 +56,22 @@ def load_factory(spec: str) -> Callable[..., Any]:
     return obj
 
 
+# Packages a README line's model comes from that scalelab's own install does not bring.
+OPTIONAL = {
+    "torchvision": 'pip install "scalelab[vision]" (torchvision, the build that matches '
+    "your torch)",
+}
+
+
 def _import(spec: str, name: str):
     if name.endswith(".py") or "/" in name or "\\" in name:
         return _import_path(spec, Path(name))
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError as exc:
-        raise UsageError(f"--model {spec}: no module named {exc.name!r}") from None
+        top = (exc.name or "").partition(".")[0]
+        fix = f": {OPTIONAL[top]}" if top in OPTIONAL else ""
+        raise UsageError(f"--model {spec}: no module named {exc.name!r}{fix}") from None
     except Exception as exc:  # the user's module failed while importing
         raise UsageError(f"--model {spec}: importing {name} raised {_one_line(exc)}") from None
 
@@ -96,6 +106,46 @@ def call_factory(spec: str, factory: Callable[..., Any], kwargs: dict[str, Any])
             f"--model {spec}: the factory returned {type(module).__name__}, not a torch.nn.Module"
         )
     return module
+
+
+def check_vocab(spec: str, model: nn.Module, top: torch.Tensor, vocab: int) -> None:
+    """One item of the largest token id --vocab allows (top: (1, L), every id vocab - 1)
+    through the model: refused in one line, naming the embedding it overflows, before any
+    work (it would end in an IndexError deep inside a strategy)."""
+    over: list[tuple[str, int]] = []
+
+    def look(name: str) -> Callable[..., None]:
+        def hook(module: nn.Embedding, args: tuple) -> None:
+            ids = args[0] if args else None
+            if not torch.is_tensor(ids) or ids.is_floating_point() or not ids.numel():
+                return
+            if int(ids.max()) >= module.num_embeddings:
+                over.append((name, module.num_embeddings))
+
+        return hook
+
+    embeddings = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Embedding)]
+    handles = [m.register_forward_pre_hook(look(n)) for n, m in embeddings]
+    failed = None
+    try:
+        with torch.no_grad():
+            model.eval()(top)
+    except (IndexError, RuntimeError) as exc:
+        failed = exc
+    finally:
+        for h in handles:
+            h.remove()
+    if over:
+        name, rows = over[0]
+        raise UsageError(
+            f"--vocab {vocab}: token ids reach {vocab - 1} but the model's embedding {name!r} has "
+            f"{rows} rows; pass --vocab {rows} or less"
+        )
+    if failed is not None:
+        raise UsageError(
+            f"--model {spec}: token id {vocab - 1} (--vocab {vocab}) fails in its forward: "
+            f"{_one_line(failed)}; pass a smaller --vocab"
+        )
 
 
 def registered_models() -> dict[str, str]:

@@ -137,6 +137,9 @@ def _not_a_chain(call: Call) -> str | None:
     prev = call.inputs[0]
     for child in call.children:
         if len(child.inputs) != 1 or not _same_or_reshape(child.inputs[0], prev):
+            if len(child.inputs) == 1 and _reordered(child.inputs[0], prev):
+                return (f"{child.path} reads a transpose or permute of what came before it, "
+                        f"done in {call.path or 'the model'}'s forward")  # fmt: skip
             return f"{child.path} does not read what came before it (a branch or residual)"
         if id(child.module) in seen and any(True for _ in child.module.parameters()):
             return f"{child.path} is called twice (shared weights)"
@@ -147,6 +150,15 @@ def _not_a_chain(call: Call) -> str | None:
     if not _same_or_reshape(call.output, prev):
         return "its output is not its last child's output"
     return None
+
+
+def _reordered(b: object, a: object) -> bool:
+    """b holds a's values in another order (a transpose, permute or flip; one item)."""
+    if not (torch.is_tensor(a) and torch.is_tensor(b)) or a.shape[0] != b.shape[0]:
+        return False
+    if a.numel() != b.numel() or a.dtype != b.dtype or a.shape == b.shape and torch.equal(a, b):
+        return False
+    return bool(torch.equal(a.flatten().sort().values, b.flatten().sort().values))
 
 
 def _same_or_reshape(b: object, a: object) -> bool:

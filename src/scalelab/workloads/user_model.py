@@ -78,6 +78,9 @@ class UserModel(Workload):
             raise UsageError("--vocab N goes with --input-dtype int64 (token ids in [0, N))")
         self.shape  # noqa: B018 (parses --input-shape)
         self.probe  # noqa: B018 (builds the model and runs one item through it)
+        if self.cfg.input_dtype == "int64":  # the largest id --vocab allows, before any work
+            top = torch.full((1, *self.shape), self.cfg.vocab - 1)
+            model_spec.check_vocab(self.spec, self.build_model(), self.prepare(top), self.cfg.vocab)
 
     # --- the model -----------------------------------------------------------------------
     @cached_property
@@ -185,6 +188,10 @@ class UserModel(Workload):
     def _why_no_pairs(self) -> str:
         layers = ml.derive_layers(self.probe)[0]
         linear = [i for i, x in enumerate(layers) if x.kind == "linear"]
+        inside = [n for n, m in self.probe.module.named_modules() if isinstance(m, nn.Linear)]
+        if not linear and inside:  # every Linear sits in a block scalelab cannot split
+            why = ml.derive_layers(self.probe)[2]
+            return f"its Linear layers ({', '.join(inside[:3])}) sit inside a block: {why}"
         if not linear:
             kinds = sorted({x.kind for x in layers})
             return f"the model has no Linear layer (its layers: {', '.join(kinds)})"

@@ -115,9 +115,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def mpi_available() -> bool:
-    try:
-        import mpi4py  # noqa: F401
+    from scalelab.environment import mpi_problem
 
+    if mpi_problem() is not None:  # mpi4py missing, or no MPI library it can load
+        return False
+    try:
         from scalelab.comm.launch import find_mpiexec
 
         find_mpiexec()

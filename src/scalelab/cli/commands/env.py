@@ -14,7 +14,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    info = environment.collect()
+    info = environment.collect(load_mpi=True)
     if args.json:
         print(json.dumps(info))
     else:

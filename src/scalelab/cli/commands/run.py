@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from scalelab import environment
 from scalelab.cli.base import COMMANDS, Command
 from scalelab.cli.options import (
     add_config_options,
@@ -25,12 +26,12 @@ from scalelab.cli.options import (
 from scalelab.comm import job_status
 from scalelab.comm.launch import inside_launcher, settle_config, torchrun_command
 from scalelab.config import RunConfig
-from scalelab.errors import UsageError
+from scalelab.errors import EXIT_FAILED, UsageError
 from scalelab.orchestration import srun_task
 from scalelab.orchestration.jobs import JobOutcome, relaunch_job, run_job
 from scalelab.outputs import check_run_outputs
 from scalelab.record import DEFAULT_RESULTS, append_record, failed_record
-from scalelab.runner import check_config, execute, format_summary
+from scalelab.runner import check_config, check_failure_line, execute, format_summary
 from scalelab.strategies import STRATEGIES
 from scalelab.train import checkpoint
 from scalelab.train.guards import TrainingDiverged
@@ -175,7 +176,20 @@ def run_one(args: argparse.Namespace) -> tuple[int, dict[str, Any] | None]:
     if not args.no_record:
         print(f"  record appended to {args.out}", file=_human(args))
     sys.stdout.flush()
+    _say_check_failed(report.record)
     return report.exit_code, report.record
+
+
+def _say_check_failed(record: dict[str, Any]) -> None:
+    """The contract's one line for a failed check (exit 1); a rank of a launched job hands
+    it to the launching process, which prints it instead of naming a dead rank."""
+    what = check_failure_line(record)
+    if what is None:
+        return
+    line = f"scalelab run{job_status.CHECK_FAILED}{what}"
+    if not job_status.report(line, EXIT_FAILED):
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
 
 
 def _last_new_record(results: Path | None, before: int) -> dict[str, Any] | None:
@@ -217,6 +231,10 @@ def _defaults(args: argparse.Namespace) -> dict[str, Any]:
 def preflight(strategy: type, cfg: RunConfig) -> None:
     """Checks a strategy can make without ranks (so a launcher never starts for bad input)."""
     check_config(cfg)
+    if _launcher(strategy, cfg) == "mpi":  # mpi4py and a library it loads, or one line
+        problem = environment.mpi_problem()
+        if problem is not None:
+            raise UsageError(problem)
     check = getattr(strategy, "preflight", None)
     global_batch = check(cfg) if check is not None else cfg.batch
     if cfg.resume is not None:

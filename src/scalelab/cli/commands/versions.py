@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import os
 import subprocess
 import sys
@@ -34,6 +33,7 @@ from scalelab.cli.options import (
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
 from scalelab.record import DEFAULT_RESULTS, append_record, read_records
+from scalelab.record_schema import FINISHED
 from scalelab.runner import execute
 
 # Flags versions sets itself for every variant.
@@ -91,10 +91,11 @@ def unavailable(v: Variant, base: RunConfig) -> str | None:
     if v.device == "cuda" and v.ranks > torch.cuda.device_count():
         return f"needs {v.ranks} GPUs, this machine has {torch.cuda.device_count()}"
     if STRATEGIES.get(v.strategy).launcher == "mpi":
-        if importlib.util.find_spec("mpi4py") is None:
-            return (
-                "mpi4py is not installed (pip install -e '.[mpich]', or '.[mpi]' over a site MPI)"
-            )
+        from scalelab.environment import mpi_problem
+
+        problem = mpi_problem()
+        if problem is not None:
+            return problem
         from scalelab.comm.launch import find_mpiexec
 
         try:
@@ -182,7 +183,7 @@ def format_table(rows: list[tuple[Variant, dict[str, Any]]]) -> str:
     )
     lines = [head, "-" * len(head)]
     for v, r in rows:
-        if r.get("status") != "ok":
+        if r.get("status") not in FINISHED:
             lines.append(f"{v.label:<20}{v.ranks:>6}  {r.get('status')}: {r.get('error')}")
             continue
         speed = f"{serial['wall_s'] / r['wall_s']:.2f}x" if serial else "-"
@@ -190,6 +191,7 @@ def format_table(rows: list[tuple[Variant, dict[str, Any]]]) -> str:
         lines.append(
             f"{v.label:<20}{r['ranks']:>6}{r['wall_s'] * 1e3:>11.2f}{r['throughput']:>11.1f}"
             f"{speed:>9}{r['relerr']:>10.1e}  {r['digest'] + mark:<18}{dominant(r)}"
+            + ("  check-failed" if r["status"] == "check-failed" else "")
         )
     return "\n".join(lines)
 
@@ -230,11 +232,14 @@ def run(args: argparse.Namespace) -> int:
     for v, why in plan:
         if why is not None:
             print(f"skipped {v.label}: {why}")
-    ok = [r for _, r in rows if r.get("status") == "ok"]
+    ok = [r for _, r in rows if r.get("status") in FINISHED]
     digests = {r["digest"] for r in ok}
     verdict = "all equal" if len(digests) == 1 else f"{len(digests)} different"
     print(f"digests: {verdict}; records appended to {args.out} (versions id {tag})")
     bad = [r for _, r in rows if r.get("status") != "ok" or not r.get("check_passed", True)]
+    failed = sum(r.get("status") == "check-failed" for _, r in rows)
+    if failed:
+        print(f"check-failed: {failed} of {len(rows)} runs disagree with the float64 reference")
     return 1 if bad else 0
 
 
