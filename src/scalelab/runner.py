@@ -208,6 +208,9 @@ def _add_checks(
     )
     record["warnings"] = warnings
     record["host"] = host
+    choice = getattr(strategy, "thread_choice", None)  # torch strategies: what set the threads
+    if choice is not None:
+        record["threads"] = choice.as_record()
 
 
 def nonfinite(output: RunOutput) -> str | None:
