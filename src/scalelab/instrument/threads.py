@@ -66,8 +66,8 @@ def pick(user: int | None, device: str, ranks_here: int, default: int) -> Thread
     if user is not None:
         return ThreadChoice(threads=user, source="--threads", why="given by --threads")
     if device != "cpu":
-        return ThreadChoice(threads=default, source="torch default",
-                            why=f"{device} run: host threads mostly wait for the device")  # fmt: skip
+        why = f"{device} run: host threads mostly wait for the device"
+        return ThreadChoice(threads=default, source="torch default", why=why)
     allowed, limited_by = host_checks.cpu_allowance()
     others = others_busy(host_checks.affinity_cpus())
     return choose(allowed, limited_by, ranks_here, others, default)
