@@ -166,3 +166,26 @@ def test_encoder_layer_flops_match_torchs_counter_on_the_unfused_path(tmp_path):
         model(torch.randn(1, 10, 16))
     assert counter.get_total_flops() > 0
     assert workload.flops_per_item() == pytest.approx(counter.get_total_flops(), rel=0.01)
+
+
+# --- 9. no `nan ms`, no 0.000 MB for a 12 kB scatter -------------------------------------------
+def test_fit_estimates_print_no_nan(cli):
+    """On a CPU without --mem-limit the tries are estimated, not run: no step time to print."""
+    code, out, err = cli("fit", "mlp", "--hidden", 16, "--find", "batch", "--most", 4)
+    assert code == 0, err
+    assert "nan" not in (out + err).lower()
+    assert "fits (estimated, not run)" in err and "no step times" in err
+
+
+def test_phases_table_shows_small_transfers():
+    import pandas as pd
+
+    from scalelab.cli.commands.phases import format_run
+
+    table = pd.DataFrame([{"rank": 0, "op": "scatter", "calls": 3, "time_s": 0.01,
+                           "wait_s": 0.002, "transfer_s": 0.008, "unmatched_s": 0.0,
+                           "bytes": 12_288, "waited_for": 1}])  # fmt: skip
+    summary = {"straggler": None, "blame_s": {}, "overlap_fraction": [None]}
+    text = format_run({"id": "x", "workload": "mlp", "strategy": "mpi", "ranks": 2}, table, summary)
+    row = next(line.split() for line in text.splitlines() if "scatter" in line)
+    assert row[-1] == "0.01229"  # MB, the last column (3 decimals read 0.012, 0.4 kB 0.000)
