@@ -189,3 +189,37 @@ def test_phases_table_shows_small_transfers():
     text = format_run({"id": "x", "workload": "mlp", "strategy": "mpi", "ranks": 2}, table, summary)
     row = next(line.split() for line in text.splitlines() if "scatter" in line)
     assert row[-1] == "0.01229"  # MB, the last column (3 decimals read 0.012, 0.4 kB 0.000)
+
+
+# --- 5. one unit per column; no CV for one repetition -----------------------------------------
+def _train_record(rid, epochs, steps, wall, spread):
+    return {"id": rid, "status": "ok", "workload": "mlp", "strategy": "local", "mode": "train",
+            "ranks": 1, "items": steps * 100, "steps": steps, "wall_s": wall,
+            "throughput": steps * 100 / wall, "config": {"batch": 100, "train": True,
+            "epochs": epochs}, "wall_spread_s": spread}  # fmt: skip
+
+
+def test_training_table_gives_per_step_spread_and_no_cv_for_one_epoch(tmp_path):
+    import re
+
+    from scalelab.analysis.report import Page, runs_section
+
+    four = _train_record("four", 4, 40, 4.0, {"n": 4, "iqr": 0.4, "cv": 0.1, "min": 0.9,
+                                              "max": 1.1, "median": 1.0})  # fmt: skip
+    one = _train_record("one", 1, 10, 1.0, {"n": 1, "iqr": 0.0, "cv": 0.0, "min": 1.0,
+                                            "max": 1.0, "median": 1.0})  # fmt: skip
+    _, _, body = runs_section([four, one], Page(tmp_path, plots=False))
+    head = re.findall(r"<th[^>]*>([^<]*)</th>", body)
+    rows = [re.findall(r"<td[^>]*>([^<]*)</td>", r) for r in re.findall(r"<tr>(.*?)</tr>", body)]
+    rows = [dict(zip(head, r)) for r in rows if r]
+    assert "IQR ms" not in head and "IQR ms/iter" in head
+    assert rows[0]["ms/iter"] == "100.000" and rows[0]["IQR ms/iter"] == "40.000"  # 0.4 s/10
+    assert rows[0]["CV"] == "10.0%"
+    assert rows[1]["CV"] == "" and rows[1]["IQR ms/iter"] == ""  # one epoch: no spread
+
+
+def test_one_repetition_has_no_spread_in_the_summary():
+    from scalelab.instrument.stats import spread_text
+
+    text = spread_text({"n": 1, "iqr": 0.0, "cv": 0.0, "min": 0.5, "max": 0.5})
+    assert "CV" not in text and "one repetition" in text
