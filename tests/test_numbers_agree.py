@@ -223,3 +223,24 @@ def test_one_repetition_has_no_spread_in_the_summary():
 
     text = spread_text({"n": 1, "iqr": 0.0, "cv": 0.0, "min": 0.5, "max": 0.5})
     assert "CV" not in text and "one repetition" in text
+
+
+# --- 3. system roofline points above the model flagged ----------------------------------------
+def test_system_points_above_their_model_are_flagged():
+    """The fixture's runs sit on their pooled model (none flagged); pool one run faster than
+    the others (its compute phases halved) and the pooled model falls below it: flagged."""
+    import dataclasses
+    import json
+    from pathlib import Path
+
+    from scalelab.analysis import system_roofline as S
+
+    recs = read_records(Path(__file__).parent / "fixtures" / "system_roofline.jsonl")
+    peaks = S.estimate_peaks(recs)
+    assert (S.system_points(recs, peaks)["flag"] == "").all()
+    low = dataclasses.replace(peaks, p_flops=peaks.p_flops / 2)  # a peak measured too low
+    pts = S.system_points(recs, low)
+    above = pts[["measured", "measured_phases"]].max(axis=1) > pts["model"] * 1.01
+    assert above.any() and (pts.loc[above, "flag"] == S.ABOVE_MODEL).all()
+    assert (pts.loc[~above, "flag"] == "").all()
+    assert json.loads(pts.to_json(orient="records"))[0].keys() >= {"flag", "model"}

@@ -104,7 +104,8 @@ def system(records: list, reference: str | None, out: Path, no_plots: bool, bar:
         f"P_mpi {_rate(peaks.p_mpi)} | PCIe share of bytes {peaks.pci_share:.2f} "
         f"({peaks.runs} runs)"
     )
-    cols = ["hidden", "batch", "ranks", "ai", "measured", "measured_phases", "model", "bound"]
+    cols = ["hidden", "batch", "ranks", "ai", "measured", "measured_phases", "model", "bound",
+            "flag"]  # fmt: skip
     print(pts[cols].to_string(index=False, float_format="{:.4g}".format))
     if not no_plots:
         from scalelab.analysis import plots
