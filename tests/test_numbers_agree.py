@@ -244,3 +244,43 @@ def test_system_points_above_their_model_are_flagged():
     assert above.any() and (pts.loc[above, "flag"] == S.ABOVE_MODEL).all()
     assert (pts.loc[~above, "flag"] == "").all()
     assert json.loads(pts.to_json(orient="records"))[0].keys() >= {"flag", "model"}
+
+
+# --- 2. per-layer times add up to their wall; same-shape layers far apart flagged -------------
+def _layer_record(wall_s, layers):
+    return {"id": "r", "status": "ok", "workload": "alexnet", "strategy": "local",
+            "mode": "infer", "ranks": 1, "items": 8, "wall_s": wall_s, "precision": "fp32",
+            "config": {"workload": "alexnet", "batch": 8, "device": "cpu", "dtype": "fp32"},
+            "per_layer": [{"layer": n, "kind": "Conv2d", "seconds": s, "calls": 3}
+                          for n, s in layers]}  # fmt: skip
+
+
+@pytest.mark.parametrize("wall_s, flagged", [(0.3, False), (0.06, True)])
+def test_layer_table_adds_up_to_the_wall(wall_s, flagged):
+    from scalelab.analysis import layers as L
+
+    rec = _layer_record(wall_s, [("c1", 0.02), ("c3", 0.0678), ("c5", 0.00108)])
+    t = L.layer_table([rec])
+    assert t["ms"].sum() == pytest.approx(wall_s * 1e3)  # the rest row closes the sum
+    rest = t[t["layer"] == L.REST].iloc[0]
+    assert rest["flag"].startswith(L.EXCEEDS) == flagged and (rest["ms"] < 0) == flagged
+
+
+def test_same_shape_layers_far_apart_are_flagged():
+    """AlexNet's c3 and c5 do the same FLOPs on the same bytes: 67.8 ms against 1.08 ms (the
+    issue's busy-host run) flags both; c1 and c4 stay unflagged."""
+    import json
+    from pathlib import Path
+
+    from scalelab.analysis import roofline
+
+    ceilings = json.loads((Path(__file__).parent / "fixtures" / "ceilings_cpu.json").read_text())
+    rec = _layer_record(0.3, [("c1", 0.02), ("c3", 0.0678), ("c4", 0.03), ("c5", 0.00108)])
+    df = roofline.layer_roofline([rec], ceilings).set_index("layer")
+    assert df.loc["c3", "flops"] == df.loc["c5", "flops"]
+    assert "slower than c5 (same shape)" in df.loc["c3", "flag"]
+    assert "faster than c3 (same shape)" in df.loc["c5", "flag"]
+    assert "same shape" not in df.loc["c1", "flag"] + df.loc["c4", "flag"]
+    rec["per_layer"][3]["seconds"] = 0.05  # within 3x of c3: nothing to flag
+    df = roofline.layer_roofline([rec], ceilings)
+    assert not df["flag"].str.contains("same shape").any()

@@ -206,17 +206,9 @@ def roofline_section(records: list[dict[str, Any]], ceilings: dict | None, page:
             c: ".3g" for c in ("flops", "bytes", "achieved", "peak_flops", "mem_bw", "attainable")
         }
         fmts.update(ai=".2f", seconds=_ms, fraction=".1%")
-        over = int((df["flag"] != "").sum())
         parts += [
             "<h3>Per layer</h3>",
-            html.warning_list(
-                [
-                    f"{over} point(s) above their roof: {roofline.UNDER_MEASURED} (re-measure "
-                    "the ceilings on a quiet machine); circled red in the figure"
-                ]
-                if over
-                else []
-            ),  # fmt: skip
+            html.warning_list(roofline.flag_lines(df)),  # above the roof: circled red
             html.table(df.rename(columns={"seconds": "ms"}), {**fmts, "ms": _ms}),
             page.csv(df, "roofline_layers.csv"),
             page.figure("layer_roofline", "Per-layer roofline under the measured ceilings.", df),
