@@ -284,3 +284,37 @@ def test_same_shape_layers_far_apart_are_flagged():
     rec["per_layer"][3]["seconds"] = 0.05  # within 3x of c3: nothing to flag
     df = roofline.layer_roofline([rec], ceilings)
     assert not df["flag"].str.contains("same shape").any()
+
+
+# --- 6. ceilings: a torch GEMM below NumPy's one core, an unstable figure, both said ----------
+def test_torch_fp64_gemm_below_numpy_on_one_core_is_a_violation():
+    from scalelab.instrument import ceiling_checks as CC
+
+    data = {"device": "cpu", "gemm_flops": {"fp64": 20.8e9, "fp32": 60e9},
+            "cpu_gemm_flops": {"one_core": 46.3e9, "all_cores": 80e9, "cores": 2}}  # fmt: skip
+    assert [s for s, why in CC.violations(data) if "NumPy fp64 on one core" in why] == ["gemm"]
+    data["gemm_flops"]["fp64"] = 50e9
+    assert CC.violations(data) == []
+
+
+def test_ceilings_keep_their_spread_and_name_an_unstable_one():
+    import torch
+
+    from scalelab.instrument import ceiling_checks as CC
+    from scalelab.instrument import ceilings as C
+
+    plan = C.Plan((48,), (1 << 20,), 0, (48,), 1 << 20, 0.002, 3, 0.05)
+    got = C.gemm_flops(torch.device("cpu"), plan, ["fp64"])
+    rows = got["detail"]["fp64"]
+    assert rows and all(r["spread"] >= 0 and r["repeats"] == 3 for r in rows)
+    steady = {"device": "cpu", "gemm_flops": {"fp64": 5e10, "detail": {"fp64": [
+        {"n": 512, "flops": 5e10, "spread": 0.05, "repeats": 5}]}}}  # fmt: skip
+    assert CC.unstable_notes(steady) == []
+    shaky = {**steady, "gemm_flops": {"fp64": 5e10, "detail": {"fp64": [
+        {"n": 512, "flops": 5e10, "spread": 1.05, "repeats": 5}]}},
+        "mem_bw_detail": [{"bytes": 1, "Bps": 6.4e9, "spread": 6.3, "repeats": 3}]}  # fmt: skip
+    notes = CC.unstable_notes(shaky)
+    assert len(notes) == 2 and "fp64 GEMM" in notes[0] and "105% slower" in notes[0]
+    assert "memory copy" in notes[1]
+    CC.self_check(shaky, {})
+    assert set(notes) <= set(shaky["warnings"])  # written into the file, never silent
