@@ -318,3 +318,41 @@ def test_ceilings_keep_their_spread_and_name_an_unstable_one():
     assert "memory copy" in notes[1]
     CC.self_check(shaky, {})
     assert set(notes) <= set(shaky["warnings"])  # written into the file, never silent
+
+
+# --- 4. start-up skew kept out of the steps; a rank's wall above the run's flagged ------------
+def test_training_starts_its_clock_after_every_rank_arrived(cli, tmp_path, monkeypatch):
+    """The ranks meet at a barrier before the first timed step: a rank that arrives late
+    (here: the barrier takes 2 s) is not charged to anyone's first step."""
+    import time
+
+    from scalelab.comm.base import SelfComm
+    from scalelab.train.loop import Trainer
+
+    events = []
+
+    def late_barrier(self):
+        events.append("barrier")
+        time.sleep(2.0)
+
+    step = Trainer.train_step
+    monkeypatch.setattr(SelfComm, "barrier", late_barrier)
+    monkeypatch.setattr(Trainer, "train_step", lambda s, b: events.append("step") or step(s, b))
+    out = tmp_path / "runs.jsonl"
+    code, _, err = cli("run", "mlp", "--train", "--hidden", 16, "--batch", 50, "--steps", 2,
+                       "--train-size", 100, "--heldout-size", 50, "--threads", 1,
+                       "--dtype", "fp64", "--quiet", "--out", out)  # fmt: skip
+    assert code == 0, err
+    assert events[:3] == ["barrier", "step", "step"]
+    (rec,) = read_records(out)
+    assert rec["wall_s"] < 2.0 and rec["time_to_train_s"] < 2.0
+
+
+def test_a_ranks_wall_above_the_runs_is_flagged():
+    from scalelab.instrument.host_checks import rank_wall_warning
+
+    (warn,) = rank_wall_warning(0.241, [0.241, 0.624])  # the issue's one-epoch mpi-dp run
+    assert warn.startswith("rank skew: rank 1's wall 624 ms is 2.59x the run's 241 ms")
+    assert rank_wall_warning(0.241, [0.241, 0.26]) == []
+    assert rank_wall_warning(0.001, [0.001, 0.0025]) == []  # within the 2 ms slack
+    assert rank_wall_warning(0.241, None) == []

@@ -149,6 +149,7 @@ def _execute(
     record = build_record(cfg, workload, strategy, output, check)
     _add_checks(record, strategy, output, load, places)
     record["rank_wall_s"] = rank_walls
+    record["warnings"] += host_checks.rank_wall_warning(record["wall_s"], rank_walls)
     if results is not None:
         append_record(results, record)
     host_checks.emit(record["warnings"])
