@@ -356,3 +356,34 @@ def test_a_ranks_wall_above_the_runs_is_flagged():
     assert rank_wall_warning(0.241, [0.241, 0.26]) == []
     assert rank_wall_warning(0.001, [0.001, 0.0025]) == []  # within the 2 ms slack
     assert rank_wall_warning(0.241, None) == []
+
+
+# --- the report: every contradiction above absent or flagged ----------------------------------
+def test_report_from_constructed_records_flags_every_contradiction(tmp_path):
+    """The issue's busy-host demo, as records: AlexNet's per-layer run (c3 62x c5, layers
+    above the wall), a one-epoch 2-rank training run with a rank's wall above the run's,
+    the system roofline's runs, ceilings with an unstable figure. The page names each."""
+    import json
+    from pathlib import Path
+
+    from scalelab.analysis.report import write_report
+    from scalelab.instrument.host_checks import rank_wall_warning
+
+    fixtures = Path(__file__).parent / "fixtures"
+    layers = _layer_record(0.06, [("c1", 0.02), ("c3", 0.0678), ("c4", 0.03), ("c5", 0.00108)])
+    train = _train_record("skew", 1, 10, 0.241, {"n": 1, "iqr": 0.0, "cv": 0.0, "min": 0.241,
+                                                  "max": 0.241, "median": 0.241})  # fmt: skip
+    train.update(strategy="mpi-dp", ranks=2, rank_wall_s=[0.241, 0.624],
+                 warnings=rank_wall_warning(0.241, [0.241, 0.624]))  # fmt: skip
+    system = read_records(fixtures / "system_roofline.jsonl")
+    ceilings = json.loads((fixtures / "ceilings_cpu.json").read_text())
+    ceilings["warnings"] = ["unstable ceiling: fp32 GEMM 1.94e+11 FLOP/s is the best of 3 "
+                            "blocks whose median was 105% slower (host busy? re-measure)"]
+    page = write_report([layers, train, *system], tmp_path, ceilings, plots=False)
+    text = page.read_text()
+    for said in ("slower than c5 (same shape)", "faster than c3 (same shape)",
+                 "layers exceed the wall", "rank skew: rank 1", "unstable ceiling",
+                 "IQR ms/iter"):  # fmt: skip
+        assert said in text, said
+    assert "<th class=\"text\">flag</th>" in text or ">flag<" in text  # the system table's
+    assert "CV 0.0%" not in text

@@ -55,6 +55,8 @@ def ceilings_section(ceilings: dict[str, Any] | None, records: list[dict[str, An
     warning = roofline.ceilings_mismatch(ceilings, records)
     if warning:
         body = html.note(f"Warning: {warning}.") + body
+    # what the ceilings' own checks found (a relation broken, an unstable figure): never silent
+    body = html.warning_list(list(ceilings.get("warnings") or [])) + body
     return "ceilings", "Ceilings", body
 
 
