@@ -77,10 +77,12 @@ def against_measured(
         flags.append(flag)
         if flag:
             where = ", ".join(p.source for p in same[:3])
+            why = "the model misses what this configuration does; trust the measurement"
+            if same[0].warnings:  # every measurement of it warned (unwarned() kept them all)
+                why = f"the measurement is itself warned ({same[0].warnings[0]})"
             notes.append(
                 f"{n} ranks: predicted {ms:.4g} ms, measured {seconds * 1e3:.4g} ms in {where} "
-                f"({off:+.0%}, beyond {AGREE:.0%}): the model misses what this configuration "
-                "does; trust the measurement"
+                f"({off:+.0%}, beyond {AGREE:.0%}): {why}"
             )
     if any(math.isfinite(m) for m in measured):
         table = table.assign(measured_ms=measured, flag=flags)
