@@ -31,8 +31,11 @@ def test_threads_are_the_free_cpus_share(allowed, ranks, others, default, want, 
     assert f"torch's default {default}" in got.why
 
 
-def test_threads_given_or_on_a_gpu_are_not_chosen():
+def test_threads_given_or_on_a_gpu_are_not_chosen(monkeypatch):
     assert T.pick(3, "cpu", 1, 2).threads == 3
+    monkeypatch.setattr(T, "others_busy", lambda cpus: pytest.fail("no need to look"))
+    monkeypatch.setattr(T.host_checks, "cpu_allowance", lambda **kw: (2.0, "affinity"))
+    assert T.pick(None, "cpu", 2, 2).threads == 1  # two ranks on two CPUs: one each, no look
     assert T.pick(None, "cuda", 1, 8) == T.ThreadChoice(
         threads=8, source="torch default", why=T.pick(None, "cuda", 1, 8).why
     )
@@ -43,8 +46,10 @@ def test_a_run_on_a_busy_host_takes_one_thread_and_says_why(cli, tmp_path, monke
     put back after it), the record and the summary say what was chosen and why."""
     from scalelab.instrument import host_checks
 
-    allowed = host_checks.cpu_allowance()[0]
-    monkeypatch.setattr(T, "others_busy", lambda cpus, seconds=0.1: allowed)
+    if torch.get_num_threads() < 2:
+        pytest.skip("torch's default is one thread here: nothing to choose")
+    monkeypatch.setattr(host_checks, "cpu_allowance", lambda **kw: (4.0, "affinity"))
+    monkeypatch.setattr(T, "others_busy", lambda cpus, seconds=0.1: 4.0)
     before = torch.get_num_threads()
     out = tmp_path / "runs.jsonl"
     code, stdout, err = cli("run", "mlp", "--hidden", 16, "--batch", 8, "--iters", 2,

@@ -70,6 +70,10 @@ def pick(user: int | None, device: str, ranks_here: int, default: int) -> Thread
         why = f"{device} run: host threads mostly wait for the device"
         return ThreadChoice(threads=default, source="torch default", why=why)
     allowed, limited_by = host_checks.cpu_allowance()
+    if min(default, allowed / max(ranks_here, 1)) <= 1:  # one whatever the load: no look
+        why = (f"{allowed:g} CPUs ({limited_by}), {ranks_here} rank(s) on this host; torch's "
+               f"default {default}: one per rank whatever the load")  # fmt: skip
+        return ThreadChoice(threads=1, source="chosen", why=why)
     others = others_busy(host_checks.affinity_cpus())
     return choose(allowed, limited_by, ranks_here, others, default)
 
