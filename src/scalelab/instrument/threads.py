@@ -64,7 +64,7 @@ def choose(allowed: float, limited_by: str, ranks_here: int, others: float | Non
 def pick(user: int | None, device: str, ranks_here: int, default: int) -> ThreadChoice:
     """The thread count for this rank: the user's, else (CPU) the free CPUs' share."""
     if user is not None:
-        why = "given by --threads (under srun: the CPUs Slurm gave each task)"
+        why = "given (under srun without --threads: the CPUs Slurm gave each task)"
         return ThreadChoice(threads=user, source="--threads", why=why)
     if device != "cpu":
         why = f"{device} run: host threads mostly wait for the device"
