@@ -149,6 +149,7 @@ def _execute(
         record.update(verdict.fields)
     _add_checks(record, strategy, output, load, places)
     record["rank_wall_s"] = rank_walls
+    record["warnings"] += host_checks.rank_wall_warning(record["wall_s"], rank_walls)
     if results is not None:
         append_record(results, record)
     host_checks.emit(record["warnings"])
@@ -228,6 +229,9 @@ def _add_checks(
     )
     record["warnings"] = warnings
     record["host"] = host
+    choice = getattr(strategy, "thread_choice", None)  # torch strategies: what set the threads
+    if choice is not None:
+        record["threads"] = choice.as_record()
 
 
 def nonfinite(output: RunOutput) -> str | None:

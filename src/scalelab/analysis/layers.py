@@ -12,9 +12,13 @@ from typing import Any
 
 import pandas as pd
 
-from scalelab.analysis.frame import label, layer_rows, ok_records
+from scalelab.analysis.frame import label, layer_rows, ok_records, per_iteration
 
-COLUMNS = ["run", "layer", "kind", "ms", "out_MB", "peak_MB", "power_W"]
+COLUMNS = ["run", "layer", "kind", "ms", "out_MB", "peak_MB", "power_W", "flag"]
+# The row that makes a run's layers add up to the wall they are shown with (issue 38: AlexNet's
+# layer medians summed to 492 ms in a 286.85 ms wall, and nothing said so).
+REST = "(wall - layers)"
+EXCEEDS = "layers exceed the wall"
 
 
 def _number(value: Any) -> float:
@@ -22,21 +26,38 @@ def _number(value: Any) -> float:
 
 
 def layer_table(records: list[dict[str, Any]]) -> pd.DataFrame:
-    """One row per measured layer: time (ms), output and peak memory (MB), power (W)."""
-    rows = [
-        {
-            "run": label(rec),
-            "layer": layer["name"] or "?",
-            "kind": layer["kind"] or "?",
-            "ms": _number(layer["seconds"]) * 1e3,
-            "out_MB": _number(layer["out_bytes"]) / 1e6,
-            "peak_MB": _number(layer["peak_bytes"]) / 1e6,
-            "power_W": _number(layer["power_w"]),
-        }
-        for rec in ok_records(records)
-        for layer in layer_rows(rec)
-    ]
+    """One row per measured layer: time (ms), output and peak memory (MB), power (W); then
+    per run a REST row: the wall of one iteration (training: one step) less the layers, so
+    the column adds up to the wall, flagged EXCEEDS when the layers' medians sum above it."""
+    rows = []
+    for rec in ok_records(records):
+        mine = [
+            {
+                "run": label(rec),
+                "layer": layer["name"] or "?",
+                "kind": layer["kind"] or "?",
+                "ms": _number(layer["seconds"]) * 1e3,
+                "out_MB": _number(layer["out_bytes"]) / 1e6,
+                "peak_MB": _number(layer["peak_bytes"]) / 1e6,
+                "power_W": _number(layer["power_w"]),
+                "flag": "",
+            }
+            for layer in layer_rows(rec)
+        ]
+        rows += mine + ([rest_row(rec, mine)] if mine else [])
     return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def rest_row(rec: dict[str, Any], layers: list[dict[str, Any]]) -> dict[str, Any]:
+    """The wall less the layers' medians: what no layer accounts for (the loss, backward,
+    glue between modules), or a flagged negative when the medians sum above the wall (each a
+    median over its own calls, with the hooks' synchronisation: not one iteration)."""
+    wall_ms = per_iteration(rec)[1] * 1e3
+    rest = wall_ms - sum(r["ms"] for r in layers if r["ms"] == r["ms"])
+    flag = f"{EXCEEDS} {wall_ms:.4g} ms by {-rest:.4g} ms" if rest < 0 else ""
+    nan = float("nan")
+    return {"run": layers[0]["run"], "layer": REST, "kind": "other", "ms": rest, "out_MB": nan,
+            "peak_MB": nan, "power_W": nan, "flag": flag}  # fmt: skip
 
 
 def nvml_phase_table(records: list[dict[str, Any]]) -> pd.DataFrame:

@@ -134,7 +134,7 @@ def layer_roofline(
     for kind, g in df.groupby("kind"):
         ax.scatter(g["ai"], g["achieved"], label=kind, s=28, zorder=3)
         _label_points(ax, g["ai"], g["achieved"], g["layer"])
-    over = df[df["flag"] != ""] if "flag" in df else df.iloc[:0]
+    over = df[df["flag"].str.contains("under-measured")] if "flag" in df else df.iloc[:0]
     if not over.empty:  # above the roof: the ceiling was measured too low; say so on the plot
         ax.scatter(over["ai"], over["achieved"], s=110, facecolors="none", edgecolors="red",
                    zorder=4, label="above roof: ceiling under-measured")  # fmt: skip

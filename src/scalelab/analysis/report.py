@@ -62,8 +62,16 @@ def data_label(rec: dict[str, Any]) -> str:
 
 
 def _spread(rec: dict[str, Any], key: str) -> float | None:
-    value = (rec.get("wall_spread_s") or {}).get(key)
-    return value if isinstance(value, (int, float)) else None
+    """The repetitions' IQR (seconds per iteration, like ms/iter beside it) or CV; None for
+    fewer than two repetitions (one epoch has no spread, not a CV of 0.0%). A training
+    record's spread is over its epochs: the IQR is put per step (epoch IQR / steps per epoch)."""
+    stats = rec.get("wall_spread_s") or {}
+    value, n = stats.get(key), stats.get("n") or 0
+    if not isinstance(value, (int, float)) or n < 2:
+        return None
+    if key == "iqr" and rec.get("mode") == "train" and rec.get("steps"):
+        value = value * n / int(rec["steps"])
+    return value
 
 
 def runs_section(records: list[dict[str, Any]], page: Page) -> Section:
@@ -71,7 +79,7 @@ def runs_section(records: list[dict[str, Any]], page: Page) -> Section:
     df["run"] = sibling_labels(records, frozenset({"ranks"}))
     df["data"] = [data_label(r) for r in records]
     df["CV"] = [_spread(r, "cv") for r in records]
-    df["IQR ms"] = [_spread(r, "iqr") for r in records]
+    df["IQR ms/iter"] = [_spread(r, "iqr") for r in records]
     df["steady/s"] = [r.get("steady_throughput") for r in records]
     df["warnings"] = ["; ".join(r.get("warnings") or []) for r in records]
     df["error"] = [r.get("error", "") for r in records]
@@ -83,7 +91,7 @@ def runs_section(records: list[dict[str, Any]], page: Page) -> Section:
         "status",
         "iter_items",
         "iter_s",
-        "IQR ms",
+        "IQR ms/iter",
         "CV",
         "throughput",
         "steady/s",
@@ -94,7 +102,7 @@ def runs_section(records: list[dict[str, Any]], page: Page) -> Section:
     view = df[cols].rename(columns={"iter_s": "ms/iter", "achieved_tflops": "GFLOP/s"})
     fmts = {
         "ms/iter": _ms,
-        "IQR ms": _ms,
+        "IQR ms/iter": _ms,
         "CV": ".1%",
         "throughput": ".1f",
         "steady/s": ".1f",
@@ -110,7 +118,8 @@ def runs_section(records: list[dict[str, Any]], page: Page) -> Section:
         f"Every run ({len(records)}; {warned} with warnings: their times are suspect). Per "
         "iteration: one timed inference pass, or one optimizer step (training: the whole run "
         "over its steps; steady/s leaves the warm-up out). IQR and CV over the repetitions "
-        "(training: over epochs). data: the data set read, or synthetic inputs."
+        "(training: over epochs, the IQR per step; none for one repetition). data: the data "
+        "set read, or synthetic inputs."
     )
     table = html.table(view, fmts, classes=css, text_cols={"warnings", "error", "data"})
     return "runs", "All runs", body + table + page.csv(with_phases(df, records), "runs.csv")
@@ -197,17 +206,9 @@ def roofline_section(records: list[dict[str, Any]], ceilings: dict | None, page:
             c: ".3g" for c in ("flops", "bytes", "achieved", "peak_flops", "mem_bw", "attainable")
         }
         fmts.update(ai=".2f", seconds=_ms, fraction=".1%")
-        over = int((df["flag"] != "").sum())
         parts += [
             "<h3>Per layer</h3>",
-            html.warning_list(
-                [
-                    f"{over} point(s) above their roof: {roofline.UNDER_MEASURED} (re-measure "
-                    "the ceilings on a quiet machine); circled red in the figure"
-                ]
-                if over
-                else []
-            ),  # fmt: skip
+            html.warning_list(roofline.flag_lines(df)),  # above the roof: circled red
             html.table(df.rename(columns={"seconds": "ms"}), {**fmts, "ms": _ms}),
             page.csv(df, "roofline_layers.csv"),
             page.figure("layer_roofline", "Per-layer roofline under the measured ceilings.", df),

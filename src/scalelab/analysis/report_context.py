@@ -55,6 +55,8 @@ def ceilings_section(ceilings: dict[str, Any] | None, records: list[dict[str, An
     warning = roofline.ceilings_mismatch(ceilings, records)
     if warning:
         body = html.note(f"Warning: {warning}.") + body
+    # what the ceilings' own checks found (a relation broken, an unstable figure): never silent
+    body = html.warning_list(list(ceilings.get("warnings") or [])) + body
     return "ceilings", "Ceilings", body
 
 
@@ -115,6 +117,11 @@ def versions_section(records: list[dict[str, Any]]) -> Section:
     return "versions", "Versions", "\n".join(parts)
 
 
+def _cv(spread: dict[str, Any]) -> float | None:
+    """The repetitions' CV; none for one repetition (not a CV of 0.0%)."""
+    return spread.get("cv") if (spread.get("n") or 0) >= 2 else None
+
+
 def _versions_table(recs: list[dict[str, Any]]) -> str:
     rows = []
     for rec in recs:
@@ -127,7 +134,7 @@ def _versions_table(recs: list[dict[str, Any]]) -> str:
                 "dtype": rec.get("precision"),
                 "device": cfg.get("device"),
                 "wall ms": rec["wall_s"] * 1e3,
-                "CV": (rec.get("wall_spread_s") or {}).get("cv"),
+                "CV": _cv(rec.get("wall_spread_s") or {}),
                 "items/s": rec.get("throughput"),
                 "relerr": rec["relerr"],
                 "digest": rec.get("digest"),

@@ -43,6 +43,11 @@ LAYER_COLUMNS = [
 # A point above its roof means the ceiling was measured too low (noise only slows a ceiling's
 # measurement down), never that the layer beat the machine: it is flagged, not drawn silently.
 UNDER_MEASURED = "ceiling under-measured"
+# Layers of one run doing the same work (kind, FLOPs, bytes within BYTES_NEAR: AlexNet's c3
+# and c5, whose biases differ by 128 floats) should take
+# about the same time; beyond this ratio one of them was disturbed (issue 38: 67.8 vs 1.08 ms).
+SAME_SHAPE_RATIO = 3.0
+BYTES_NEAR = 0.05
 
 
 # --- ceilings ------------------------------------------------------------------------------
@@ -141,7 +146,40 @@ def layer_roofline(records: list[dict[str, Any]], ceilings: dict[str, Any]) -> p
             row["fraction"] = row["achieved"] / row["attainable"] if row["attainable"] else math.nan
             row["flag"] = UNDER_MEASURED if row["fraction"] > 1.0 else ""
             rows.append(row)
-    return pd.DataFrame(rows, columns=LAYER_COLUMNS)
+    return same_shape_flags(pd.DataFrame(rows, columns=LAYER_COLUMNS))
+
+
+def flag_lines(df: pd.DataFrame) -> list[str]:
+    """The warnings a per-layer table's flags add up to: points above their roof, layers far
+    from a layer of the same shape."""
+    flags = df["flag"].fillna("")
+    over = int(flags.str.contains(UNDER_MEASURED).sum())
+    apart = int(flags.str.contains("(same shape)", regex=False).sum())
+    out = []
+    if over:
+        out.append(f"{over} point(s) above their roof: {UNDER_MEASURED} (re-measure the "
+                   "ceilings on a quiet machine)")  # fmt: skip
+    if apart:
+        out.append(f"{apart} layer(s) more than {SAME_SHAPE_RATIO:g}x from a layer of the same "
+                   "shape: one of them was disturbed (busy host?)")  # fmt: skip
+    return out
+
+
+def same_shape_flags(df: pd.DataFrame) -> pd.DataFrame:
+    """Flag the layers of a run whose time differs more than SAME_SHAPE_RATIO from a layer of
+    the same kind, FLOPs and bytes: the slower named on the faster and the other way round."""
+    for _, group in df.groupby(["run", "kind", "flops"], sort=False):
+        if len(group) < 2:
+            continue
+        fast, slow = group["seconds"].idxmin(), group["seconds"].idxmax()
+        ratio = df.at[slow, "seconds"] / df.at[fast, "seconds"]
+        near = abs(df.at[slow, "bytes"] / df.at[fast, "bytes"] - 1) <= BYTES_NEAR
+        if ratio <= SAME_SHAPE_RATIO or not near:
+            continue
+        for i, other, how in ((slow, fast, "slower"), (fast, slow, "faster")):
+            note = f"{ratio:.3g}x {how} than {df.at[other, 'layer']} (same shape)"
+            df.at[i, "flag"] = "; ".join(x for x in (df.at[i, "flag"], note) if x)
+    return df
 
 
 def _cost_rows(rec: dict[str, Any]) -> dict[str, Any]:

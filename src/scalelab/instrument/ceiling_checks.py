@@ -6,7 +6,12 @@ above their roof. These relations hold on any machine, so a violation means unde
 
 - fp32 GEMM >= fp64 GEMM on the same device (half the bytes, at least the same units);
 - n cores >= one core, for the NumPy GEMM and copy (n threads could idle all but one);
-- measured <= datasheet (GEMM per dtype, memory copy read + write) where a peak is cited.
+- measured <= datasheet (GEMM per dtype, memory copy read + write) where a peak is cited;
+- on a CPU, torch's fp64 GEMM >= NumPy's fp64 GEMM on one core (torch has at least that core:
+  issue 38's 20.8 GF/s below NumPy's 46.3 was torch's threads waiting for busy cores).
+
+Each GEMM and copy figure is the best of repeated blocks; one whose blocks spread more than
+UNSTABLE (the median block that much slower than the best) is named in `warnings` too.
 
 `scalelab ceilings` re-measures the sections a violation names (up to RETRIES more passes,
 keeping each figure's best over the passes: the best stable figure), and whatever still
@@ -24,6 +29,8 @@ RETRIES = 2
 DATASHEET_SLACK = 1.05
 # n cores may fall this far below one core before it is a violation (timer noise).
 CORES_SLACK = 0.98
+# The median of a ceiling's timed blocks this much slower than its best: an unstable figure.
+UNSTABLE = 0.25
 
 
 def violations(data: dict[str, Any]) -> list[tuple[str, str]]:
@@ -39,8 +46,34 @@ def violations(data: dict[str, Any]) -> list[tuple[str, str]]:
         one, many = sec.get("one_core"), sec.get("all_cores")
         if one and many is not None and many < CORES_SLACK * one:
             out.append(("host", f"{what} on all cores {many:.3g}/s below one core {one:.3g}/s"))
+    one = (data.get("cpu_gemm_flops") or {}).get("one_core")
+    if dev == "cpu" and "fp64" in gemm and one and gemm["fp64"] < CORES_SLACK * one:
+        out.append(("gemm", f"torch fp64 GEMM {gemm['fp64']:.3g} FLOP/s below NumPy fp64 on "
+                            f"one core {one:.3g}"))  # fmt: skip
     out += _over_datasheet(data)
     return out
+
+
+def unstable_notes(data: dict[str, Any]) -> list[str]:
+    """The published GEMM and copy figures whose repeated blocks spread beyond UNSTABLE."""
+    out = []
+    gemm = data.get("gemm_flops") or {}
+    for name, rows in (gemm.get("detail") or {}).items():
+        best = max((r for r in rows if isinstance(r, dict) and "flops" in r),
+                   key=lambda r: r["flops"], default=None)  # fmt: skip
+        if best is not None and best.get("spread", 0.0) > UNSTABLE:
+            out.append(_unstable(f"{name} GEMM", best["flops"], "FLOP/s", best))
+    rows = [r for r in data.get("mem_bw_detail") or [] if isinstance(r, dict) and "Bps" in r]
+    best = max(rows, key=lambda r: r["Bps"], default=None)
+    if best is not None and best.get("spread", 0.0) > UNSTABLE:
+        out.append(_unstable("memory copy", best["Bps"], "B/s", best))
+    return out
+
+
+def _unstable(what: str, rate: float, unit: str, row: dict[str, Any]) -> str:
+    blocks = row.get("repeats", "?")
+    return (f"unstable ceiling: {what} {rate:.3g} {unit} is the best of {blocks} blocks whose "
+            f"median was {row['spread']:.0%} slower (host busy? re-measure)")  # fmt: skip
 
 
 def _over_datasheet(data: dict[str, Any]) -> list[tuple[str, str]]:
@@ -92,6 +125,7 @@ def self_check(
     data["passes"] = passes
     data["warnings"] = [f"implausible ceiling: {why}" for _, why in violations(data)]
     data["warnings"] += busy_host_notes(data)
+    data["warnings"] += unstable_notes(data)
     return data
 
 

@@ -74,6 +74,17 @@ def seconds_per_call(fn: Callable[[], object], sync: Callable[[], None], plan: P
     plan.repeats blocks after a warm-up block (sync before each clock read) and keep the best
     block. A ceiling is what the machine can do: on a shared machine noise only adds time, so
     the best block estimates it (STREAM's convention), where a run's median would not."""
+    return best_and_spread(fn, sync, plan)[0]
+
+
+def best_and_spread(
+    fn: Callable[[], object], sync: Callable[[], None], plan: Plan
+) -> tuple[float, float]:
+    """(seconds of one call, as seconds_per_call; the spread of the plan.repeats blocks: the
+    median block over the best, less one). A ceiling is the best block, and the spread says
+    how far the others fell from it: two `ceilings --quick` runs minutes apart gave an fp32
+    GEMM of 194 and 94.8 GF/s (issue 38), and a large spread is the sign within one run."""
     calls = calls_filling(fn, sync, plan.block_s)
     timings, _ = timed_iterations(_block(fn, calls), PhaseTimer(sync), 1, plan.repeats)
-    return min(timings.walls) / calls
+    walls = sorted(timings.walls)
+    return walls[0] / calls, walls[len(walls) // 2] / walls[0] - 1

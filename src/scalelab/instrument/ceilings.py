@@ -82,7 +82,7 @@ import torch
 from scalelab.environment import cpu_model
 from scalelab.errors import UsageError
 from scalelab.instrument import concurrency
-from scalelab.instrument.ceiling_timing import Plan, cpu_cores, seconds_per_call
+from scalelab.instrument.ceiling_timing import Plan, best_and_spread, cpu_cores, seconds_per_call
 from scalelab.instrument.comm_bench import fit_alpha_beta  # noqa: F401  (part of this API)
 from scalelab.instrument.host_ceilings import host_ceilings  # noqa: F401  (part of this API)
 from scalelab.instrument.peaks import datasheet_peak
@@ -164,11 +164,12 @@ def _gemm_rows(device: torch.device, dtype: torch.dtype, plan: Plan, sync) -> li
         for threads in thread_counts(device):
             with torch_threads(threads):
                 try:
-                    seconds = seconds_per_call(lambda a=a, b=b: torch.mm(a, b), sync, plan)
+                    seconds, spread = best_and_spread(lambda a=a, b=b: torch.mm(a, b), sync, plan)
                 except RuntimeError:  # no kernel for this dtype on this device
                     return rows
             flops = 2 * n**3 / seconds
-            rows.append({"n": n, "threads": threads, "seconds": seconds, "flops": flops})
+            rows.append({"n": n, "threads": threads, "seconds": seconds, "flops": flops,
+                         "spread": spread, "repeats": plan.repeats})  # fmt: skip
         fastest = min(r["seconds"] for r in rows if r["n"] == n)
         nxt = [m for m in plan.gemm_sizes if m > n]
         if nxt and fastest * (nxt[0] / n) ** 3 > plan.max_call_s:
@@ -184,13 +185,15 @@ def copy_bandwidth(device: torch.device, plan: Plan) -> list[dict[str, float]]:
         dst = torch.empty_like(src)
         for threads in thread_counts(device):
             with torch_threads(threads):
-                seconds = seconds_per_call(lambda s=src, d=dst: d.copy_(s), sync, plan)
+                seconds, spread = best_and_spread(lambda s=src, d=dst: d.copy_(s), sync, plan)
             rows.append(
                 {
                     "bytes": nbytes,
                     "threads": threads,
                     "seconds": seconds,
                     "Bps": 2 * nbytes / seconds,
+                    "spread": spread,
+                    "repeats": plan.repeats,
                 }
             )
         del src, dst

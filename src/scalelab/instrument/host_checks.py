@@ -200,6 +200,25 @@ def spread_warning(walls: Sequence[float], what: str = "iterations") -> list[str
     return []
 
 
+# A rank's wall this much above the run's (and RANK_WALL_SLACK_S beyond it) is reported.
+RANK_WALL_RATIO = 1.25
+RANK_WALL_SLACK_S = 0.002
+
+
+def rank_wall_warning(wall: float, rank_walls: Sequence[float | None] | None) -> list[str]:
+    """A rank whose wall is well above the run's wall (rank 0's): the ranks started or ran
+    apart, and the record's wall and throughput are rank 0's view of it (issue 38: a rank's
+    0.624 s beside the record's 0.241 s, unflagged)."""
+    walls = [(r, w) for r, w in enumerate(rank_walls or []) if w is not None]
+    if not walls or not wall:
+        return []
+    rank, top = max(walls, key=lambda rw: rw[1])
+    if top <= wall * RANK_WALL_RATIO or top - wall <= RANK_WALL_SLACK_S:
+        return []
+    return [f"rank skew: rank {rank}'s wall {top * 1e3:.4g} ms is {top / wall:.2f}x the run's "
+            f"{wall * 1e3:.4g} ms (rank 0's): ranks started or ran apart"]  # fmt: skip
+
+
 def run_checks(
     size: int,
     threads: int,

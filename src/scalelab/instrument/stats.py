@@ -55,6 +55,8 @@ def spread_text(stats: dict[str, Any], scale: float = 1e3, unit: str = "ms") -> 
     """'IQR 0.41 ms, CV 3.2%, n 10 (min 11.9, max 13.2)' for a terminal or a table cell."""
     if not stats or stats.get("n", 0) == 0:
         return "no repetitions"
+    if stats["n"] == 1:  # no spread to show (a CV of 0.0% would claim a perfect repeat)
+        return f"one repetition: no spread ({stats['min'] * scale:.2f} {unit})"
     return (
         f"IQR {stats['iqr'] * scale:.2f} {unit}, CV {stats['cv']:.1%}, n {stats['n']} "
         f"(min {stats['min'] * scale:.2f}, max {stats['max'] * scale:.2f})"

@@ -79,15 +79,18 @@ def train_on(
     cfg: RunConfig, workload: Workload, model: torch.nn.Module, data: tuple[Inputs, Inputs]
 ) -> DeviceRun:
     """Train a copy of model under cfg (device, dtype) with a snapshot after every epoch."""
-    strategy = LocalStrategy(cfg)
+    strategy = LocalStrategy(cfg)  # sets torch's threads (chosen or --threads) until close()
     snapshots: list[dict[str, np.ndarray]] = []
-    placed = strategy.place(copy.deepcopy(model))
-    plan = default_plan(strategy, workload, placed, *data)
-    plan.epoch_end = lambda epoch, m: snapshots.append(state_dict_float64(m))
-    history = TrainHistory()
-    start = time.perf_counter()
-    Trainer(strategy, workload, placed, plan, strategy.timer, history).run()
-    wall = time.perf_counter() - start
+    try:
+        placed = strategy.place(copy.deepcopy(model))
+        plan = default_plan(strategy, workload, placed, *data)
+        plan.epoch_end = lambda epoch, m: snapshots.append(state_dict_float64(m))
+        history = TrainHistory()
+        start = time.perf_counter()
+        Trainer(strategy, workload, placed, plan, strategy.timer, history).run()
+        wall = time.perf_counter() - start
+    finally:
+        strategy.close()
     return DeviceRun((cfg.device, cfg.dtype), history, snapshots, wall)
 
 

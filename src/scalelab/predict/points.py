@@ -9,6 +9,7 @@ calibrate on) and ceilings files. Anything else is counted, with the reason, and
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import Counter
 from dataclasses import dataclass, field
@@ -136,14 +137,16 @@ def _run_record(found: Found, path: Path, where: str, rec: dict[str, Any]) -> No
         balance=tuple(balance) if balance else None,
     )
     seconds = _step_seconds(rec, per_iteration(rec)[1])
+    warned = tuple(rec.get("warnings") or ())
     if ranks == 1:
-        found.pool(path).singles.append(_cal_point(rec, scenario, seconds, phase_scale(rec), where))
+        point = _cal_point(rec, scenario, seconds, phase_scale(rec), where)
+        found.pool(path).singles.append(dataclasses.replace(point, warnings=warned))
     elif host_calibrated(cfg):
-        found.pool(path).multis.append(MultiPoint(scenario, seconds, where))
+        found.pool(path).multis.append(MultiPoint(scenario, seconds, where, warned))
     if cfg.strategy not in MODELS:
         found.skipped[f"{cfg.strategy} runs (no model of that strategy)"] += 1
         return
-    found.points.append(Measured(scenario, seconds, where, path, tuple(rec.get("warnings") or ())))
+    found.points.append(Measured(scenario, seconds, where, path, warned))
 
 
 def _step_seconds(rec: dict[str, Any], default: float) -> float:

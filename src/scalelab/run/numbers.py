@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from scalelab.instrument.stats import spread_text
+from scalelab.instrument.threads import summary_line
 from scalelab.train.headline import describe_start
 
 
@@ -25,6 +26,9 @@ def numbers_lines(rec: dict[str, Any]) -> list[str]:
             f"({describe_start(rec.get('steady') or {})}) | time to train "
             f"{rec['time_to_train_s']:.3f} s (evaluation excluded)"
         )
+    threads = summary_line(rec)  # how many torch threads, and who chose them
+    if threads is not None:
+        lines.append(threads)
     for warning in rec.get("warnings") or []:
         lines.append(f"  WARNING: {warning}")
     return lines

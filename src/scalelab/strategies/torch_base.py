@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from scalelab.errors import UsageError
+from scalelab.instrument import host_checks, threads
 from scalelab.instrument.timer import PhaseTimer, device_sync, timed_iterations
 from scalelab.results import RunOutput, TrainHistory
 from scalelab.strategies.base import Strategy
@@ -38,8 +39,14 @@ class TorchStrategy(Strategy):
             torch.backends.cudnn.allow_tf32,
             torch.backends.cudnn.benchmark,
         )
-        if cfg.threads is not None:
-            torch.set_num_threads(cfg.threads)
+        # No --threads on a CPU: the CPUs free for this run, shared by the ranks here, rather
+        # than torch's one thread per core (50-200x slower on a busy host: issue 38).
+        self.thread_choice = threads.pick(
+            cfg.threads, self.device.type, host_checks.ranks_on_host(self.comm.size),
+            self._saved_threads,
+        )
+        if self.thread_choice.threads != self._saved_threads:
+            torch.set_num_threads(self.thread_choice.threads)
         if self.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = self.precision.tf32
             torch.backends.cudnn.allow_tf32 = self.precision.tf32

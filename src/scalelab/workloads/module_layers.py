@@ -13,11 +13,13 @@ simplest chain; a leaf module is a layer by itself.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from scalelab.workloads.layers import Layer
 
@@ -70,7 +72,7 @@ def trace(model: nn.Module, x: torch.Tensor) -> Call:
     names = {id(m): n for n, m in model.named_modules()}
     stack: list[Call] = []
     root: list[Call] = []
-    counter = FlopCounterMode(display=False)
+    counter = attention_counter()
 
     def pre(module: nn.Module, args: tuple) -> None:
         call = Call(names.get(id(module), "?"), module, args, None, -counter.get_total_flops())
@@ -85,12 +87,44 @@ def trace(model: nn.Module, x: torch.Tensor) -> Call:
     handles = [m.register_forward_pre_hook(pre) for m in model.modules()]
     handles += [m.register_forward_hook(post) for m in model.modules()]
     try:
-        with torch.no_grad(), counter:
+        with torch.no_grad(), attention_counted(), counter:
             model(x)
     finally:
         for h in handles:
             h.remove()
     return root[0]
+
+
+def _cpu_sdpa_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def attention_counter() -> FlopCounterMode:
+    """FlopCounterMode that also counts CPU attention: torch counts the CUDA
+    scaled_dot_product_attention kernels (flash, efficient, cuDNN) but not the CPU one an eval
+    forward takes (`_scaled_dot_product_flash_attention_for_cpu`: 0 FLOPs for QK^T and AV)."""
+    op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    return FlopCounterMode(display=False, custom_mapping={op: _cpu_sdpa_flops} if op else None)
+
+
+@contextmanager
+def attention_counted() -> Iterator[None]:
+    """torch's fast path off while FLOPs are counted: in eval under no_grad,
+    nn.MultiheadAttention and nn.TransformerEncoderLayer run one fused op
+    (`_native_multi_head_attention`, `_transformer_encoder_layer_fwd`) that FlopCounterMode
+    does not count (an encoder's attention counted 0 FLOPs, issue 38). Off, the same
+    projections and attention run as the linear and scaled_dot_product_attention ops it
+    counts: the same arithmetic the fused path does."""
+    mha = getattr(torch.backends, "mha", None)
+    if mha is None or not hasattr(mha, "set_fastpath_enabled"):
+        yield
+        return
+    before = mha.get_fastpath_enabled()
+    mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        mha.set_fastpath_enabled(before)
 
 
 def derive_layers(call: Call) -> tuple[list[Layer], list[Call | None], str | None]:

@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import gc
 import logging
+import math
 import os
 import re
 import sys
@@ -109,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
         limit = available_memory()
         log.info(
             f"fit: no --mem-limit: charging estimates against this machine's available memory "
-            f"({limit / 2**30:.2f} GiB), without running the tries (seconds: nan)"
+            f"({limit / 2**30:.2f} GiB), without running the tries (no step times)"
         )
     trial = DeviceTrial(device, limit)
     if device.type == "cpu":  # from the machine: a try at many GiB would run for hours
@@ -126,13 +127,21 @@ def run(args: argparse.Namespace) -> int:
 def _progress(quiet: bool):
     def report(point: FitPoint) -> None:
         if not quiet:
-            verdict = f"fits, {point.seconds * 1e3:.1f} ms" if point.fits else "out of memory"
+            verdict = fit_verdict(point)
             sys.stderr.write(
                 f"fit: convs {point.convs} fcs {point.fcs} batch {point.batch}: {verdict}\n"
             )
             sys.stderr.flush()
 
     return report
+
+
+def fit_verdict(point: FitPoint) -> str:
+    """`fits, 3.2 ms`; a try that was estimated, not run, has no time to print (not `nan ms`)."""
+    if not point.fits:
+        return "out of memory"
+    ran = point.seconds is not None and math.isfinite(point.seconds)
+    return f"fits, {point.seconds * 1e3:.1f} ms" if ran else "fits (estimated, not run)"
 
 
 # --- the three searches -------------------------------------------------------------------

@@ -23,7 +23,9 @@ def format_run(rec: dict, table, summary: dict) -> str:
         MB=table["bytes"] / 1e6,
     ).drop(columns=[c for c in table.columns if c.endswith("_s")] + ["bytes"])
     head = f"run {rec.get('id')}: {rec.get('workload')} {rec.get('strategy')} x{rec.get('ranks')}"
-    body = shown.to_string(index=False, float_format="{:.3f}".format, na_rep="-")
+    # MB to 4 significant digits: a 12 kB scatter at 3 decimals read 0.000 MB (issue 38)
+    mb = {"MB": lambda v: "-" if v != v else f"{v:.4g}"}
+    body = shown.to_string(index=False, float_format="{:.3f}".format, na_rep="-", formatters=mb)
     lines = [head, body if len(shown) else "  no communication phases in the timed iterations"]
     who = summary["straggler"]
     owed = ", ".join(f"rank {r} {s * 1e3:.2f} ms" for r, s in summary["blame_s"].items())

@@ -104,8 +104,11 @@ def predict(args: argparse.Namespace, network) -> int:
     ranks = _ranks(args.ranks)
     figures = figures_at(args.ceilings)
     template = _scenario(args, figures)
-    ctx = Context(figures, network, _calibration_pool(args.calibrate))
+    found = _calibration_found(args.calibrate)
+    ctx = Context(figures, network, _pool_of(found))
     table, notes = prediction_table(ctx, template, ranks)
+    if found is not None:  # the runs it leaned on; the rows RESULTS measured, checked
+        table, notes = _crosscheck(ctx, template, ranks, table, notes, found)
     summary = bottleneck_summary(table)
     print(_header(template, network))
     print(_shown(table).to_string(index=False, float_format="{:.4g}".format))
@@ -147,18 +150,37 @@ def _scenario(args: argparse.Namespace, figures):
     return Scenario(cfg, 1, per_node, args.nics_per_node, weak_batch=weak)
 
 
-def _calibration_pool(path: str | None):
-    from scalelab.predict.calibration import Pool
+def _calibration_found(path: str | None):
     from scalelab.predict.points import discover
 
-    pool = Pool()
     if path is None:
-        return pool
+        return None
     if not Path(path).exists():
         raise UsageError(f"--calibrate {path}: no such results file or folder")
-    for p in discover(Path(path)).pools.values():
+    return discover(Path(path))
+
+
+def _calibration_pool(path: str | None):
+    return _pool_of(_calibration_found(path))
+
+
+def _pool_of(found):
+    from scalelab.predict.calibration import Pool
+
+    pool = Pool()
+    for p in (found.pools.values() if found is not None else ()):
         pool.extend(p)
     return pool
+
+
+def _crosscheck(ctx, template, ranks, table, notes, found):
+    from scalelab.predict import crosscheck
+
+    warned = {p.source: p.warnings for pool in found.pools.values()
+              for p in [*pool.singles, *pool.multis] if p.warnings}  # fmt: skip
+    used = crosscheck.calibrated_on(ctx, template, ranks)
+    table, disagree = crosscheck.against_measured(table, template, found.points)
+    return table, [*crosscheck.calibration_notes(used, warned), *notes, *disagree]
 
 
 def _header(s, network) -> str:

@@ -80,10 +80,10 @@ def layer_roofline(records: list, ceilings: dict, out: Path, no_plots: bool, bar
     df.to_csv(out / "roofline_layers.csv", index=False)
     cols = ["run", "layer", "kind", "ai", "achieved", "attainable", "bound", "fraction", "flag"]
     print(df[cols].to_string(index=False, float_format="{:.4g}".format))
-    over = int((df["flag"] != "").sum())
-    if over:  # never silently above the roof
-        print(f"warning: {over} point(s) above their roof: ceiling under-measured (measure the "
-              "ceilings again on a quiet machine)", file=sys.stderr)  # fmt: skip
+    from scalelab.analysis.roofline import flag_lines
+
+    for line in flag_lines(df):  # never silently above the roof, nor far from a twin layer
+        print(f"warning: {line}", file=sys.stderr)
     if not no_plots:
         from scalelab.analysis import plots
 
@@ -104,7 +104,8 @@ def system(records: list, reference: str | None, out: Path, no_plots: bool, bar:
         f"P_mpi {_rate(peaks.p_mpi)} | PCIe share of bytes {peaks.pci_share:.2f} "
         f"({peaks.runs} runs)"
     )
-    cols = ["hidden", "batch", "ranks", "ai", "measured", "measured_phases", "model", "bound"]
+    cols = ["hidden", "batch", "ranks", "ai", "measured", "measured_phases", "model", "bound",
+            "flag"]  # fmt: skip
     print(pts[cols].to_string(index=False, float_format="{:.4g}".format))
     if not no_plots:
         from scalelab.analysis import plots
