@@ -1,8 +1,11 @@
-"""Shared fixtures: paths to the real data sets beside the checkout, and a CLI runner."""
+"""Shared fixtures: paths to the real data sets beside the checkout, a CLI runner, and README's
+lines run once per test run in one fresh clone."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -25,6 +28,57 @@ def agnews_dir() -> Path:
     if not (path / "test.csv").exists():
         pytest.skip(f"real AG News test set not found under {path}")
     return path
+
+
+def can_clone() -> bool:
+    return shutil.which("git") is not None and (ROOT / ".git").exists()
+
+
+@pytest.fixture(scope="session")
+def readme_clone(tmp_path_factory):
+    """One fresh clone of this checkout per test run, ../shared/data beside it (the lines that
+    read it skip without it: test_readme.py), whose README
+    lines run at most once each (tests/readme_lines.py). The clone holds the tracked files as
+    they are now (HEAD and any uncommitted change to them), never an untracked file: what a
+    fresh clone of the next commit would hold."""
+    from readme_lines import ReadmeClone
+
+    if not can_clone():
+        pytest.skip("needs git and a git checkout")
+    base = tmp_path_factory.mktemp("fresh")
+    repo = base / "repo"
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(repo)], check=True)
+    diff = subprocess.run(["git", "diff", "HEAD", "--binary"], cwd=ROOT, capture_output=True,
+                          check=True).stdout  # fmt: skip
+    if diff:
+        subprocess.run(["git", "apply", "--binary", "-"], cwd=repo, input=diff, check=True)
+    (base / "shared").mkdir()
+    (base / "shared" / "data").symlink_to(SHARED_DATA.resolve())
+    return ReadmeClone(repo)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """The two-node Slurm cluster (tests/slurm/cluster.sh), brought up once per test run for
+    every module that uses it; its SLURM_CONF path. Stopped at the end only if it was started
+    here (a cluster someone brought up stays up)."""
+    cluster = ROOT / "tests" / "slurm" / "cluster.sh"
+    proc = subprocess.run(["bash", str(cluster), "up"], capture_output=True, text=True)
+    if proc.returncode == 77:
+        pytest.skip(f"no Slurm here: {proc.stderr.strip()}")
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    yield proc.stdout.split("SLURM_CONF=")[-1].strip()
+    if "started" in proc.stdout.splitlines():
+        subprocess.run(["bash", str(cluster), "down"], check=True)
+
+
+@pytest.fixture(scope="module")
+def slurm_conf(slurm_cluster):
+    """The shared cluster's SLURM_CONF, set in the environment while this module's tests run
+    (and put back after them: other modules' tests see no cluster)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SLURM_CONF", slurm_cluster)
+        yield slurm_cluster
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from conftest import can_clone
 from scalelab.errors import UsageError
 from scalelab.instrument import ceilings as C
 from scalelab.instrument.comm_bench import fit_alpha_beta, message_sizes
@@ -17,15 +18,24 @@ from scalelab.instrument.peaks import PEAKS, datasheet_peak
 
 
 @pytest.fixture(scope="module")
-def cpu_ceilings(tmp_path_factory):
-    """One `scalelab ceilings --quick --device cpu` run shared by the tests below."""
+def cpu_ceilings(request, tmp_path_factory):
+    """One `scalelab ceilings --quick` on the CPU shared by the tests below: README's line,
+    run once per test run in the shared fresh clone (test_readme.py reads the same run), where
+    no GPU makes it measure the CPU; else `--device cpu` run here. (path, stdout, the path as
+    the command was given it)."""
+    if not torch.cuda.is_available() and can_clone():
+        clone = request.getfixturevalue("readme_clone")
+        done = clone.run("scalelab ceilings --quick")
+        assert done.returncode == 0, done.stderr[-2000:]
+        given = "scalelab-results/ceilings.json"  # the default --out, in the clone
+        return clone.path / given, done.stdout, given
     path = tmp_path_factory.mktemp("ceil") / "ceilings.json"
     proc = subprocess.run(
         [sys.executable, "-m", "scalelab", "ceilings", "--quick", "--device", "cpu", "-o", path],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
-    return path, proc.stdout
+    return path, proc.stdout, str(path)
 
 
 def _positive(x):
@@ -33,7 +43,7 @@ def _positive(x):
 
 
 def test_cpu_ceilings_are_plausible(cpu_ceilings):
-    path, out = cpu_ceilings
+    path, out, given = cpu_ceilings
     data = C.load_ceilings(path)
     assert data["schema"] == C.SCHEMA and data["device"] == "cpu" and data["quick"]
     cores = data["machine"]["cpu_cores"]
@@ -67,7 +77,7 @@ def test_cpu_ceilings_are_plausible(cpu_ceilings):
     conc = data["cpu_concurrency"]  # part of every default run (not only --comm-only ones)
     assert conc["ranks"][0] == 1 and conc["ranks"][-1] == cores and conc["slowdown"][0] == 1.0
     assert len(conc["slowdown"]) == len(conc["ranks"]) and "CPU processes at once" in out
-    assert "GEMM cpu fp32" in out and str(path) in out
+    assert "GEMM cpu fp32" in out and given in out
 
 
 def test_gemm_rate_matches_its_detail(cpu_ceilings):

@@ -33,14 +33,17 @@ def test_a_curve_of_processes_of_several_threads_counts_them_against_the_cores()
 
 
 def test_measured_curve_is_sane_at_small_k():
-    c = C.measure(2, quick=True)
-    assert c["ranks"] == [1, 2] and c["slowdown"][0] == 1.0
-    assert all(math.isfinite(x) and x > 0 for x in c["seconds"])
-    # Two processes on a 2-core runner: not faster than one alone (within noise), and not
-    # slower than time-slicing both on one core would make them.
-    assert 0.7 < c["slowdown"][1] < 2.6
-    assert c["slowdown_max"][1] >= c["slowdown"][1]
-    assert "conv2d" in c["kernel"] and "same instant" in c["method"]
+    # two curves one after another from one pool of workers (plan's repeated curves)
+    curves = C.measure_curves(2, 2, quick=True)
+    assert len(curves) == 2 and curves[0] is not curves[1]
+    for c in curves:
+        assert c["ranks"] == [1, 2] and c["slowdown"][0] == 1.0
+        assert all(math.isfinite(x) and x > 0 for x in c["seconds"])
+        # Two processes on a 2-core runner: not faster than one alone (within noise), and not
+        # slower than time-slicing both on one core would make them.
+        assert 0.7 < c["slowdown"][1] < 2.6
+        assert c["slowdown_max"][1] >= c["slowdown"][1]
+        assert "conv2d" in c["kernel"] and "same instant" in c["method"]
 
 
 def _mlp_step() -> C.StepKernel:

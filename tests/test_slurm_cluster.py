@@ -27,20 +27,8 @@ ALEXNET = ["run", "alexnet", "--strategy", "mpi", "--split", "spatial", "--image
 ALEXNET += ["--batch", "2", "--iters", "1", "--warmup", "0", "--check"]
 
 
-@pytest.fixture(scope="module")
-def slurm_conf():
-    """The two-node cluster for this module; stopped at the end only if it was started here
-    (a cluster someone brought up stays up)."""
-    proc = subprocess.run(["bash", str(CLUSTER), "up"], capture_output=True, text=True)
-    if proc.returncode == 77:
-        pytest.skip(f"no Slurm here: {proc.stderr.strip()}")
-    assert proc.returncode == 0, proc.stderr + proc.stdout
-    conf = proc.stdout.split("SLURM_CONF=")[-1].strip()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SLURM_CONF", conf)
-        yield conf
-    if "started" in proc.stdout.splitlines():
-        subprocess.run(["bash", str(CLUSTER), "down"], check=True)
+# slurm_conf (conftest.py): the two-node cluster, brought up once per test run and shared by
+# every module that asks for it; SLURM_CONF set while a module's tests run.
 
 
 def slurm(cmd, cwd, timeout=300, **env):

@@ -1,5 +1,7 @@
 """`scalelab versions`: every strategy this machine can run, one table, same answer."""
 
+import re
+
 import pytest
 import torch
 
@@ -9,31 +11,21 @@ from scalelab.record import read_records
 
 
 @pytest.mark.mpi
-def test_versions_runs_every_available_strategy_on_the_same_inputs(cli, tmp_path):
-    out = tmp_path / "runs.jsonl"
-    code, stdout, err = cli(
-        "versions",
-        "alexnet",
-        "--image-size",
-        "67",
-        "--batch",
-        "3",
-        "--ranks",
-        "2",
-        "--iters",
-        "1",
-        "--warmup",
-        "0",
-        "--out",
-        out,
-    )
-    assert code == 0, (stdout, err)
-    recs = read_records(out)
+def test_versions_runs_every_available_strategy_on_the_same_inputs(readme_clone):
+    """README's `scalelab versions alexnet --image-size 99 --batch 8 --ranks 2` line, run once
+    per test run in the shared fresh clone (test_readme.py reads the same run)."""
+    done = readme_clone.run("scalelab versions alexnet")
+    stdout = done.stdout
+    assert done.returncode == 0, (stdout, done.stderr[-2000:])
+    tag = re.search(r"records appended to (\S+) \(versions id (\w+)\)", stdout)
+    assert tag, stdout
+    every = read_records(readme_clone.path / tag[1])  # other README lines append here too
+    recs = [r for r in every if "versions" in r]
     got = {(r["strategy"], r.get("split"), r["ranks"]) for r in recs}
     want = {("serial", None, 1), ("local", None, 1)}
     want |= {("mpi", s, 2) for s in ("broadcast", "batch", "spatial")}
     assert want <= got
-    assert len({r["versions"] for r in recs}) == 1  # one comparison, one id
+    assert {r["versions"] for r in recs} == {tag[2]}  # one comparison, one id
     assert len({r["digest"] for r in recs}) == 1 and all(r["check_passed"] for r in recs)
     assert "digests: all equal" in stdout
     for label in ("serial (V1)", "mpi broadcast (V2)", "mpi spatial (V2)"):

@@ -112,16 +112,29 @@ def measure(
 ) -> dict[str, Any]:
     """The cpu_concurrency section for k over levels(cores // threads), timing `kernel`
     (default: the convolution) in processes of `threads` torch threads each."""
+    return measure_curves(cores, 1, quick, kernel, threads)[0]
+
+
+def measure_curves(
+    cores: int,
+    repeats: int,
+    quick: bool = False,
+    kernel: Kernel | StepKernel | None = None,
+    threads: int = 1,
+) -> list[dict[str, Any]]:
+    """`repeats` curves as `measure` gives them, one after another, from one pool of workers:
+    a worker's start (torch's import, the kernel's build) costs more than a curve's windows."""
     default, window = (QUICK, 0.1) if quick else (DEFAULT, 0.4)
     kernel = kernel or default
     ks = levels(max(cores // threads, 1))
     pool = Workers(ks[-1], kernel, threads)
-    try:
-        per_k = [pool.run(k, window) for k in ks]  # per k: seconds of each process
+    try:  # per curve, per k: seconds of each process
+        runs = [[pool.run(k, window) for k in ks] for _ in range(repeats)]
     finally:
         pool.close()
     method = METHOD.format(window=window)
-    return {**curve(ks, per_k, kernel.describe(threads), method), "threads": threads}
+    return [{**curve(ks, per_k, kernel.describe(threads), method), "threads": threads}
+            for per_k in runs]  # fmt: skip
 
 
 def curve(ks: list[int], per_k: list[list[float]], kernel: str, method: str) -> dict[str, Any]:

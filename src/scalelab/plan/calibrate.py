@@ -238,7 +238,7 @@ def host_contention(
 def _median_curve(cores: int, repeats: int, kernel, threads: int) -> dict:
     from scalelab.instrument import concurrency
 
-    curves = [concurrency.measure(cores, kernel=kernel, threads=threads) for _ in range(repeats)]
+    curves = concurrency.measure_curves(cores, repeats, kernel=kernel, threads=threads)
     curve = dict(curves[0])
     for key in ("slowdown", "slowdown_max", "seconds"):
         curve[key] = [float(x) for x in np.median([c[key] for c in curves], axis=0)]
