@@ -31,11 +31,12 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from scalelab.comm import even_counts
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
-from scalelab.instrument.timer import PhaseTimer, timed_iterations
+from scalelab.instrument.timer import EventTimer, PhaseTimer, timed_iterations
 from scalelab.results import RunOutput
 from scalelab.strategies import fsdp_units as units
 from scalelab.strategies.base import STRATEGIES
 from scalelab.strategies.ddp import EVAL_BATCH, DDPStrategy, per_rank_batch
+from scalelab.strategies.torchdist_base import TorchDistStrategy
 from scalelab.train.data import ResidentShards
 from scalelab.train.loop import TrainPlan, require_labels, run_training
 from scalelab.train.sources import batch_slices
@@ -51,7 +52,11 @@ class FSDPStrategy(DDPStrategy):
     reads = ("fsdp", "checkpoint")
 
     def __init__(self, cfg: RunConfig) -> None:
-        super().__init__(cfg)
+        TorchDistStrategy.__init__(self, cfg)  # not ddp's: an inference batch needs no shares
+        if self.device.type == "cuda":
+            self.timer = EventTimer(self.device)
+        self.per_rank = per_rank_batch(cfg, self.comm.size) if cfg.train else cfg.batch
+        self.buckets = None
         self.mesh = units.make_mesh(self.device, self.comm.size, cfg.dp_replicate)
         self.n_units = 0
         self.grad_bytes: int | None = None  # gradient shards held after a backward
@@ -60,7 +65,8 @@ class FSDPStrategy(DDPStrategy):
     def preflight(cls, cfg: RunConfig) -> int:
         if cfg.ranks % cfg.dp_replicate:
             raise UsageError(f"--dp-replicate {cfg.dp_replicate} does not divide --ranks")
-        per_rank_batch(cfg, cfg.ranks)
+        if cfg.train:
+            per_rank_batch(cfg, cfg.ranks)
         return cfg.batch
 
     # --- placement ---------------------------------------------------------------------------
@@ -115,6 +121,7 @@ class FSDPStrategy(DDPStrategy):
             return None if whole is None else whole.cpu()
 
         timings, out = timed_iterations(step, self.timer, self.cfg.warmup, self.cfg.iters)
+        units.reshard(module)
         return RunOutput(
             timings,
             self.gather_phases(timings),
@@ -171,6 +178,7 @@ class FSDPStrategy(DDPStrategy):
                 x = self.to_device(part.x[k * EVAL_BATCH : (k + 1) * EVAL_BATCH])
                 pred = module(workload.prepare(x)).argmax(dim=1).cpu()
                 correct += int((pred == part.y[k * EVAL_BATCH : (k + 1) * EVAL_BATCH]).sum())
+        units.reshard(module)
         module.train()
         return self.all_sum(correct) / max(len(heldout), 1)
 

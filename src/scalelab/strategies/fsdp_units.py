@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from scalelab.errors import UsageError
@@ -101,6 +102,14 @@ def held_bytes(model: nn.Module, opt: torch.optim.Optimizer | None) -> dict[str,
         for s in opt.state.values():
             state += sum(_nbytes(local(v)) for v in s.values() if isinstance(v, torch.Tensor))
     return {"params": params, "grads": grads, "optimizer": state}
+
+
+def reshard(model: nn.Module) -> None:
+    """Free every unit's gathered parameters (a forward without resharding, as an evaluation
+    under --reshard-after-forward off, leaves them whole until the next backward)."""
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def _nbytes(t: torch.Tensor) -> int:
