@@ -8,7 +8,8 @@ with another strategy are refused in one line.
 The one-process reference (shares_reference) is independent of scalelab's strategies: the
 model in float64, each step every rank's DistributedSampler share run in turn and its loss / W
 back-propagated (so BatchNorm sees each rank's own batch, as on the ranks), then torch's SGD.
-Three launches (2, 3, 4 ranks) carry every multi-rank check.
+Three launches (2, 3, 4 ranks) carry every multi-rank check; across them each network runs with
+and without resharding (the mlp both ways on 2 ranks), to keep CI's wall time down.
 """
 
 from __future__ import annotations
@@ -67,8 +68,7 @@ def two(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fsdp2")
     runs = {
         "mlp-on": fsdp(MLP, 2), "mlp-off": fsdp(MLP, 2, "off"),
-        "tr-on": fsdp(TRANSFORMER, 2), "tr-off": fsdp(TRANSFORMER, 2, "off"),
-        "res-on": fsdp(RESNET, 2),
+        "tr-on": fsdp(TRANSFORMER, 2), "res-on": fsdp(RESNET, 2),
         "infer": {"workload": "mlp", "hidden": 16, "strategy": "fsdp", "ranks": 2,
                   "dtype": "fp64", "batch": 7, "check": True, "quiet": True, "threads": 1},
         "killed": {**fsdp(KILLED, 2), "ckpt_dir": str(tmp / "ck")},
@@ -84,8 +84,7 @@ def three(two, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fsdp3")
     ckpt = two[3]
     runs = {
-        "mlp-on": fsdp(MLP, 3), "mlp-off": fsdp(MLP, 3, "off"),
-        "tr-on": fsdp(TRANSFORMER, 3), "tr-off": fsdp(TRANSFORMER, 3, "off"),
+        "mlp-on": fsdp(MLP, 3), "tr-off": fsdp(TRANSFORMER, 3, "off"),
         "res-off": fsdp(RESNET, 3, "off"),
         "resumed": {**fsdp(KILLED, 3), "resume": str(ckpt), "ckpt_dir": str(tmp / "ck")},
     }  # fmt: skip
@@ -147,7 +146,7 @@ def check_trained(recs: dict, weights: dict, runs: dict, world: int, names: list
 @pytest.mark.mpi
 def test_two_ranks_train_what_one_process_trains(two):
     recs, weights, runs, _ = two
-    check_trained(recs, weights, runs, 2, ["mlp-on", "mlp-off", "tr-on", "tr-off", "res-on"])
+    check_trained(recs, weights, runs, 2, ["mlp-on", "mlp-off", "tr-on", "res-on"])
     # the mlp also against the float64 NumPy SGD with hand-derived gradients (no torch)
     oracle = oracle_weights(RunConfig(**{**BASE, **MLP}))
     assert relerr(weights["mlp-off"], oracle) < 1e-10
@@ -164,7 +163,7 @@ def test_inference_under_fsdp_passes_the_oracle_check(two):
 @pytest.mark.mpi
 def test_three_ranks_train_what_one_process_trains(three):
     recs, weights, runs, _ = three
-    check_trained(recs, weights, runs, 3, ["mlp-on", "mlp-off", "tr-on", "tr-off", "res-off"])
+    check_trained(recs, weights, runs, 3, ["mlp-on", "tr-off", "res-off"])
 
 
 @pytest.mark.mpi
