@@ -83,7 +83,7 @@ def predicted(fields: dict) -> dict:
 
     cfg = RunConfig(**{k: v for k, v in fields.items() if k != "save_weights"})
     params = sum(r.params for r in WORKLOADS.get(cfg.workload)(cfg).cost_table())
-    return {"params": params, "bytes": memory.device_bytes(cfg), **memory.breakdown(cfg)}
+    return {"n_params": params, "bytes": memory.device_bytes(cfg), **memory.breakdown(cfg)}
 
 
 def rows(out: Path, runs: dict[str, dict], gpus: int) -> tuple[list[dict], list[dict]]:
@@ -103,7 +103,7 @@ def rows(out: Path, runs: dict[str, dict], gpus: int) -> tuple[list[dict], list[
         top = max((m for m in measured if m is not None), default=None)
         table.append({
             "run": name, "strategy": fields["strategy"], "gpus": gpus, "status": rec["status"],
-            "params": pred["params"], "measured_peak_allocated": measured,
+            "params": pred["n_params"], "measured_peak_allocated": measured,
             "measured_peak_reserved": [p.get("peak_reserved") if p else None
                                        for p in peaks[name]],
             "held_shards": rec.get("memory_per_rank"),
@@ -133,13 +133,11 @@ def main() -> int:
     for old in (*out.glob("*.jsonl"),):
         old.unlink()
     runs = configs(args, out)
-    env = {
-        **os.environ,
-        "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-    }
+    path = os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={args.gpus}", __file__, json.dumps(runs), "--worker", str(out)]  # fmt: skip
-    subprocess.run(cmd, check=True, env=env)
+           f"--nproc-per-node={args.gpus}", __file__, json.dumps(runs),
+           "--worker", str(out)]  # fmt: skip
+    subprocess.run(cmd, check=True, env={**os.environ, "PYTHONPATH": path})
     table, records = rows(out, runs, args.gpus)
     Path(args.out).write_text(json.dumps({"rows": table, "records": records}, indent=1))
     for row in table:
