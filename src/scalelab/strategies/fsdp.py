@@ -36,6 +36,7 @@ from scalelab.results import RunOutput
 from scalelab.strategies import fsdp_units as units
 from scalelab.strategies.base import STRATEGIES
 from scalelab.strategies.ddp import EVAL_BATCH, DDPStrategy, per_rank_batch
+from scalelab.strategies.fsdp_comm import CommTimer
 from scalelab.strategies.torchdist_base import TorchDistStrategy
 from scalelab.train.data import ResidentShards
 from scalelab.train.loop import TrainPlan, require_labels, run_training
@@ -91,6 +92,8 @@ class FSDPStrategy(DDPStrategy):
             fully_shard(unit, **kw)
         fully_shard(module, **kw)
         self.n_units = len(found) + 1
+        self.comm_timer = CommTimer(self.device)
+        self.comm_timer.install(module)
         return module
 
     def full_model(self, workload: Workload, module: nn.Module) -> nn.Module | None:
@@ -122,12 +125,13 @@ class FSDPStrategy(DDPStrategy):
 
         timings, out = timed_iterations(step, self.timer, self.cfg.warmup, self.cfg.iters)
         units.reshard(module)
+        comm = self.comm.gather_object(self.comm_timer.notes())
         return RunOutput(
             timings,
             self.gather_phases(timings),
             None if out is None else np.asarray(out),
             n,
-            notes=self.notes(),
+            notes={**self.notes(), "fsdp_comm": comm},
         )
 
     # --- training ----------------------------------------------------------------------------
@@ -200,10 +204,11 @@ class FSDPStrategy(DDPStrategy):
         parameter, gradient and optimizer-state shards) and, on a GPU, the allocator's peak."""
         held = units.held_bytes(module, opt)
         held["grads"] = self.grad_bytes or 0
+        comm = self.comm.gather_object(self.comm_timer.notes())
         if self.device.type == "cuda":
             held["peak_allocated"] = torch.cuda.max_memory_allocated(self.device)
             held["peak_reserved"] = torch.cuda.max_memory_reserved(self.device)
-        return {"memory_per_rank": self.comm.gather_object(held)}
+        return {"memory_per_rank": self.comm.gather_object(held), "fsdp_comm": comm}
 
 
 class ShardedStep(TorchStep):

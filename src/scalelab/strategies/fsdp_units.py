@@ -81,6 +81,8 @@ def make_mesh(device: torch.device, world: int, replicate: int) -> DeviceMesh:
             f"--dp-replicate {replicate} does not divide the {world} ranks "
             "(HSDP shards over ranks / R in each of R replicas)"
         )
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # FSDP allocates its buffers on the current device
     if replicate == 1:
         return init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
     shape = (replicate, world // replicate)
