@@ -14,6 +14,7 @@ and without resharding (the mlp both ways on 2 ranks), to keep CI's wall time do
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -151,6 +152,12 @@ def test_two_ranks_train_what_one_process_trains(two):
     oracle = oracle_weights(RunConfig(**{**BASE, **MLP}))
     assert relerr(weights["mlp-off"], oracle) < 1e-10
     assert recs["res-on"]["fsdp_units"] == 9  # resnet18's 8 BasicBlocks, then the root
+    # 8 steps over fc1 and fc2: one reduce-scatter per unit and step either way; resharding
+    # after forward gathers each unit again in backward (2 more all-gathers a step)
+    on, off = recs["mlp-on"]["fsdp_comm"][1], recs["mlp-off"]["fsdp_comm"][1]
+    assert on["reducescatter_calls"] == off["reducescatter_calls"] == 8 * 2
+    assert on["allgather_calls"] - off["allgather_calls"] == 8 * 2
+    assert on["allgather_s"] > 0 and on["reducescatter_bytes"] == off["reducescatter_bytes"]
 
 
 @pytest.mark.mpi
@@ -206,3 +213,53 @@ def test_fsdp_options_elsewhere_are_refused_in_one_line(args, says, capsys):
     assert main(["run", "mlp", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert says in err and len(err.splitlines()) == 1, err
+
+
+# --- the models: memory per rank and the step's collectives (no ranks) ---------------------------
+def test_memory_model_shards_state_and_counts_the_gathered_units():
+    from scalelab.plan import memory
+
+    cfg = RunConfig(workload="mlp", train=True, hidden=1024, batch=64, momentum=0.9)
+    weights = 4 * (1024 * 784 + 1024 + 10 * 1024 + 10)  # fp32
+    ddp = memory.breakdown(memory.as_strategy(cfg, "ddp", 4))
+    fsdp = memory.breakdown(memory.as_strategy(cfg, "fsdp", 4))
+    assert ddp["params"] == ddp["grads"] == ddp["optimizer"] == weights
+    assert abs(fsdp["params"] - weights / 4) <= 1 and fsdp["optimizer"] == fsdp["params"]
+    # resharding: fc1's weights twice at most (gathered + prefetched), never more than all
+    assert fsdp["gathered"] == min(weights, 2 * 4 * (1024 * 784 + 1024))
+    off = dataclasses.replace(memory.as_strategy(cfg, "fsdp", 4), reshard_after_forward="off")
+    assert memory.breakdown(off)["gathered"] == weights
+    hsdp = memory.as_strategy(cfg, "hsdp", 8)
+    assert hsdp.dp_replicate == 2 and memory.breakdown(hsdp)["params"] == fsdp["params"]
+    # the smallest rank count that fits: ddp never (its state is whole on every rank)
+    limit = 1.2 * memory.device_bytes(memory.as_strategy(cfg, "fsdp", 8))
+    assert memory.smallest_ranks(cfg, "fsdp", limit) == 8
+    assert memory.smallest_ranks(cfg, "ddp", limit) is None
+
+
+def test_fit_answers_the_fewest_ranks_per_strategy(capsys):
+    from scalelab.cli.main import main
+
+    argv = ["fit", "mlp", "--find", "ranks", "--hidden", "4096", "--batch", "64",
+            "--momentum", "0.9", "--memory-per-device", "20MB"]  # fmt: skip
+    assert main(argv) == 0
+    lines = {ln.split()[0]: ln.split() for ln in capsys.readouterr().out.splitlines()[2:]}
+    assert lines["ddp"][1] == "-" and lines["fsdp"][1] == "8" and lines["hsdp"][1] == "16"
+
+
+def test_fsdp_step_model_overlaps_gathers_and_scatters():
+    from scalelab.predict.models.fsdp import overlap
+
+    units = [(1000, 10)] * 4
+    comm = lambda p: p * 1e-3  # noqa: E731  1 s per unit each way
+    free = overlap(units, 12.0, lambda p: 0.0, lambda p: 0.0, True)
+    assert free["allgather"] == free["reducescatter"] == 0.0
+    on, off = overlap(units, 12.0, comm, comm, True), overlap(units, 12.0, comm, comm, False)
+    assert on["allgather_busy"] == 2 * off["allgather_busy"] == 8.0  # gathered again
+    assert on["reducescatter_busy"] == off["reducescatter_busy"] == 4.0
+    # compute (1 s forward, 2 s backward a unit) hides all but the first gather of each pass
+    # and the last reduce-scatter
+    assert (on["allgather"], on["reducescatter"]) == (2.0, 1.0)
+    assert (off["allgather"], off["reducescatter"]) == (1.0, 1.0)
+    tight = overlap(units, 0.1, comm, comm, True)
+    assert tight["allgather"] > 7.5  # nothing to hide behind: nearly all exposed
