@@ -262,4 +262,6 @@ def test_fsdp_step_model_overlaps_gathers_and_scatters():
     assert (on["allgather"], on["reducescatter"]) == (2.0, 1.0)
     assert (off["allgather"], off["reducescatter"]) == (1.0, 1.0)
     tight = overlap(units, 0.1, comm, comm, True)
-    assert tight["allgather"] > 7.5  # nothing to hide behind: nearly all exposed
+    # nothing to hide behind: one link, so nearly all of the 12 s of collectives is exposed
+    exposed = tight["allgather"] + tight["reducescatter"]
+    assert 11.5 < exposed <= tight["allgather_busy"] + tight["reducescatter_busy"]

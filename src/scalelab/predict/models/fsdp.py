@@ -10,13 +10,14 @@ Per optimizer step on N ranks with b items each, S = N / R ranks sharding each r
     reducescatter  each unit's gradients (storage bytes) reduce-scattered over S after its
                    backward; with R > 1 then the 1/S shard all-reduced over the R replicas
 
-Overlap (the phases are the exposed parts): all-gathers run ahead on their own stream (FSDP
-prefetches the next unit), a unit's compute waits for its own gather; reduce-scatters queue
-on another stream after each unit's backward, and only what outlasts backward is exposed.
+Overlap (the phases are the exposed parts): the collectives share the links, one at a time in
+issue order; all-gathers are issued ahead (FSDP prefetches the next unit: in backward its
+gather goes before the current unit's reduce-scatter), a unit's compute waits for its own
+gather; a reduce-scatter follows its unit's backward, and only what outlasts backward is
+exposed.
 Units are the layers with parameters (the cost table's rows): for a model sharded per
-repeated block the units are coarser than that, so fewer, larger collectives. The two
-streams' competition for the same links is not modelled (an optimistic bound when both are
-busy); nor is FSDP's host cost per unit (no calibrated run yet).
+repeated block the units are coarser than that, so fewer, larger collectives. FSDP's host
+cost per unit is not modelled (no calibrated run yet).
 """
 
 from __future__ import annotations
@@ -46,27 +47,34 @@ def overlap(
     seconds of all-gathers and reduce-scatters over one step."""
     total = sum(f for _, f in units) or 1
     fwd, bwd = (1 - BACKWARD_SHARE) * step_s, BACKWARD_SHARE * step_s
-    ag = comp = busy_ag = stall_ag = 0.0
-    for nbytes, flops in units:  # forward: gathers ahead on their stream
-        t = gather(nbytes)
-        ag, busy_ag = ag + t, busy_ag + t
-        stall_ag += max(0.0, ag - comp)
-        comp = max(comp, ag) + fwd * flops / total
-    rs, busy_rs, ag = comp, 0.0, max(ag, comp)  # backward's first gather: after forward
-    for nbytes, flops in reversed(units):  # backward: gather again, compute, reduce-scatter
-        if reshard:
-            t = gather(nbytes)
-            ag, busy_ag = ag + t, busy_ag + t
-            stall_ag += max(0.0, ag - comp)
-            comp = max(comp, ag)
+    net = comp = busy_ag = busy_rs = stall_ag = 0.0  # net: when the links are free
+    for params, flops in units:  # forward: each gather queued ahead, compute waits for it
+        t = gather(params)
+        net, busy_ag = net + t, busy_ag + t
+        stall_ag += max(0.0, net - comp)
+        comp = max(comp, net) + fwd * flops / total
+    back = list(reversed(units))
+    net = max(net, comp)
+    ready = comp
+    if reshard and back:  # the first backward unit's gather, after forward
+        t = gather(back[0][0])
+        net, busy_ag, ready = net + t, busy_ag + t, net + t
+    for i, (params, flops) in enumerate(back):
+        stall_ag += max(0.0, ready - comp)
+        comp = max(comp, ready)
+        if reshard and i + 1 < len(back):  # prefetch: the next unit's gather goes first
+            t = gather(back[i + 1][0])
+            net, busy_ag = max(net, comp) + t, busy_ag + t
+            ready = net
         comp += bwd * flops / total
-        t = scatter(nbytes)
-        rs, busy_rs = max(rs, comp) + t, busy_rs + t
+        t = scatter(params)
+        net, busy_rs = max(net, comp) + t, busy_rs + t
+        ready = ready if reshard else comp
     return {
         "allgather_busy": busy_ag,
         "allgather": stall_ag,
         "reducescatter_busy": busy_rs,
-        "reducescatter": max(0.0, rs - comp),
+        "reducescatter": max(0.0, net - comp),
     }
 
 
