@@ -60,7 +60,7 @@ def test_inference_candidates_cover_every_split_and_core_layout():
 
 def test_training_candidates_keep_the_global_batch_per_strategy():
     cfgs = cand.candidates(spec("mlp", train=True, batch=100))
-    assert {c.strategy for c in cfgs} == {"mpi-dp", "ddp", "pipeline", "tensor"}
+    assert {c.strategy for c in cfgs} == {"mpi-dp", "ddp", "fsdp", "pipeline", "tensor"}
     ddp = [c for c in cfgs if c.strategy == "ddp"]
     assert ddp and all(c.batch == 100 for c in cfgs)  # --batch: all ranks, every strategy
     assert cand.plain(spec("mlp", train=True)).strategy == "ddp"

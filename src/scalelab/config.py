@@ -190,6 +190,19 @@ class RunConfig:
         False, "torch.compile the model (ddp; pipeline: each stage).", section="compile"
     )
     workers: int = opt(0, "ddp: DataLoader worker processes.", section="ddp")
+    # --- fsdp (strategies/fsdp.py): torch's fully_shard ---------------------------------------
+    reshard_after_forward: str = opt(
+        "on",
+        "fsdp: 'on' frees each unit's gathered parameters after its forward and gathers them "
+        "again in backward (ZeRO-3); 'off' keeps them until backward (ZeRO-2-like).",
+        section="fsdp",
+    )
+    dp_replicate: int = opt(
+        1,
+        "fsdp: replicas of the sharded group (HSDP: shard within --ranks / R ranks, "
+        "replicate across R groups).",
+        section="fsdp",
+    )
     ckpt_every: int | None = opt(
         None,
         "Write a checkpoint every N optimizer steps (and at the end).",

@@ -125,6 +125,18 @@ def _ddp_when_read(cfg: Any) -> None:
         )
 
 
+def _fsdp_rules(cfg: Any) -> None:
+    _known(cfg.reshard_after_forward, ("on", "off"), "--reshard-after-forward")
+
+
+def _fsdp_when_read(cfg: Any) -> None:
+    if cfg.ranks > 1 and cfg.ranks % cfg.dp_replicate:
+        raise UsageError(
+            f"--dp-replicate {cfg.dp_replicate} does not divide --ranks {cfg.ranks} "
+            "(HSDP shards over --ranks / R ranks in each of R replicas)"
+        )
+
+
 def _split_rules(cfg: Any) -> None:
     if cfg.overlap and cfg.split != "batch":
         raise UsageError("--overlap pipelines the chunks of --split batch; drop one of them")
@@ -184,6 +196,8 @@ SECTIONS: dict[str, Section] = {
         Section("gpus", "GPUs per node (mpi-gpu, nccl, pipeline)"),
         Section("ddp", "ddp", {"workers": (0, 1024)}, {"bucket_mb": (0.0, 1e6, True)},
                 rules=_ddp_rules, when_read=_ddp_when_read),
+        Section("fsdp", "fsdp (torch fully_shard)", {"dp_replicate": (1, 2**20)},
+                rules=_fsdp_rules, when_read=_fsdp_when_read),
         Section("mpi-dp", "mpi-dp"),
         Section("layout", "memory layout (ddp, pipeline)"),
         Section("compile", "torch.compile (ddp, pipeline)"),

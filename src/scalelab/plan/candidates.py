@@ -9,6 +9,8 @@ model cannot run under is left out with that strategy's own refusal (applies.py)
 
     mpi / nccl       inference splits (batch, spatial, broadcast) x ranks x threads
     mpi-dp, ddp      data-parallel training
+    fsdp             sharded data parallel (FSDP2): reshard after forward on/off, and HSDP
+                     (--dp-replicate 2) from 4 ranks
     pipeline         scalelab's engine: stages x micro-batches x gpipe/1f1b
     pipeline-torch   torch.distributed.pipelining (training): --dp D x --stages S,
                      micro-batches, gpipe/1f1b and, 2 stages per rank, interleaved-1f1b,
@@ -120,6 +122,18 @@ def _ddp_knobs(spec: PlanSpec, ranks: int) -> list[dict]:
     speed = [{}, {"fast": True}, {"compile": True}]
     comm = [{}, {"bucket_mb": 100.0}, {"grad_compress": "bf16"}] if ranks > 1 else [{}]
     return [{**a, **b} for a in speed for b in comm]
+
+
+@SOURCES.register("fsdp", "training: FSDP2 (reshard after forward on/off); HSDP (2 replicas)")
+def fsdp(spec: PlanSpec) -> Iterator[RunConfig]:
+    if not spec.base.train:
+        return
+    for ranks, threads, p in _each(spec, least=2):
+        replicas = (1, 2) if ranks >= 4 and ranks % 2 == 0 else (1,)
+        for r in replicas:
+            for reshard in ("on", "off"):
+                yield _config(spec, "fsdp", ranks, threads, p, dp_replicate=r,
+                              reshard_after_forward=reshard)  # fmt: skip
 
 
 @SOURCES.register("pipeline", "layers in stages (one per rank) x micro-batches x schedule")

@@ -10,6 +10,13 @@ backward) at the rank's share of the model and of the batch.
     tensor, N ranks                              1/N of parameters and activations
     --dp D replicas of K stages or N tp ranks    1/K or 1/N of the parameters, B / D items
                                                  per replica shared as above
+    fsdp, N ranks, --dp-replicate R (HSDP)       parameters, gradients, optimizer state
+                                                 1/(N/R) each, plus the whole weights of the
+                                                 largest layer twice (the gathered unit and
+                                                 the prefetched next), or with
+                                                 --reshard-after-forward off all the weights
+                                                 (gathered from forward until backward);
+                                                 ceil(B / N) items
 
 Inference keeps weights only (no gradients or optimizer state). An estimate, not a
 measurement: allocator slack, workspace and the framework's own memory are not counted.
@@ -22,12 +29,18 @@ import math
 
 from scalelab.config import RunConfig
 from scalelab.orchestration.fit import estimate_bytes
+from scalelab.precision import get_precision
+from scalelab.workloads import WORKLOADS
+
+STRATEGIES = ("ddp", "fsdp", "hsdp", "pipeline", "tensor")  # what `fit --find ranks` answers
 
 
 def rank_share(cfg: RunConfig) -> tuple[float, float]:
     """(share of the parameters, items of activations) one rank holds."""
     n = cfg.ranks
     batch = cfg.batch  # all ranks together, for every strategy
+    if cfg.strategy == "fsdp":
+        return 1 / max(1, n // cfg.dp_replicate), float(math.ceil(batch / n))
     if cfg.strategy in ("pipeline", "tensor"):
         inner = max(1, n // max(1, cfg.dp))  # stages or tp ranks of one replica
         return 1 / inner, batch / n
@@ -44,4 +57,58 @@ def device_bytes(cfg: RunConfig) -> int:
     if not cfg.train:
         params //= 2 + (1 if cfg.momentum else 0)  # weights only
     share, items = rank_share(cfg)
-    return int(params * share + acts * items)
+    return int(params * share + acts * items + gathered_bytes(cfg))
+
+
+def gathered_bytes(cfg: RunConfig) -> int:
+    """fsdp: the whole weights a rank holds beside its shards while a unit computes."""
+    if cfg.strategy != "fsdp":
+        return 0
+    rows = WORKLOADS.get(cfg.workload)(cfg).cost_table()
+    itemsize = get_precision(cfg.dtype).itemsize
+    whole = sum(r.params for r in rows)
+    if cfg.reshard_after_forward == "off":
+        return itemsize * whole
+    return itemsize * min(whole, 2 * max(r.params for r in rows))
+
+
+def breakdown(cfg: RunConfig) -> dict[str, int]:
+    """Estimated bytes per rank by kind: parameters, gradients, optimizer state (the rank's
+    share), gathered (fsdp's whole units), activations."""
+    rows = WORKLOADS.get(cfg.workload)(cfg).cost_table()
+    itemsize = get_precision(cfg.dtype).itemsize
+    weights = itemsize * sum(r.params for r in rows)
+    share, items = rank_share(cfg)
+    _, acts = estimate_bytes(dataclasses.replace(cfg, batch=1))
+    train = cfg.train
+    return {
+        "params": int(weights * share),
+        "grads": int(weights * share) if train else 0,
+        "optimizer": int(weights * share) if train and cfg.momentum else 0,
+        "gathered": gathered_bytes(cfg),
+        "activations": int(acts * items),
+    }
+
+
+def as_strategy(cfg: RunConfig, name: str, ranks: int) -> RunConfig | None:
+    """cfg on `ranks` ranks under one of STRATEGIES (hsdp: fsdp with 2 replicas); None where
+    that rank count cannot run it (hsdp on an odd count)."""
+    if name == "hsdp":
+        if ranks % 2 or ranks < 4:
+            return None
+        return dataclasses.replace(cfg, strategy="fsdp", ranks=ranks, dp_replicate=2)
+    extra = {"stages": ranks} if name == "pipeline" else {}
+    return dataclasses.replace(cfg, strategy=name, ranks=ranks, dp_replicate=1, **extra)
+
+
+def smallest_ranks(cfg: RunConfig, name: str, limit: float, most: int = 4096) -> int | None:
+    """The fewest ranks (powers of two up to `most`) whose estimated bytes per rank fit
+    `limit` under strategy `name`; None if none does. ddp never shrinks with more ranks
+    beyond its activations: it answers 1 or, while the batch's share shrinks, more."""
+    n = 1
+    while n <= most:
+        here = as_strategy(cfg, name, n)
+        if here is not None and n <= max(cfg.batch, 1) and device_bytes(here) <= limit:
+            return n
+        n *= 2
+    return None

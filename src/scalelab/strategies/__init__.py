@@ -2,6 +2,7 @@
 
 from scalelab.strategies import (  # noqa: F401
     ddp,
+    fsdp,
     local,
     mpi_cpu,
     mpi_dp,

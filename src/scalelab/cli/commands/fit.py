@@ -72,9 +72,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     unread = {"strategy", "ranks", "split", "overlap", "chunks", "nonblocking", "global_batch",
               "amp", "bucket_mb", "grad_compress", "tp"}  # fmt: skip
     add_config_options(p, skip=(RUN_ONLY - {"iters", "warmup", "steps"}) | unread)
-    p.add_argument("--find", choices=("stack", "batch", "stages"), default=None)
+    p.add_argument("--find", choices=("stack", "batch", "stages", "ranks"), default=None)
     p.add_argument(
         "--mem-limit",
+        "--memory-per-device",
+        dest="mem_limit",
         default=None,
         help="bytes per device, e.g. 10.91GiB (default: the GPU's memory; on CPU the memory "
         "available now)",
@@ -100,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = workload_config(args, workload=workload_name(args), train=True)
     workload = WORKLOADS.get(cfg.workload)(cfg)
     find = args.find or ("stack" if workload.name == "deepstack" else "batch")
+    if find == "ranks":
+        return _find_ranks(cfg, args)
     if find != "batch" and workload.name != "deepstack":
         raise UsageError(f"--find {find} sizes deepstack's layers; use --find batch")
     device = resolve_device(cfg.device)
@@ -145,6 +149,30 @@ def fit_verdict(point: FitPoint) -> str:
 
 
 # --- the three searches -------------------------------------------------------------------
+
+
+def _find_ranks(cfg: RunConfig, args: argparse.Namespace) -> int:
+    """--find ranks: per strategy (ddp, fsdp, hsdp, pipeline, tensor) the fewest ranks whose
+    estimated bytes per rank fit --memory-per-device (plan/memory.py's model; estimated, not
+    run: nothing is allocated)."""
+    from scalelab.plan import memory
+
+    limit = parse_size(args.mem_limit)
+    if limit is None:
+        raise UsageError("--find ranks needs --memory-per-device (bytes per device, e.g. 80GB)")
+    print(f"estimated, not run: bytes per rank for {cfg.workload} at global batch {cfg.batch}")
+    print(f"{'strategy':<9} {'ranks':>5} {'params':>10} {'grads':>10} {'optim':>10} "
+          f"{'gathered':>10} {'acts':>10} {'total':>10}")  # fmt: skip
+    for name in memory.STRATEGIES:
+        n = memory.smallest_ranks(cfg, name, limit, args.most or 4096)
+        if n is None:
+            print(f"{name:<9} {'-':>5}  does not fit at any rank count tried")
+            continue
+        here = memory.as_strategy(cfg, name, n)
+        parts = memory.breakdown(here)
+        cells = " ".join(f"{v / 2**20:>9.1f}M" for v in parts.values())
+        print(f"{name:<9} {n:>5} {cells} {memory.device_bytes(here) / 2**20:>9.1f}M")
+    return 0
 
 
 def _find_stack(search: Search, cfg: RunConfig, args, device, limit) -> dict[str, Any]:

@@ -17,8 +17,8 @@ from scalelab.cli.options import RUN_ONLY, add_config_options, workload_config, 
 from scalelab.errors import UsageError
 from scalelab.outputs import check_dir
 
-GPU_FIRST = {"ddp", "mpi-gpu", "nccl", "pipeline"}  # --device defaults to cuda for these
-TRAINING = {"ddp", "mpi-dp", "tensor"}  # these strategies only train
+GPU_FIRST = {"ddp", "fsdp", "mpi-gpu", "nccl", "pipeline"}  # --device defaults to cuda for these
+TRAINING = {"ddp", "fsdp", "mpi-dp", "tensor"}  # these strategies only train
 GPUS_PER_NODE = 8
 
 

@@ -1,0 +1,123 @@
+"""`fsdp`: FSDP2 training (torch's fully_shard), and HSDP with --dp-replicate R.
+
+Per optimizer step on N ranks with b items each, S = N / R ranks sharding each replica:
+
+    compute        t(b), the whole one-GPU step, as ddp's (the sharded optimizer's step on
+                   1/S of the state is counted as the one-GPU optimizer's: an upper bound)
+    allgather      each unit's weights (P_u x the compute dtype's bytes) gathered from its S
+                   shards before its forward and, resharded (--reshard-after-forward on),
+                   again before its backward: a ring all-gather, half an all-reduce's traffic
+    reducescatter  each unit's gradients (storage bytes) reduce-scattered over S after its
+                   backward; with R > 1 then the 1/S shard all-reduced over the R replicas
+
+Overlap (the phases are the exposed parts): the collectives share the links, one at a time in
+issue order; all-gathers are issued ahead (FSDP prefetches the next unit: in backward its
+gather goes before the current unit's reduce-scatter), a unit's compute waits for its own
+gather; a reduce-scatter follows its unit's backward, and only what outlasts backward is
+exposed.
+Units are the layers with parameters (the cost table's rows): for a model sharded per
+repeated block the units are coarser than that, so fewer, larger collectives. FSDP's host
+cost per unit is not modelled (no calibrated run yet).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from scalelab.precision import get_precision
+from scalelab.predict.models.base import (
+    MODELS,
+    Context,
+    StrategyModel,
+    param_layers,
+    storage_bytes,
+)
+from scalelab.predict.models.ddp import BACKWARD_SHARE
+from scalelab.predict.scenario import Prediction, Scenario
+
+COMM = frozenset({"allgather", "reducescatter"})
+Cost = Callable[[float], float]
+
+
+def overlap(
+    units: list[tuple[int, int]], step_s: float, gather: Cost, scatter: Cost, reshard: bool
+) -> dict[str, float]:
+    """units: (parameters, forward FLOPs) per unit in forward order; gather and scatter: a
+    unit's parameter count -> seconds. Returns busy and exposed
+    seconds of all-gathers and reduce-scatters over one step."""
+    total = sum(f for _, f in units) or 1
+    fwd, bwd = (1 - BACKWARD_SHARE) * step_s, BACKWARD_SHARE * step_s
+    net = comp = busy_ag = busy_rs = stall_ag = 0.0  # net: when the links are free
+    for params, flops in units:  # forward: each gather queued ahead, compute waits for it
+        t = gather(params)
+        net, busy_ag = net + t, busy_ag + t
+        stall_ag += max(0.0, net - comp)
+        comp = max(comp, net) + fwd * flops / total
+    back = list(reversed(units))
+    net = max(net, comp)
+    ready = comp
+    if reshard and back:  # the first backward unit's gather, after forward
+        t = gather(back[0][0])
+        net, busy_ag, ready = net + t, busy_ag + t, net + t
+    for i, (params, flops) in enumerate(back):
+        stall_ag += max(0.0, ready - comp)
+        comp = max(comp, ready)
+        if reshard and i + 1 < len(back):  # prefetch: the next unit's gather goes first
+            t = gather(back[i + 1][0])
+            net, busy_ag = max(net, comp) + t, busy_ag + t
+            ready = net
+        comp += bwd * flops / total
+        t = scatter(params)
+        net, busy_rs = max(net, comp) + t, busy_rs + t
+        ready = ready if reshard else comp
+    return {
+        "allgather_busy": busy_ag,
+        "allgather": stall_ag,
+        "reducescatter_busy": busy_rs,
+        "reducescatter": max(0.0, net - comp),
+    }
+
+
+@MODELS.register("fsdp", "FSDP2: per-unit all-gather and reduce-scatter, overlapped")
+class FSDPModel(StrategyModel):
+    def infeasible(self, scenario: Scenario) -> str | None:
+        g, n, r = scenario.global_batch, scenario.ranks, scenario.cfg.dp_replicate
+        if g % n:
+            return f"global batch {g} does not divide over {n} ranks"
+        if n % r:
+            return f"--dp-replicate {r} does not divide {n} ranks"
+        return None
+
+    def predict(self, ctx: Context, s: Scenario) -> Prediction:
+        compute = ctx.compute(s)
+        step = compute.seconds(s.rank_batch)
+        phases = {**compute.phases(s.rank_batch), "allgather": 0.0, "reducescatter": 0.0}
+        extra: dict = {}
+        if s.ranks > 1:
+            times = self.comm_times(ctx, s, step)
+            phases["allgather"], phases["reducescatter"] = (
+                times["allgather"],
+                times["reducescatter"],
+            )
+            extra = {k: v for k, v in times.items() if k.endswith("_busy")}
+        pred = Prediction(s, phases, COMM, compute.sources, list(compute.notes))
+        pred.extra = extra
+        pred.notes.append("fsdp: FSDP's host cost per unit not calibrated (a lower bound)")
+        return pred
+
+    def comm_times(self, ctx: Context, s: Scenario, step: float) -> dict[str, float]:
+        fabric = ctx.fabric(s, self.wire(s).backend)
+        replicas = s.cfg.dp_replicate
+        shard = s.ranks // replicas
+        low = get_precision(s.precision).itemsize  # gathered in the compute dtype
+        store = storage_bytes(s)  # reduced in the storage dtype
+
+        def gather(params: float) -> float:
+            return fabric.allreduce(params * low, shard) / 2 if shard > 1 else 0.0
+
+        def scatter(params: float) -> float:
+            rs = fabric.allreduce(params * store, shard) / 2 if shard > 1 else 0.0
+            return rs + fabric.allreduce(params * store / shard, replicas)
+
+        units = [(p, f) for _, p, f in param_layers(s)]
+        return overlap(units, step, gather, scatter, s.cfg.reshard_after_forward == "on")

@@ -1,0 +1,219 @@
+"""`fsdp`: sharded data parallelism on torch's FSDP2 (`torch.distributed.fsdp.fully_shard`).
+
+Each rank keeps 1/W of every parameter, of its gradient and of the optimizer state (DTensor
+shards along dim 0). Before a unit's forward the unit's parameters are all-gathered, after its
+backward its gradients are reduce-scattered (averaged: the gradient of the global mean loss,
+as DDP's all-reduce). Units: one per repeated block, else one per layer with parameters
+(fsdp_units.shard_units), then the root. `--reshard-after-forward off` keeps the gathered
+parameters from forward to backward (ZeRO-2-like: one all-gather per unit and step, more
+memory); `on` (ZeRO-3) frees them and gathers again in backward. `--dp-replicate R`: HSDP on a
+2-D mesh (R replicas of a group of W/R ranks that shards; gradients reduce-scattered within a
+group, then all-reduced across the replicas). `--dtype bf16/fp16`: torch's
+MixedPrecisionPolicy (parameters gathered and computed in the low dtype, gradients reduced in
+fp32, the sharded master weights fp32) in place of autocast.
+
+The data path is ddp's (DistributedSampler shares, --batch the global batch). Checkpoints hold
+the whole model and optimizer as one process holds them (get_state_dict / set_state_dict of
+torch.distributed.checkpoint.state_dict, full state dicts), so they resume on any rank count
+and under any strategy. Inference splits the batch over the ranks; every rank runs the same
+forwards (all-gather per unit) and the root gathers the outputs.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+
+import numpy as np
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from scalelab.comm import even_counts
+from scalelab.config import RunConfig
+from scalelab.errors import UsageError
+from scalelab.instrument.timer import EventTimer, PhaseTimer, timed_iterations
+from scalelab.results import RunOutput
+from scalelab.strategies import fsdp_units as units
+from scalelab.strategies.base import STRATEGIES
+from scalelab.strategies.ddp import EVAL_BATCH, DDPStrategy, per_rank_batch
+from scalelab.strategies.fsdp_comm import CommTimer
+from scalelab.strategies.torchdist_base import TorchDistStrategy
+from scalelab.train.data import ResidentShards
+from scalelab.train.loop import TrainPlan, require_labels, run_training
+from scalelab.train.sources import batch_slices
+from scalelab.train.steps import TorchStep
+from scalelab.workloads.base import Inputs, Workload
+
+
+@STRATEGIES.register(
+    "fsdp", "torch FSDP2 (fully_shard) sharded data parallelism under torchrun; HSDP"
+)
+class FSDPStrategy(DDPStrategy):
+    name = "fsdp"
+    reads = ("fsdp", "checkpoint")
+
+    def __init__(self, cfg: RunConfig) -> None:
+        TorchDistStrategy.__init__(self, cfg)  # not ddp's: an inference batch needs no shares
+        if self.device.type == "cuda":
+            self.timer = EventTimer(self.device)
+        self.per_rank = per_rank_batch(cfg, self.comm.size) if cfg.train else cfg.batch
+        self.buckets = None
+        self.mesh = units.make_mesh(self.device, self.comm.size, cfg.dp_replicate)
+        self.n_units = 0
+        self.grad_bytes: int | None = None  # gradient shards held after a backward
+
+    @classmethod
+    def preflight(cls, cfg: RunConfig) -> int:
+        if cfg.ranks % cfg.dp_replicate:
+            raise UsageError(f"--dp-replicate {cfg.dp_replicate} does not divide --ranks")
+        if cfg.train:
+            per_rank_batch(cfg, cfg.ranks)
+        return cfg.batch
+
+    # --- placement ---------------------------------------------------------------------------
+    def mp_policy(self) -> MixedPrecisionPolicy:
+        low = self.precision.autocast
+        if low is None:
+            return MixedPrecisionPolicy()
+        return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+
+    def autocast(self) -> AbstractContextManager:
+        return nullcontext()  # the MixedPrecisionPolicy casts (FSDP's own low-precision path)
+
+    def shard_model(self, workload: Workload, module: nn.Module) -> nn.Module:
+        """fully_shard each unit, then the root (in place: module becomes an FSDPModule)."""
+        kw = {
+            "mesh": self.mesh,
+            "reshard_after_forward": self.cfg.reshard_after_forward == "on",
+            "mp_policy": self.mp_policy(),
+        }
+        found = units.shard_units(module, workload.layers(module))
+        for unit in found:
+            fully_shard(unit, **kw)
+        fully_shard(module, **kw)
+        self.n_units = len(found) + 1
+        self.comm_timer = CommTimer(self.device)
+        self.comm_timer.install(module)
+        return module
+
+    def full_model(self, workload: Workload, module: nn.Module) -> nn.Module | None:
+        """The trained model as one process holds it, on the root (None elsewhere): the
+        all-gathered state loaded into a model built on the meta device (no second init)."""
+        state = units.full_model_state(module)
+        if not self.is_root:
+            return None
+        with torch.device("meta"):
+            whole = workload.build_model()
+        whole.load_state_dict(state, assign=True)
+        return whole
+
+    # --- inference ---------------------------------------------------------------------------
+    def infer(self, workload: Workload, model: nn.Module, inputs: Inputs | None) -> RunOutput:
+        module = self.shard_model(workload, self.place(model)).eval()
+        n = self.comm.bcast_object(len(inputs) if inputs is not None else None)
+        counts = even_counts(n, self.comm.size)
+        host_x = inputs.x if inputs is not None else None
+
+        def step() -> torch.Tensor | None:
+            with self.timer.phase("scatter"):
+                x = self.comm.scatterv(host_x, counts)
+            with self.timer.phase("compute"), torch.no_grad():
+                out = module(workload.prepare(x).to(self.precision.storage))
+            with self.timer.phase("gather"):
+                whole = self.comm.gatherv(out.to(torch.float64))
+            return None if whole is None else whole.cpu()
+
+        timings, out = timed_iterations(step, self.timer, self.cfg.warmup, self.cfg.iters)
+        units.reshard(module)
+        comm = self.comm.gather_object(self.comm_timer.notes())
+        return RunOutput(
+            timings,
+            self.gather_phases(timings),
+            None if out is None else np.asarray(out),
+            n,
+            notes={**self.notes(), "fsdp_comm": comm},
+        )
+
+    # --- training ----------------------------------------------------------------------------
+    def train(
+        self, workload: Workload, model: nn.Module, data: tuple[Inputs, Inputs] | None
+    ) -> RunOutput:
+        assert data is not None
+        train, heldout = data
+        require_labels(train, heldout)
+        if len(train) < self.comm.size:
+            raise UsageError(f"{len(train)} training items cannot feed {self.comm.size} ranks")
+        module = self.shard_model(workload, self.place(model))
+        source = self.source(workload, train)
+        plan = TrainPlan(
+            source=source,
+            evaluate=lambda m: self.evaluate(workload, module, heldout),
+            module=module,
+            prepare=(lambda x: x) if isinstance(source, ResidentShards) else workload.prepare,
+            loss=lambda m, out, y: workload.loss(units.WholeParams(module), out, y),
+            n_train=len(train),
+            export_state=lambda m, o: units.export_full(m, o, self.is_root),
+            import_state=units.import_full,
+            notes=self.notes(),
+        )
+        step = ShardedStep(self, workload, module, plan)
+        out = run_training(self, workload, module, plan, step=step)
+        out.notes.update(self.memory_notes(module, step.opt))
+        out.model = self.full_model(workload, module)
+        return out
+
+    def reduce_gradients(self, model: nn.Module, timer: PhaseTimer) -> None:
+        """FSDP reduce-scattered the gradients inside backward; this only notes the bytes of
+        the gradient shards held (once, the first step)."""
+        if self.grad_bytes is None:
+            self.grad_bytes = units.held_bytes(model, None)["grads"]
+
+    def evaluate(self, workload: Workload, module: nn.Module, heldout: Inputs) -> float:
+        """Each rank scores a contiguous part of the held-out set in as many forwards as
+        every other rank (each forward all-gathers: a rank with fewer would hang the rest)."""
+        self.sync_buffers(module)
+        counts = even_counts(len(heldout), self.comm.size)
+        start = sum(counts[: self.comm.rank])
+        part = heldout.slice(start, start + counts[self.comm.rank])
+        module.eval()
+        correct = 0
+        with torch.no_grad():
+            for k in range(len(batch_slices(max(counts), EVAL_BATCH))):
+                x = self.to_device(part.x[k * EVAL_BATCH : (k + 1) * EVAL_BATCH])
+                pred = module(workload.prepare(x)).argmax(dim=1).cpu()
+                correct += int((pred == part.y[k * EVAL_BATCH : (k + 1) * EVAL_BATCH]).sum())
+        units.reshard(module)
+        module.train()
+        return self.all_sum(correct) / max(len(heldout), 1)
+
+    # --- what the record says ------------------------------------------------------------------
+    def notes(self, source: object = None) -> dict:
+        low = self.precision.autocast
+        return {
+            "per_rank_batch": self.per_rank,
+            "reshard_after_forward": self.cfg.reshard_after_forward,
+            "dp_replicate": self.cfg.dp_replicate,
+            "dp_shard": self.comm.size // self.cfg.dp_replicate,
+            "fsdp_units": self.n_units,
+            "param_dtype": str(low).removeprefix("torch.") if low is not None else None,
+            "backend": self.comm.backend,
+        }
+
+    def memory_notes(self, module: nn.Module, opt: torch.optim.Optimizer) -> dict:
+        """Every rank's memory (a gather): the sharded state it holds (bytes of its
+        parameter, gradient and optimizer-state shards) and, on a GPU, the allocator's peak."""
+        held = units.held_bytes(module, opt)
+        held["grads"] = self.grad_bytes or 0
+        comm = self.comm.gather_object(self.comm_timer.notes())
+        if self.device.type == "cuda":
+            held["peak_allocated"] = torch.cuda.max_memory_allocated(self.device)
+            held["peak_reserved"] = torch.cuda.max_memory_reserved(self.device)
+        return {"memory_per_rank": self.comm.gather_object(held), "fsdp_comm": comm}
+
+
+class ShardedStep(TorchStep):
+    """torch's autograd step on the sharded module; the NaN guard reads each rank's shards
+    (a DTensor's isfinite would gather)."""
+
+    def weights(self) -> list[torch.Tensor]:
+        return [units.local(p).detach() for p in self.model.parameters()]

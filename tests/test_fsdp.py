@@ -1,0 +1,267 @@
+"""fsdp (torch's fully_shard) on real gloo ranks: an MLP, resnet18-cifar at 32x32 and a small
+transformer (programs/fsdp_nets.py, run as a user's --model) train on 2 and 3 ranks, with and
+without resharding after forward, and as HSDP 2x2 on 4 ranks, to the weights of one float64
+process; a checkpoint taken on 2 ranks (rank 1 SIGKILLed mid-epoch) resumes on 3 ranks to what
+one process resuming it trains; inference under fsdp passes the oracle's check; fsdp options
+with another strategy are refused in one line.
+
+The one-process reference (shares_reference) is independent of scalelab's strategies: the
+model in float64, each step every rank's DistributedSampler share run in turn and its loss / W
+back-propagated (so BatchNorm sees each rank's own batch, as on the ranks), then torch's SGD.
+Three launches (2, 3, 4 ranks) carry every multi-rank check; across them each network runs with
+and without resharding (the mlp both ways on 2 ranks), to keep CI's wall time down.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from programs.train_helpers import (
+    PROGRAMS,
+    launcher,
+    oracle_weights,
+    relerr,
+    run,
+)
+from scalelab.config import RunConfig
+from scalelab.record import read_records
+from scalelab.runner import execute
+from scalelab.train.data import epoch_sampler
+from scalelab.workloads import WORKLOADS
+
+# --- the runs ---------------------------------------------------------------------------------
+BASE = dict(train=True, dtype="fp64", quiet=True, threads=1, heldout_size=8, seed=3)
+MLP = dict(workload="mlp", hidden=16, train_size=48, batch=12, epochs=2, lr=0.5, l2=1e-3)
+RESNET = dict(workload="resnet18-cifar", train_size=6, batch=6, epochs=1, lr=0.05,
+              num_classes=10, heldout_size=2)  # fmt: skip
+TRANSFORMER = dict(
+    workload="model", model=f"{PROGRAMS / 'fsdp_nets.py'}:tiny_transformer", input_shape="8",
+    input_dtype="int64", vocab=50, train_size=48, batch=12, epochs=2, lr=0.2, momentum=0.9,
+)  # fmt: skip
+# Killed on 2 ranks before its 8th step (checkpoints every 3: the last at step 6, mid-epoch
+# 2 of 4 steps), resumed on 3: the momentum buffers travel resharded.
+KILLED = {**MLP, "epochs": 3, "momentum": 0.9, "ckpt_every": 3}
+
+
+def fsdp(fields: dict, ranks: int, reshard: str = "on", replicate: int = 1) -> dict:
+    return {**BASE, **fields, "strategy": "fsdp", "ranks": ranks,
+            "reshard_after_forward": reshard, "dp_replicate": replicate}  # fmt: skip
+
+
+def launch(tmp: Path, ranks: int, runs: dict, kill: tuple[int, int] | None = None):
+    cmd = [*launcher("torchrun", ranks), str(PROGRAMS / "fsdp_runs.py"), str(tmp), json.dumps(runs)]
+    proc = run([*cmd, *map(str, kill or ())], timeout=400)
+    assert (proc.returncode != 0) == (kill is not None), proc.stderr[-3000:]
+    recs = {Path(r["config"]["save_weights"]).stem: r for r in read_records(tmp / "runs.jsonl")}
+    recs = {name: r for name, r in recs.items() if r["status"] == "ok"}
+    return recs, {n: torch.load(tmp / f"{n}.pt") for n, r in recs.items() if r["mode"] == "train"}
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fsdp2")
+    runs = {
+        "mlp-on": fsdp(MLP, 2), "mlp-off": fsdp(MLP, 2, "off"),
+        "tr-on": fsdp(TRANSFORMER, 2), "res-on": fsdp(RESNET, 2),
+        "infer": {"workload": "mlp", "hidden": 16, "strategy": "fsdp", "ranks": 2,
+                  "dtype": "fp64", "batch": 7, "check": True, "quiet": True, "threads": 1},
+        "killed": {**fsdp(KILLED, 2), "ckpt_dir": str(tmp / "ck")},
+    }  # fmt: skip
+    recs, weights = launch(tmp, 2, runs, kill=(8, 1))
+    (ckpt,) = (tmp / "ck").glob("*.pt")
+    kept = shutil.copy(ckpt, tmp / "taken-on-2.pt")  # the 3-rank resume rewrites ckpt
+    return recs, weights, runs, Path(kept)
+
+
+@pytest.fixture(scope="module")
+def three(two, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fsdp3")
+    ckpt = two[3]
+    runs = {
+        "mlp-on": fsdp(MLP, 3), "tr-off": fsdp(TRANSFORMER, 3, "off"),
+        "res-off": fsdp(RESNET, 3, "off"),
+        "resumed": {**fsdp(KILLED, 3), "resume": str(ckpt), "ckpt_dir": str(tmp / "ck")},
+    }  # fmt: skip
+    recs, weights = launch(tmp, 3, runs)
+    return recs, weights, runs, ckpt
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("hsdp")
+    runs = {"mlp-on": fsdp(MLP, 4, replicate=2), "tr-off": fsdp(TRANSFORMER, 4, "off", 2)}
+    recs, weights = launch(tmp, 4, runs)
+    return recs, weights, runs
+
+
+# --- the one-process reference ------------------------------------------------------------------
+def shares_reference(fields: dict, world: int) -> dict[str, torch.Tensor]:
+    """Parameters after one float64 process runs every rank's share of each step in turn
+    (loss / W each, gradients accumulated), then torch's SGD step."""
+    cfg = RunConfig(**{k: v for k, v in fields.items() if k not in ("ranks",)})
+    wl = WORKLOADS.get(cfg.workload)(cfg)
+    model = wl.build_model().to(torch.float64).train()
+    train, _ = wl.training_data()
+    x = wl.prepare(train.x).to(torch.float64)
+    opt = wl.optimizer(model)
+    per_rank = cfg.batch // world
+    for epoch in range(cfg.epochs):
+        shares = []
+        for r in range(world):
+            sampler = epoch_sampler(len(train), world, r, cfg.seed)
+            sampler.set_epoch(epoch)
+            shares.append(list(sampler))
+        for k in range(math.ceil(len(shares[0]) / per_rank)):
+            for share in shares:
+                idx = share[k * per_rank : (k + 1) * per_rank]
+                (wl.loss(model, model(x[idx]), train.y[idx]) / world).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def check_trained(recs: dict, weights: dict, runs: dict, world: int, names: list[str]) -> None:
+    for name in names:
+        rec, got = recs[name], weights[name]
+        assert rec["status"] == "ok" and rec["ranks"] == world, name
+        ref = shares_reference(runs[name], world)
+        assert relerr({k: got[k] for k in ref}, ref) < 1e-10, name
+        # every rank holds a shard, together the whole model (1/W each, up to dim-0 rounding)
+        held = [m["params"] for m in rec["memory_per_rank"]]
+        total = sum(p.numel() * 8 for p in ref.values())
+        assert sum(held) == total and max(held) < total * (1 / world + 0.25), (name, held)
+        assert (
+            rec["fsdp_units"] > 1
+            and rec["reshard_after_forward"] == runs[name]["reshard_after_forward"]
+        )
+
+
+# --- the tests ----------------------------------------------------------------------------------
+@pytest.mark.mpi
+def test_two_ranks_train_what_one_process_trains(two):
+    recs, weights, runs, _ = two
+    check_trained(recs, weights, runs, 2, ["mlp-on", "mlp-off", "tr-on", "res-on"])
+    # the mlp also against the float64 NumPy SGD with hand-derived gradients (no torch)
+    oracle = oracle_weights(RunConfig(**{**BASE, **MLP}))
+    assert relerr(weights["mlp-off"], oracle) < 1e-10
+    assert recs["res-on"]["fsdp_units"] == 9  # resnet18's 8 BasicBlocks, then the root
+    # 8 steps over fc1 and fc2: one reduce-scatter per unit and step either way; resharding
+    # after forward gathers each unit again in backward (2 more all-gathers a step)
+    on, off = recs["mlp-on"]["fsdp_comm"][1], recs["mlp-off"]["fsdp_comm"][1]
+    assert on["reducescatter_calls"] == off["reducescatter_calls"] == 8 * 2
+    assert on["allgather_calls"] - off["allgather_calls"] == 8 * 2
+    assert on["allgather_s"] > 0 and on["reducescatter_bytes"] == off["reducescatter_bytes"]
+
+
+@pytest.mark.mpi
+def test_inference_under_fsdp_passes_the_oracle_check(two):
+    rec = two[0]["infer"]
+    assert rec["mode"] == "infer" and rec["check_passed"] and rec["relerr"] < 1e-12
+    assert rec["ranks"] == 2 and rec["fsdp_units"] == 3  # fc1, fc2, the root
+
+
+@pytest.mark.mpi
+def test_three_ranks_train_what_one_process_trains(three):
+    recs, weights, runs, _ = three
+    check_trained(recs, weights, runs, 3, ["mlp-on", "tr-off", "res-off"])
+
+
+@pytest.mark.mpi
+def test_checkpoint_from_two_ranks_resumes_on_three(two, three):
+    """The 2-rank checkpoint (step 6, mid-epoch, momentum buffers) resumed on 3 fsdp ranks
+    equals one float64 process (`local`) resuming the same file."""
+    state = torch.load(two[3])
+    assert state["world_size"] == 2 and state["position"]["steps"] == 6
+    assert len(state["optimizer"]["state"]) == 4  # a momentum buffer per parameter, whole
+    assert state["optimizer"]["state"][0]["momentum_buffer"].shape == (16, 784)
+    recs, weights = three[0], three[1]
+    assert recs["resumed"]["steps"] == 12 and recs["resumed"]["resumed_from"]
+    out = two[3].parent / "local.pt"
+    local = {**BASE, **KILLED, "strategy": "local", "resume": str(two[3]), "ckpt_every": None}
+    execute(RunConfig(**local, save_weights=str(out)), None)
+    assert relerr(weights["resumed"], torch.load(out)) < 1e-12
+
+
+@pytest.mark.mpi
+def test_hsdp_two_by_two_trains_what_one_process_trains(four):
+    recs, weights, runs = four
+    for name in runs:
+        assert recs[name]["dp_replicate"] == 2 and recs[name]["dp_shard"] == 2
+        ref = shares_reference(runs[name], 4)
+        assert relerr({k: weights[name][k] for k in ref}, ref) < 1e-10, name
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--strategy", "ddp", "--train", "--dp-replicate", "2"], "--dp-replicate is a fsdp"),
+        (["--reshard-after-forward", "off"], "the local strategy does not read it"),
+        (["--strategy", "fsdp", "--reshard-after-forward", "maybe"], "--reshard-after-forward"),
+        (["--strategy", "fsdp", "--ranks", "3", "--dp-replicate", "2"], "does not divide"),
+    ],
+)
+def test_fsdp_options_elsewhere_are_refused_in_one_line(args, says, capsys):
+    from scalelab.cli.main import main
+
+    assert main(["run", "mlp", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and len(err.splitlines()) == 1, err
+
+
+# --- the models: memory per rank and the step's collectives (no ranks) ---------------------------
+def test_memory_model_shards_state_and_counts_the_gathered_units():
+    from scalelab.plan import memory
+
+    cfg = RunConfig(workload="mlp", train=True, hidden=1024, batch=64, momentum=0.9)
+    weights = 4 * (1024 * 784 + 1024 + 10 * 1024 + 10)  # fp32
+    ddp = memory.breakdown(memory.as_strategy(cfg, "ddp", 4))
+    fsdp = memory.breakdown(memory.as_strategy(cfg, "fsdp", 4))
+    assert ddp["params"] == ddp["grads"] == ddp["optimizer"] == weights
+    assert abs(fsdp["params"] - weights / 4) <= 1 and fsdp["optimizer"] == fsdp["params"]
+    # resharding: fc1's weights twice at most (gathered + prefetched), never more than all
+    assert fsdp["gathered"] == min(weights, 2 * 4 * (1024 * 784 + 1024))
+    off = dataclasses.replace(memory.as_strategy(cfg, "fsdp", 4), reshard_after_forward="off")
+    assert memory.breakdown(off)["gathered"] == weights
+    hsdp = memory.as_strategy(cfg, "hsdp", 8)
+    assert hsdp.dp_replicate == 2 and memory.breakdown(hsdp)["params"] == fsdp["params"]
+    # the smallest rank count that fits: ddp never (its state is whole on every rank)
+    limit = 1.2 * memory.device_bytes(memory.as_strategy(cfg, "fsdp", 8))
+    assert memory.smallest_ranks(cfg, "fsdp", limit) == 8
+    assert memory.smallest_ranks(cfg, "ddp", limit) is None
+
+
+def test_fit_answers_the_fewest_ranks_per_strategy(capsys):
+    from scalelab.cli.main import main
+
+    argv = ["fit", "mlp", "--find", "ranks", "--hidden", "4096", "--batch", "64",
+            "--momentum", "0.9", "--memory-per-device", "20MB"]  # fmt: skip
+    assert main(argv) == 0
+    lines = {ln.split()[0]: ln.split() for ln in capsys.readouterr().out.splitlines()[2:]}
+    assert lines["ddp"][1] == "-" and lines["fsdp"][1] == "8" and lines["hsdp"][1] == "16"
+
+
+def test_fsdp_step_model_overlaps_gathers_and_scatters():
+    from scalelab.predict.models.fsdp import overlap
+
+    units = [(1000, 10)] * 4
+    comm = lambda p: p * 1e-3  # noqa: E731  1 s per unit each way
+    free = overlap(units, 12.0, lambda p: 0.0, lambda p: 0.0, True)
+    assert free["allgather"] == free["reducescatter"] == 0.0
+    on, off = overlap(units, 12.0, comm, comm, True), overlap(units, 12.0, comm, comm, False)
+    assert on["allgather_busy"] == 2 * off["allgather_busy"] == 8.0  # gathered again
+    assert on["reducescatter_busy"] == off["reducescatter_busy"] == 4.0
+    # compute (1 s forward, 2 s backward a unit) hides all but the first gather of each pass
+    # and the last reduce-scatter
+    assert (on["allgather"], on["reducescatter"]) == (2.0, 1.0)
+    assert (off["allgather"], off["reducescatter"]) == (1.0, 1.0)
+    tight = overlap(units, 0.1, comm, comm, True)
+    # nothing to hide behind: one link, so nearly all of the 12 s of collectives is exposed
+    exposed = tight["allgather"] + tight["reducescatter"]
+    assert 11.5 < exposed <= tight["allgather_busy"] + tight["reducescatter_busy"]
