@@ -64,7 +64,7 @@ class FSDPStrategy(DDPStrategy):
 
     @classmethod
     def preflight(cls, cfg: RunConfig) -> int:
-        if cfg.ranks % cfg.dp_replicate:
+        if cfg.ranks > 1 and cfg.ranks % cfg.dp_replicate:  # 1: under the user's own launcher
             raise UsageError(f"--dp-replicate {cfg.dp_replicate} does not divide --ranks")
         if cfg.train:
             per_rank_batch(cfg, cfg.ranks)
