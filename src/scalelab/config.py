@@ -198,6 +198,12 @@ class RunConfig:
         "pipeline: 'auto' (equalise measured layer time) or a list like 5,7.",
         section="pipeline",
     )
+    cut: str | None = opt(
+        None,
+        "pipeline: cut before these modules, fully qualified names in forward order "
+        "(body.layers.2,body.layers.4: 3 stages); instead of --balance.",
+        section="pipeline",
+    )
     rebalance: int = opt(
         1,
         "pipeline --balance auto: rounds of re-cutting from each stage's own measured time "
