@@ -232,6 +232,12 @@ class RunConfig:
         "tensor --engine torch: ranks per tensor-parallel group (default: --ranks / --dp).",
         section="tensor",
     )
+    tp_plan: str | None = opt(
+        None,
+        "tensor --engine torch: your own plan, MODULE:OBJECT (a dict of module-name patterns "
+        "to torch ParallelStyles, or a callable taking the model and returning one).",
+        section="tensor",
+    )
     dp: int = opt(
         1,
         "--engine torch: data-parallel replicas of the pipeline or tensor group (2-D mesh).",

@@ -30,6 +30,7 @@ from scalelab.errors import UsageError
 from scalelab.instrument.timer import timed_iterations
 from scalelab.results import RunOutput
 from scalelab.strategies import penalty as pen
+from scalelab.strategies import tensor_plan as tp
 from scalelab.strategies.mesh import Layout, MeshGroups
 from scalelab.strategies.torchdist_base import TorchDistStrategy
 from scalelab.train.loop import default_plan, require_labels, run_training
@@ -90,8 +91,13 @@ class DTensorParallel(TorchDistStrategy):
 
     def validate(self, workload: Workload) -> None:
         self.layout.check(self.comm.size, "tensor --engine torch")
+        self.heads = None  # a plan by heads (tensor_plan.py): blocks, or --tp-plan
         with torch.device("meta"):
-            pairs = linear_pairs(workload, workload.build_model())
+            meta = workload.build_model()
+            pairs = linear_pairs(workload, meta)
+            if self.cfg.tp_plan is not None or getattr(workload, "blocks", None) is not None:
+                self.heads = tp.derive_plan(meta, self.layout.inner, self.cfg.tp_plan)
+                pairs = self.heads.pairs()
         if not pairs:
             raise UsageError(
                 f"tensor --engine torch: {workload.name} marks no Linear pair to shard"
@@ -103,6 +109,12 @@ class DTensorParallel(TorchDistStrategy):
 
     def place(self, model: nn.Module) -> nn.Module:
         model = super().place(model)
+        if self.heads is not None:  # the same plan, on the real model (swaps, head counts)
+            n = self.layout.inner
+            self.heads = tp.derive_plan(model, n, self.cfg.tp_plan)
+            tp.reorder_fused(model, self.heads, n)
+            self.orders = tp.param_orders(model, self.heads)
+            return parallelize_module(model, self.groups.inner_mesh, self.heads.styles)
         plan = {}
         for col, row in self.pairs:
             plan[col], plan[row] = ColwiseParallel(), RowwiseParallel()
@@ -208,12 +220,30 @@ class DTensorParallel(TorchDistStrategy):
         opt_state = None
         if opt is not None:
             sd = opt.state_dict()
-            per = {i: {k: full(v) if torch.is_tensor(v) else v for k, v in s.items()}
+            per = {i: {k: self._user_rows(i, full(v)) if torch.is_tensor(v) else v
+                       for k, v in s.items()}
                    for i, s in sd["state"].items()}  # fmt: skip
             opt_state = {"state": per, "param_groups": sd["param_groups"]}
+        if self.heads is not None:
+            state = tp.to_user(state, self.heads, self.layout.inner)
         return (state, opt_state) if self.is_root else None
 
+    def _user_rows(self, index: int, t: torch.Tensor) -> torch.Tensor:
+        """A fused qkv parameter's optimizer state in the user's row order (tensor_plan)."""
+        width = getattr(self, "orders", {}).get(index)
+        if width is None or t.dim() == 0:
+            return t
+        return t[torch.argsort(tp.qkv_order(width, self.layout.inner))]
+
     def import_state(self, model: nn.Module, opt, state: dict, opt_state: dict) -> None:
+        if self.heads is not None:
+            n = self.layout.inner
+            state = tp.from_user(state, self.heads, n)
+            opt_state = {**opt_state, "state": {
+                i: {k: v[tp.qkv_order(self.orders[i], n)]
+                    if i in self.orders and torch.is_tensor(v) and v.dim() else v
+                    for k, v in s.items()}
+                for i, s in opt_state["state"].items()}}  # fmt: skip
         params = list(model.parameters())
         with torch.no_grad():
             for k, t in model.state_dict().items():

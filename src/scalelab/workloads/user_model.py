@@ -195,7 +195,8 @@ class UserModel(Workload):
             raise UsageError(f"pipeline: cannot cut the model into stages: {self.chain_problem()}")
         if strategy == "pipeline" and self.blocks is not None:
             self._check_block_pipeline(cfg)
-        if strategy == "tensor" and cfg.engine == "torch" and not self.linear_pairs(None):
+        by_heads = self.blocks is not None or cfg.tp_plan is not None  # tensor_plan.py
+        if strategy == "tensor" and cfg.engine == "torch" and not by_heads and not self.linear_pairs(None):
             raise UsageError(f"tensor: nothing to shard: {self._why_no_pairs()}")
 
     def linear_pairs(self, model: nn.Module | None) -> list[tuple[str, str]]:
