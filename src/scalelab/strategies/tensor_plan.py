@@ -199,10 +199,9 @@ def from_user(state: dict[str, torch.Tensor], plan: HeadPlan, n: int) -> dict:
 
 
 def _model_keys(plan: HeadPlan, state: dict) -> list[str]:
-    keys = [k for k in state]
+    keys = list(state)
     for name in plan.swapped:
-        for new, old in RENAMES.items():
-            keys.append(f"{name}.{new}")
+        keys += [f"{name}.{new}" for new in RENAMES]
     return keys
 
 

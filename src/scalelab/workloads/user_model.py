@@ -196,7 +196,8 @@ class UserModel(Workload):
         if strategy == "pipeline" and self.blocks is not None:
             self._check_block_pipeline(cfg)
         by_heads = self.blocks is not None or cfg.tp_plan is not None  # tensor_plan.py
-        if strategy == "tensor" and cfg.engine == "torch" and not by_heads and not self.linear_pairs(None):
+        pairs = by_heads or self.linear_pairs(None)
+        if strategy == "tensor" and cfg.engine == "torch" and not pairs:
             raise UsageError(f"tensor: nothing to shard: {self._why_no_pairs()}")
 
     def linear_pairs(self, model: nn.Module | None) -> list[tuple[str, str]]:
