@@ -72,6 +72,14 @@ class TorchPipeline(TorchDistStrategy):
     def validate(self, workload: Workload) -> None:
         cfg = self.cfg
         self.v = virtual_stages(cfg.schedule, cfg.virtual_stages)
+        if cfg.cut is not None:  # names the model's modules: refused before any work
+            with torch.device("meta"):
+                layers = workload.layers(workload.build_model())
+            counts = part.given_counts(cfg.balance, cfg.cut, [x.path for x in layers],
+                                       cfg.stages * self.v)  # fmt: skip
+            blocks = getattr(workload, "blocks", None)
+            if blocks is not None:
+                tr.check_cut(counts, layers, blocks.cut_points)
         self.layout.check(self.comm.size, "pipeline --engine torch")
         if self.precision.autocast is torch.float16 and cfg.train:
             raise UsageError("pipeline --engine torch trains in fp64/fp32/tf32/bf16; use bf16")
