@@ -64,3 +64,16 @@ class GPT(nn.Module):
 
 def gpt(vocab: int = 64, seq: int = 16, width: int = 32, heads: int = 4, depth: int = 4) -> GPT:
     return GPT(vocab, seq, width, heads, depth)
+
+
+def tp_plan(model: GPT) -> dict:
+    """Your own tensor-parallel plan (`--tp-plan examples/models/gpt.py:tp_plan`), the one
+    scalelab derives: module-name patterns to torch's ParallelStyles."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {
+        "blocks.*.attn.qkv": ColwiseParallel(),  # by heads: q, k, v of each rank's heads
+        "blocks.*.attn.proj": RowwiseParallel(),
+        "blocks.*.mlp.0": ColwiseParallel(),
+        "blocks.*.mlp.2": RowwiseParallel(),
+    }

@@ -54,8 +54,18 @@ def derive_plan(model: nn.Module, n: int, user: str | None = None) -> HeadPlan:
         styles = _user_styles(user, model)
         plan = HeadPlan(styles, swapped=swapped)
         for name in _attention_modules(model):
-            if any(_matches(k, f"{name}.{c}") for k in styles for c, _ in _linears(model, name)):
-                plan.heads[name] = _head_attrs(model.get_submodule(name))
+            lins = _linears(model, name)
+            sharded = {c: st for c, _ in lins for k, st in styles.items()
+                       if _matches(k, f"{name}.{c}")}  # fmt: skip
+            if not sharded:
+                continue
+            plan.heads[name] = _head_attrs(model.get_submodule(name))
+            out = next((c for c, _ in lins if c in OUT_NAMES), lins[-1][0])
+            width = dict(lins)[out].out_features
+            for child, lin in lins:  # a fused qkv Linear column-wise: by heads, as derived
+                col = isinstance(sharded.get(child), ColwiseParallel)
+                if col and lin.out_features == 3 * width:
+                    plan.fused[f"{name}.{child}"] = width
         _check(model, plan, n)
         return plan
     found = repeated_blocks(model)
