@@ -165,12 +165,18 @@ class TorchPipeline(TorchDistStrategy):
             x = self.workload.prepare(x).to(self.precision.storage)
             mode = self.model.training
             self.model.train(train)
+            for pieces in self.traced.values():  # the export runs on the host, all of it
+                for piece in pieces.values():
+                    piece.to("cpu")
             try:
                 self.traced[(size, train)] = tr.trace_pieces(
                     self.model, x, starts, self.ids, self.device
                 )
             finally:
                 self.model.train(mode)
+                for pieces in self.traced.values():
+                    for piece in pieces.values():
+                        piece.to(self.device)
             self.pieces = self.traced[(size, train)]
         return self.traced[(size, train)]
 
