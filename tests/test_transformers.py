@@ -188,3 +188,18 @@ def _initial(name: str) -> dict:
 
     wl = WORKLOADS.get("model")(RunConfig(**TRAIN, **MODELS[name]))
     return {k: v.double() for k, v in wl.build_model().state_dict().items()}
+
+
+def test_cut_names_give_the_layers_per_stage():
+    from scalelab.errors import UsageError
+    from scalelab.planning.partition import cut_counts, given_counts
+
+    paths = ["tok", None, "blocks.0", "blocks.1", "blocks.2", "ln_f", "head"]
+    assert cut_counts("blocks.1, ln_f", paths, 3) == [3, 2, 2]
+    assert given_counts("auto", None, paths, 2) is None
+    for spec, needle in (("blocks.9", "no layer is that module"),
+                         ("ln_f,blocks.1", "in forward order"), ("tok", "after the first")):
+        with pytest.raises(UsageError, match=needle):
+            cut_counts(spec, paths, len(spec.split(",")) + 1)
+    with pytest.raises(UsageError, match="give one"):
+        given_counts("3,4", "blocks.1", paths, 2)
