@@ -13,6 +13,11 @@ The pairs: mlp (fc1, fc2), alexnet (fc6, fc7), vgg16 (classifier.0, classifier.3
 (fc1, fc2), and for nn.Sequential models (deepstack, users' models) consecutive Linear
 children joined by elementwise layers only, paired from the front. The hand-written MLP split
 over MPI (strategies/tensor.py) stays as the reference.
+
+A model built from repeated blocks (a transformer) is sharded by heads instead: the plan comes
+from its blocks' attention and MLP modules, or from `--tp-plan MODULE:OBJECT`
+(tensor_plan.py); a fused qkv Linear's rows are kept in sharded order inside the run and go
+back to the user's order in every weight or checkpoint that leaves it.
 """
 
 from __future__ import annotations
