@@ -203,3 +203,23 @@ def test_cut_names_give_the_layers_per_stage():
             cut_counts(spec, paths, len(spec.split(",")) + 1)
     with pytest.raises(UsageError, match="give one"):
         given_counts("3,4", "blocks.1", paths, 2)
+
+
+def test_weights_leave_a_head_split_in_the_users_names_and_order():
+    """nn.MultiheadAttention swapped and its packed rows reordered by heads inside the run;
+    what leaves the run is the user's model's state, and goes back in exactly."""
+    import copy
+
+    from programs.transformer_nets import encoder
+    from scalelab.strategies import tensor_plan
+
+    ref = encoder()
+    model = copy.deepcopy(ref)
+    plan = tensor_plan.derive_plan(model, 2)
+    tensor_plan.reorder_fused(model, plan, 2)
+    assert model.body.layers[0].self_attn.num_heads == 2  # 4 heads, 2 per rank
+    user = tensor_plan.to_user(model.state_dict(), plan, 2)
+    assert list(user) == list(ref.state_dict())
+    assert all(torch.equal(user[k], v) for k, v in ref.state_dict().items())
+    back = tensor_plan.from_user(ref.state_dict(), plan, 2)
+    assert all(torch.equal(back[k], v) for k, v in model.state_dict().items())
