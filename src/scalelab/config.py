@@ -232,6 +232,12 @@ class RunConfig:
         "pipeline: 'auto' (equalise measured layer time) or a list like 5,7.",
         section="pipeline",
     )
+    cut: str | None = opt(
+        None,
+        "pipeline: cut before these modules, fully qualified names in forward order "
+        "(body.layers.2,body.layers.4: 3 stages); instead of --balance.",
+        section="pipeline",
+    )
     rebalance: int = opt(
         1,
         "pipeline --balance auto: rounds of re-cutting from each stage's own measured time "
@@ -258,6 +264,12 @@ class RunConfig:
     tp: int | None = opt(
         None,
         "tensor --engine torch: ranks per tensor-parallel group (default: --ranks / --dp).",
+        section="tensor",
+    )
+    tp_plan: str | None = opt(
+        None,
+        "tensor --engine torch: your own plan, MODULE:OBJECT (a dict of module-name patterns "
+        "to torch ParallelStyles, or a callable taking the model and returning one).",
         section="tensor",
     )
     dp: int = opt(

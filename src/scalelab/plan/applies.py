@@ -56,6 +56,12 @@ def _dtensor_pairs(cfg: RunConfig, workload) -> None:
     from scalelab.strategies.tensor_dtensor import linear_pairs
 
     with torch.device("meta"):
-        pairs = linear_pairs(workload, workload.build_model())
+        model = workload.build_model()
+        if getattr(workload, "blocks", None) is not None or cfg.tp_plan is not None:
+            from scalelab.strategies.tensor_plan import derive_plan  # by heads (heads refused)
+
+            derive_plan(model, cfg.tp or max(cfg.ranks // cfg.dp, 1), cfg.tp_plan)
+            return
+        pairs = linear_pairs(workload, model)
     if not pairs:
         raise UsageError(f"tensor --engine torch: {workload.name} marks no Linear pair to shard")

@@ -23,6 +23,35 @@ def bounds(counts: Sequence[int]) -> list[tuple[int, int]]:
     return out
 
 
+def cut_counts(spec: str, paths: Sequence[str | None], stages: int) -> list[int]:
+    """`--cut a.b.2,a.b.4`: the per-stage layer counts of a cut before those modules (the
+    layers' dotted paths), checked: stages - 1 names, each a layer, in forward order."""
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    if len(names) != stages - 1:
+        raise UsageError(f"--cut {spec}: {stages} stages need {stages - 1} module names")
+    starts = []
+    for name in names:
+        if name not in paths:
+            known = ", ".join(p for p in paths if p)
+            raise UsageError(f"--cut {name}: no layer is that module (layers: {known})")
+        starts.append(list(paths).index(name))
+    if starts[0] == 0 or starts != sorted(set(starts)):
+        raise UsageError(f"--cut {spec}: name modules in forward order, after the first layer")
+    edges = [0, *starts, len(paths)]
+    return [b - a for a, b in zip(edges, edges[1:])]
+
+
+def given_counts(
+    balance: str, cut: str | None, paths: Sequence[str | None], stages: int
+) -> list[int] | None:
+    """The cut the user gave (--cut names, or --balance counts); None for --balance auto."""
+    if cut is not None:
+        if balance.strip() != "auto":
+            raise UsageError("--cut and --balance both choose the cut; give one")
+        return cut_counts(cut, paths, stages)
+    return parse_balance(balance, len(paths), stages)
+
+
 def parse_balance(spec: str, n_layers: int, stages: int) -> list[int] | None:
     """`--balance`: None for "auto", else the explicit per-stage layer counts, checked."""
     if spec.strip() == "auto":

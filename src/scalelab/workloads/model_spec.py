@@ -42,17 +42,25 @@ def parse_model_args(items: tuple[str, ...]) -> dict[str, Any]:
 
 def load_factory(spec: str) -> Callable[..., Any]:
     """The callable a MODULE:FACTORY spec names (a dotted FACTORY walks attributes)."""
+    obj = load_object(spec)
+    if not callable(obj):
+        attr = spec.rpartition(":")[2]
+        raise UsageError(f"--model {spec}: {attr} is a {type(obj).__name__}, not a callable")
+    return obj
+
+
+def load_object(spec: str, flag: str = "--model") -> Any:
+    """The object a MODULE:NAME spec names (a dotted NAME walks attributes)."""
     module_name, sep, attr = spec.rpartition(":")
     if not sep or not module_name or not attr:
-        raise UsageError(f"--model {spec!r}: expected MODULE:FACTORY (module or .py path)")
+        what = "MODULE:FACTORY" if flag == "--model" else "MODULE:NAME"
+        raise UsageError(f"{flag} {spec!r}: expected {what} (module or .py path)")
     module = _import(spec, module_name)
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise UsageError(f"--model {spec}: {module_name} has no attribute {attr!r}")
+            raise UsageError(f"{flag} {spec}: {module_name} has no attribute {attr!r}")
         obj = getattr(obj, part)
-    if not callable(obj):
-        raise UsageError(f"--model {spec}: {attr} is a {type(obj).__name__}, not a callable")
     return obj
 
 

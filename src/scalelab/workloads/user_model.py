@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from scalelab.errors import UsageError
+from scalelab.workloads import block_layers as bl
 from scalelab.workloads import model_spec
 from scalelab.workloads import module_layers as ml
 from scalelab.workloads.base import WORKLOADS, Inputs, LayerCost, Workload
@@ -151,31 +152,63 @@ class UserModel(Workload):
         return x if x.is_floating_point() else x.to(torch.float32)
 
     # --- the one layer description ---------------------------------------------------------
+    @cached_property
+    def view(self) -> tuple[list[Layer], list[ml.Call | None], str | None]:
+        """(layers, the call each computes, why the model is not a chain): the chain of its
+        children where the forward is one, else the block view (block_layers) where the
+        module tree holds a stack of repeated blocks, else the model as one block."""
+        layers, calls, why = ml.derive_layers(self.probe)
+        if len(layers) == 1 and why is not None and self.blocks is not None:
+            return self.blocks.layers, self.blocks.calls, None
+        return layers, calls, why
+
+    @cached_property
+    def blocks(self) -> bl.BlockView | None:
+        """The block view, when the root's forward is not a chain and its blocks are."""
+        found = bl.block_view(self.probe)
+        if isinstance(found, str):
+            self._blocks_why = found
+            return None
+        return found
+
     def layers(self, model: nn.Module) -> list[Layer]:
         """model's layers in forward order (its own submodules, same parameters)."""
-        layers, _, _ = ml.derive_layers(self.probe)
+        layers, _, _ = self.view
         modules = dict(model.named_modules())
         out = [replace(x, module=modules[x.path]) if x.path is not None else x for x in layers]
+        if self.blocks is not None:
+            params = dict(model.named_parameters())
+            out = [replace(x, module=bl.RootParams({n: params[n] for n in x.module.names}))
+                   if isinstance(x.module, bl.RootParams) else x for x in out]  # fmt: skip
         if self.cfg.input_dtype == "int64":
             out.insert(0, Layer("ids", "cast", TokenIds(), "point"))
         return out
 
     def chain_problem(self) -> str | None:
-        """Why the model is not a chain of layers a pipeline can cut (None: it is one)."""
-        layers, _, why = ml.derive_layers(self.probe)
+        """Why the model is not a chain of layers a pipeline can cut (None: it is one, or its
+        blocks are)."""
+        layers, _, why = self.view
+        if len(layers) == 1 and why is not None and getattr(self, "_blocks_why", None):
+            return f"{why}; {self._blocks_why}"
         return why if len(layers) == 1 else None
 
     def check_strategy(self, strategy: str, cfg) -> None:
         """One line naming the layer that stops a strategy this model cannot run under."""
         if strategy == "pipeline" and self.chain_problem() is not None:
             raise UsageError(f"pipeline: cannot cut the model into stages: {self.chain_problem()}")
-        if strategy == "tensor" and cfg.engine == "torch" and not self.linear_pairs(None):
+        if strategy == "pipeline" and self.blocks is not None:
+            self._check_block_pipeline(cfg)
+        by_heads = self.blocks is not None or cfg.tp_plan is not None  # tensor_plan.py
+        pairs = by_heads or self.linear_pairs(None)
+        if strategy == "tensor" and cfg.engine == "torch" and not pairs:
             raise UsageError(f"tensor: nothing to shard: {self._why_no_pairs()}")
 
     def linear_pairs(self, model: nn.Module | None) -> list[tuple[str, str]]:
         """(column-wise, row-wise) Linear pairs joined by element-wise layers only, from the
         front: what tensor parallelism (DTensor) shards. By module path."""
         pairs, open_ = [], None
+        if self.blocks is not None:  # the root's own ops sit between these layers
+            return pairs
         for layer in ml.derive_layers(self.probe)[0]:
             if layer.kind == "linear":
                 if open_ is not None:
@@ -204,12 +237,14 @@ class UserModel(Workload):
 
     def first_nonlocal(self) -> Layer | None:
         """The first layer that reads beyond a window along the split axis (None: none)."""
-        layers, _, _ = ml.derive_layers(self.probe)
+        layers, _, _ = self.view
         return next((x for x in layers if x.reach not in ("window", "point")), None)
 
     # --- cost model: FlopCounter per module, from the traced forward ----------------------
     def layer_costs(self) -> list[tuple[Layer, LayerCost]]:
-        layers, calls, _ = ml.derive_layers(self.probe)
+        layers, calls, _ = self.view
+        if self.blocks is not None:
+            return self._block_costs()
         out, counted = [], set()
         prev = self.probe.inputs[0]
         if self.cfg.input_dtype == "int64":  # the ids cast: layers() starts with it
@@ -228,6 +263,42 @@ class UserModel(Workload):
                 layer.path)))  # fmt: skip
             prev = after
         return out
+
+    def _block_costs(self) -> list[tuple[Layer, LayerCost]]:
+        """The block view's rows: each call's own input and output, FlopCounter's count."""
+        out, counted = [], set()
+        x = self.probe.inputs[0]
+        if self.cfg.input_dtype == "int64":
+            n = ml.per_item_elems(x)
+            ids = Layer("ids", "cast", TokenIds(), "point")
+            out.append((ids, LayerCost("ids", "cast", tuple(x.shape[1:]), 0, 0, n, n)))
+        for layer, call in zip(self.blocks.layers, self.blocks.calls):
+            fresh = [p for p in layer.module.parameters() if id(p) not in counted]
+            counted.update(id(p) for p in fresh)
+            params = sum(p.numel() for p in fresh)
+            if call is None:  # the root's parameters: used by the root's own ops
+                shape = tuple(next(layer.module.parameters()).shape)
+                out.append((layer, LayerCost(layer.name, layer.kind, shape, params, 0, 0, 0)))
+                continue
+            first = call.inputs[0] if call.inputs else None
+            after = call.output
+            shape = tuple(after.shape[1:]) if torch.is_tensor(after) else ()
+            out.append((layer, LayerCost(
+                layer.name, layer.kind, shape, params, ml.layer_flops(layer, call),
+                ml.per_item_elems(first), ml.per_item_elems(after), layer.path)))  # fmt: skip
+        return out
+
+    def _check_block_pipeline(self, cfg) -> None:
+        """A block model's pipeline: torch's tracer cuts it (the torch engine), and parameters
+        shared by two layers (a head tied to the embedding) cannot live on two stages."""
+        if cfg.engine != "torch" or cfg.placement == "manual":
+            raise UsageError(
+                f"pipeline: the model's forward is not a chain of its layers (its blocks "
+                f"{self.blocks.stack}.* are); cut it with --engine torch (torch's tracer)"
+            )
+        tied = bl.tied_parameters(self.probe.module)
+        if tied and cfg.stages * max(cfg.virtual_stages, 1) > 1:
+            raise UsageError(f"pipeline: tied parameters cannot be cut apart: {tied}")
 
     # --- oracle: the module itself in float64 --------------------------------------------
     def reference_forward(self, params: dict[str, np.ndarray], x: np.ndarray) -> np.ndarray:

@@ -36,7 +36,7 @@ def initial_plan(
 ) -> StagePlan:
     """The cut before any --rebalance round: --balance as given, or auto on the root."""
     cfg = s.cfg
-    counts = part.parse_balance(cfg.balance, len(layers), cfg.stages)
+    counts = part.given_counts(cfg.balance, cfg.cut, [x.path for x in layers], cfg.stages)
     plan = StagePlan(layers, counts or [], auto=counts is None)
     if counts is None:
         if s.is_root:

@@ -89,7 +89,7 @@ class ManualPlacement(TorchStrategy):
     def place(self, model: nn.Module) -> nn.Module:
         cfg = self.cfg
         layers = self.workload.layers(model)
-        counts = part.parse_balance(cfg.balance, len(layers), cfg.stages)
+        counts = part.given_counts(cfg.balance, cfg.cut, [x.path for x in layers], cfg.stages)
         if counts is None:
             counts = self._auto_counts(layers)
         self.counts = counts

@@ -41,6 +41,7 @@ from scalelab.planning.torch_schedule import NO_EVAL, stage_ids, virtual_stages
 from scalelab.results import RunOutput
 from scalelab.strategies import penalty as pen
 from scalelab.strategies.mesh import Layout, MeshGroups
+from scalelab.strategies.pipeline import torch_trace as tr
 from scalelab.strategies.pipeline.torch_report import RunLog, torch_pipeline_notes
 from scalelab.strategies.pipeline.torch_stages import (
     Clock,
@@ -69,6 +70,14 @@ class TorchPipeline(TorchDistStrategy):
     def validate(self, workload: Workload) -> None:
         cfg = self.cfg
         self.v = virtual_stages(cfg.schedule, cfg.virtual_stages)
+        if cfg.cut is not None:  # names the model's modules: refused before any work
+            with torch.device("meta"):
+                layers = workload.layers(workload.build_model())
+            counts = part.given_counts(cfg.balance, cfg.cut, [x.path for x in layers],
+                                       cfg.stages * self.v)  # fmt: skip
+            blocks = getattr(workload, "blocks", None)
+            if blocks is not None:
+                tr.check_cut(counts, layers, blocks.cut_points)
         self.layout.check(self.comm.size, "pipeline --engine torch")
         if self.precision.autocast is torch.float16 and cfg.train:
             raise UsageError("pipeline --engine torch trains in fp64/fp32/tf32/bf16; use bf16")
@@ -82,7 +91,12 @@ class TorchPipeline(TorchDistStrategy):
         self.layers = workload.layers(model)
         self.n_stages = cfg.stages * self.v
         self.clock = Clock(device_sync(self.device))
-        counts = part.parse_balance(cfg.balance, len(self.layers), self.n_stages)
+        # A model whose layers do not compose (block_layers.BlockView): torch's tracer cuts it
+        self.blocks = getattr(workload, "blocks", None)
+        paths = [x.path for x in self.layers]
+        counts = part.given_counts(cfg.balance, cfg.cut, paths, self.n_stages)
+        if counts is not None and self.blocks is not None:
+            tr.check_cut(counts, self.layers, self.blocks.cut_points)
         self.profile: list[part.LayerProfile] | None = None
         self.balance_rounds: list[dict[str, Any]] = []
         auto = counts is None
@@ -96,15 +110,23 @@ class TorchPipeline(TorchDistStrategy):
     def _auto_counts(self, sample: torch.Tensor) -> list[int]:
         cfg = self.cfg
         n = cfg.batch // (cfg.dp * cfg.microbatches)
-        x = self.workload.prepare(sample[:n].to(self.device)).to(self.precision.storage)
-        self.profile = profiling.profile_layers(
-            self.layers, x, self.device, self.precision.storage, cfg.train, self.autocast
-        )
+        if self.blocks is not None:
+            self.profile = tr.flop_profile(
+                self.workload.cost_table(), n, cfg.train, self.precision.itemsize
+            )
+        else:
+            x = self.workload.prepare(sample[:n].to(self.device)).to(self.precision.storage)
+            self.profile = profiling.profile_layers(
+                self.layers, x, self.device, self.precision.storage, cfg.train, self.autocast
+            )
         capacity = profiling.device_capacity(self.device, profiling.env_mem_limit())
         self._mem = part.memory_model(
             capacity, self.n_stages, cfg.microbatches, cfg.train, cfg.schedule, cfg.momentum
         )
-        return part.balance_auto(self.profile, self.n_stages, self._mem)
+        counts = part.balance_auto(self.profile, self.n_stages, self._mem)
+        if self.blocks is not None:
+            counts = tr.snap_counts(counts, self.layers, self.blocks.cut_points)
+        return counts
 
     def _place(self, counts: list[int]) -> None:
         """This rank's pieces of the cut on the device; passes are built per size on use."""
@@ -117,13 +139,44 @@ class TorchPipeline(TorchDistStrategy):
         ids = stage_ids(self.cfg.schedule, self.groups.inner_rank, self.cfg.stages, self.v)
         for piece in getattr(self, "pieces", {}).values():
             piece.to("cpu")
-        self.pieces = {
-            i: nn.Sequential(*[lay.module for lay in self.layers[slice(*bounds[i])]]).to(
-                device=self.device, dtype=self.precision.storage
-            )
-            for i in sorted(ids)
-        }
+        self.ids = sorted(ids)
+        self.traced: dict[tuple[int, bool], dict[int, nn.Module]] = {}
+        if self.blocks is not None:  # traced per micro-batch size (_pieces_for)
+            self.pieces = {}
+        else:
+            self.pieces = {
+                i: nn.Sequential(*[lay.module for lay in self.layers[slice(*bounds[i])]]).to(
+                    device=self.device, dtype=self.precision.storage
+                )
+                for i in self.ids
+            }
         self.passes: dict[tuple[int, bool], Pass] = {}
+
+    def _pieces_for(self, size: int, train: bool) -> dict[int, nn.Module]:
+        """This rank's pieces for micro-batches of `size` items: the Sequential of its layers,
+        or for a traced model (torch_trace.py) the tracer's stage modules for that size."""
+        if self.blocks is None:
+            return self.pieces
+        if (size, train) not in self.traced:
+            starts = [self.layers[a].path for a, _ in part.bounds(self.counts)[1:]]
+            x = self.workload.synthetic_inputs(size, self.cfg.seed).x
+            x = self.workload.prepare(x).to(self.precision.storage)
+            mode = self.model.training
+            self.model.train(train)
+            for pieces in self.traced.values():  # the export runs on the host, all of it
+                for piece in pieces.values():
+                    piece.to("cpu")
+            try:
+                self.traced[(size, train)] = tr.trace_pieces(
+                    self.model, x, starts, self.ids, self.device
+                )
+            finally:
+                self.model.train(mode)
+                for pieces in self.traced.values():
+                    for piece in pieces.values():
+                        piece.to(self.device)
+            self.pieces = self.traced[(size, train)]
+        return self.traced[(size, train)]
 
     def _rebalance(self, sample: torch.Tensor) -> None:
         """--rebalance R: time each stage in a real pipelined pass, re-cut the profile fitted
@@ -157,8 +210,9 @@ class TorchPipeline(TorchDistStrategy):
         if key not in self.passes:
             micro = micro_for(n_local, self.cfg.microbatches)
             loss = self._loss if key[1] else None
+            pieces = self._pieces_for(n_local // micro, self.cfg.train)
             self.passes[key] = build_pass(
-                self.cfg.schedule, self.pieces, self.n_stages, self.device,
+                self.cfg.schedule, pieces, self.n_stages, self.device,
                 self.groups.inner_group, micro, loss, self.clock, self.whole_backward,
             )  # fmt: skip
         return self.passes[key]
@@ -297,7 +351,8 @@ class PipelineStep(TorchStep):
         for piece in s.pieces.values():  # after the dp sum: the penalty's gradient once
             reg = pen.penalty(s.workload, piece.named_parameters())
             if reg is not None:
-                reg.backward()
+                if reg.requires_grad:  # a user model's loss adds nothing: a constant zero
+                    reg.backward()
                 total = total + reg.detach().double() * len(step.local)
         with self.timer.phase("step"):
             self.opt.step()

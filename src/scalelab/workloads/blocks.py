@@ -1,0 +1,36 @@
+"""The stack of repeated blocks in a model's module tree: what a transformer is built from
+(`h.0..N-1`, `blocks.*`, nn.TransformerEncoder's `layers.*`).
+
+One small function with no knowledge of who uses it: the block view of a user model's layers
+(workloads/block_layers.py: one layer per block, for the pipeline's cut points and the cost
+table), and one FSDP unit per block.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def repeated_blocks(module: nn.Module) -> tuple[str, list[str]] | None:
+    """(the container's dotted name, its blocks' dotted names) of the model's repeated block
+    stack, None when it has none.
+
+    The stack is an nn.ModuleList or nn.Sequential of at least two children, all of one class,
+    holding parameters. Among several (a ModuleList of experts inside each block), the
+    shallowest wins, then the one with the most children: the blocks of the model, not the
+    pieces of a block. The root itself counts (name "").
+    """
+    best: tuple[int, int, str, list[str]] | None = None
+    for name, m in module.named_modules():
+        if not isinstance(m, (nn.ModuleList, nn.Sequential)):
+            continue
+        kids = list(m.named_children())
+        if len(kids) < 2 or len({type(child) for _, child in kids}) != 1:
+            continue
+        if not any(True for _ in kids[0][1].parameters()):
+            continue
+        depth = 0 if not name else name.count(".") + 1
+        key = (depth, -len(kids))
+        if best is None or key < best[:2]:
+            best = (depth, -len(kids), name, [f"{name}.{k}" if name else k for k, _ in kids])
+    return None if best is None else (best[2], best[3])
