@@ -105,7 +105,7 @@ def test_predict_calibrate_names_prefers_and_checks(cli, tmp_path, scale, flagge
 
 
 # --- 8. FLOPs on the path the run takes: attention's fast path counted ------------------------
-ATTENTION_NETS = '''
+ATTENTION_NETS = """
 from torch import nn
 
 
@@ -130,7 +130,7 @@ def stack():
     layer = nn.TransformerEncoderLayer(16, 4, 32, batch_first=True)
     encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
     return nn.Sequential(encoder, nn.Flatten(), nn.Linear(160, 3))
-'''
+"""
 
 
 def _attention_workload(tmp_path, factory):
@@ -382,13 +382,15 @@ def test_report_from_constructed_records_flags_every_contradiction(tmp_path):
                  warnings=rank_wall_warning(0.241, [0.241, 0.624]))  # fmt: skip
     system = read_records(fixtures / "system_roofline.jsonl")
     ceilings = json.loads((fixtures / "ceilings_cpu.json").read_text())
-    ceilings["warnings"] = ["unstable ceiling: fp32 GEMM 1.94e+11 FLOP/s is the best of 3 "
-                            "blocks whose median was 105% slower (host busy? re-measure)"]
+    ceilings["warnings"] = [
+        "unstable ceiling: fp32 GEMM 1.94e+11 FLOP/s is the best of 3 "
+        "blocks whose median was 105% slower (host busy? re-measure)"
+    ]
     page = write_report([layers, train, *system], tmp_path, ceilings, plots=False)
     text = page.read_text()
     for said in ("slower than c5 (same shape)", "faster than c3 (same shape)",
                  "layers exceed the wall", "rank skew: rank 1", "unstable ceiling",
                  "IQR ms/iter"):  # fmt: skip
         assert said in text, said
-    assert "<th class=\"text\">flag</th>" in text or ">flag<" in text  # the system table's
+    assert '<th class="text">flag</th>' in text or ">flag<" in text  # the system table's
     assert "CV 0.0%" not in text

@@ -61,8 +61,11 @@ def _two_rank_runs() -> dict:
         runs[f"{name}-pipe"] = {**INFER, **spec, **PIPE, "ranks": 2, "stages": 2}
         runs[f"{name}-tensor"] = {**INFER, **spec, **TENSOR, "ranks": 2}
         for how in TRAINED[name]:
-            fields = {**TENSOR} if how == "tensor" else {
-                **PIPE, "stages": 2, "schedule": how, **SCHEDULES[how]}
+            fields = (
+                {**TENSOR}
+                if how == "tensor"
+                else {**PIPE, "stages": 2, "schedule": how, **SCHEDULES[how]}
+            )
             runs[f"{name}-train-{how}"] = {**TRAIN, **spec, **fields, "ranks": 2}
     return runs
 
@@ -144,11 +147,17 @@ def test_repeated_blocks_finds_the_stack_not_the_pieces():
 @pytest.mark.parametrize(
     "model, args, needle",
     [
-        ("tied", ["--strategy", "pipeline", "--engine", "torch", "--stages", "2"],
-         "tied parameters cannot be cut apart: tok_embeddings.weight = output.weight"),
+        (
+            "tied",
+            ["--strategy", "pipeline", "--engine", "torch", "--stages", "2"],
+            "tied parameters cannot be cut apart: tok_embeddings.weight = output.weight",
+        ),
         ("gpt", ["--strategy", "pipeline", "--stages", "2"], "cut it with --engine torch"),
-        ("gpt", ["--strategy", "pipeline", "--engine", "torch", "--cut", "blocks.1,ln_f"],
-         "2 stages need 1 module names"),
+        (
+            "gpt",
+            ["--strategy", "pipeline", "--engine", "torch", "--cut", "blocks.1,ln_f"],
+            "2 stages need 1 module names",
+        ),
     ],
 )
 def test_splits_that_cannot_apply_say_why(cli, model, args, needle):
@@ -197,8 +206,11 @@ def test_cut_names_give_the_layers_per_stage():
     paths = ["tok", None, "blocks.0", "blocks.1", "blocks.2", "ln_f", "head"]
     assert cut_counts("blocks.1, ln_f", paths, 3) == [3, 2, 2]
     assert given_counts("auto", None, paths, 2) is None
-    for spec, needle in (("blocks.9", "no layer is that module"),
-                         ("ln_f,blocks.1", "in forward order"), ("tok", "after the first")):
+    for spec, needle in (
+        ("blocks.9", "no layer is that module"),
+        ("ln_f,blocks.1", "in forward order"),
+        ("tok", "after the first"),
+    ):
         with pytest.raises(UsageError, match=needle):
             cut_counts(spec, paths, len(spec.split(",")) + 1)
     with pytest.raises(UsageError, match="give one"):

@@ -71,7 +71,8 @@ class RunConfig:
     seed: int = opt(0, "Seeds weights, synthetic inputs and data splits.", section="run")
     quiet: bool = opt(False, "No progress lines on stderr.", section="run")
     threads: int | None = opt(
-        None, "torch intra-op threads on CPU (None: the CPUs free for the run shared by its "
+        None,
+        "torch intra-op threads on CPU (None: the CPUs free for the run shared by its "
         "ranks on the host, at most torch's default; the record's `threads` says why).",
         section="run",
     )

@@ -26,6 +26,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from scalelab.errors import UsageError
+from scalelab.workloads.blocks import every_block, holds_parameters
 from scalelab.workloads.layers import Layer
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -34,30 +35,10 @@ FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 # --- units -------------------------------------------------------------------------------------
 # PRIVATE helper, to be folded into workloads/blocks.py's `repeated_blocks(module)` (written on
 # another branch) by the integrator: same rule, one place.
-def _repeated_blocks(module: nn.Module) -> list[nn.Module]:
-    """The outermost children of ModuleList/Sequential containers whose >= 2 children are
-    all of one class and all hold parameters, in module order."""
-    found: list[nn.Module] = []
-    inside: set[int] = set()  # modules below a block already taken
-    for m in module.modules():
-        if id(m) in inside:
-            continue
-        kids = list(m.children()) if isinstance(m, (nn.ModuleList, nn.Sequential)) else []
-        same = len(kids) >= 2 and len({type(k) for k in kids}) == 1
-        if same and all(_has_params(k) for k in kids):
-            found.extend(kids)
-            inside.update(id(d) for k in kids for d in k.modules())
-    return found
-
-
-def _has_params(m: nn.Module) -> bool:
-    return any(True for _ in m.parameters())
-
-
 def shard_units(model: nn.Module, layers: list[Layer]) -> list[nn.Module]:
     """The modules fully_shard wraps before the root: repeated blocks, else the layer list's
     layers with parameters (never the root itself; the root takes what is left)."""
-    blocks = [b for b in _repeated_blocks(model) if b is not model]
+    blocks = [b for b in every_block(model) if b is not model]
     if blocks:
         return blocks
     own = {id(m) for m in model.modules()}
@@ -65,7 +46,7 @@ def shard_units(model: nn.Module, layers: list[Layer]) -> list[nn.Module]:
     units = []
     for layer in layers:
         m = layer.module
-        if m is model or id(m) not in own or id(m) in seen or not _has_params(m):
+        if m is model or id(m) not in own or id(m) in seen or not holds_parameters(m):
             continue
         seen.add(id(m))
         units.append(m)

@@ -42,7 +42,9 @@ class TorchStrategy(Strategy):
         # No --threads on a CPU: the CPUs free for this run, shared by the ranks here, rather
         # than torch's one thread per core (50-200x slower on a busy host: issue 38).
         self.thread_choice = threads.pick(
-            cfg.threads, self.device.type, host_checks.ranks_on_host(self.comm.size),
+            cfg.threads,
+            self.device.type,
+            host_checks.ranks_on_host(self.comm.size),
             self._saved_threads,
         )
         if self.thread_choice.threads != self._saved_threads:

@@ -34,3 +34,25 @@ def repeated_blocks(module: nn.Module) -> tuple[str, list[str]] | None:
         if best is None or key < best[:2]:
             best = (depth, -len(kids), name, [f"{name}.{k}" if name else k for k, _ in kids])
     return None if best is None else (best[2], best[3])
+
+
+def every_block(module: nn.Module) -> list[nn.Module]:
+    """The blocks of every repeated stack, not only the model's main one: the outermost
+    children of ModuleList/Sequential containers whose >= 2 children are all of one class and
+    all hold parameters, in module order (ResNet's four stages give their 8 blocks; fsdp wraps
+    each as a unit)."""
+    found: list[nn.Module] = []
+    inside: set[int] = set()  # modules below a block already taken
+    for m in module.modules():
+        if id(m) in inside:
+            continue
+        kids = list(m.children()) if isinstance(m, (nn.ModuleList, nn.Sequential)) else []
+        same = len(kids) >= 2 and len({type(k) for k in kids}) == 1
+        if same and all(holds_parameters(k) for k in kids):
+            found.extend(kids)
+            inside.update(id(d) for k in kids for d in k.modules())
+    return found
+
+
+def holds_parameters(m: nn.Module) -> bool:
+    return any(True for _ in m.parameters())

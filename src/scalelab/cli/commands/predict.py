@@ -168,7 +168,7 @@ def _pool_of(found):
     from scalelab.predict.calibration import Pool
 
     pool = Pool()
-    for p in (found.pools.values() if found is not None else ()):
+    for p in found.pools.values() if found is not None else ():
         pool.extend(p)
     return pool
 
