@@ -4,7 +4,9 @@ receive, so the quoting is proven by the shell rather than by string matching. N
 needed: tests/test_slurm_cluster.py runs the scripts on a real Slurm."""
 
 import os
+import shlex
 import subprocess
+import sys
 
 import pytest
 
@@ -79,6 +81,8 @@ def _generate(cli, tmp_path, study, *extra):
         out,
         "--out",
         tmp_path / "res" / "r.jsonl",
+        "--python",
+        "python3",
         *extra,
     )
     assert code == 0, err
@@ -118,7 +122,9 @@ def test_one_script_per_point_with_the_right_launcher(cli, tmp_path, study):
     # MPICH (this machine's library) speaks pmi2: chosen although srun also offers pmix
     assert "srun --nodes=2 --ntasks=8 --ntasks-per-node=4 --mpi=pmi2 python3 -m scalelab" in mpi
     assert "#SBATCH --ntasks-per-node=1" in ddp and "head=$(scontrol show hostnames" in ddp
-    assert "--nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d" in ddp
+    # one scalelab per node, which starts and watches that node's torchrun
+    assert "srun --nodes=2 --ntasks=2 --ntasks-per-node=1 python3 -m scalelab)" in ddp
+    assert '--nnodes 2 "--rdzv-endpoint=$head:$port" "--rdzv-id=$SLURM_JOB_ID")' in ddp
     assert "# export NCCL_DEBUG=INFO" in ddp and "# export UCX_TLS=" in ddp  # commented
     assert "%x-%j.out" in mpi
 
@@ -133,10 +139,9 @@ def test_arguments_survive_the_shell(cli, tmp_path, study):
     argv = _run_script(tmp_path, out / "point_002.sbatch")  # mpi: srun runs python directly
     assert argv == ["-m", "scalelab", *want(pts[1])]
     assert "my dir/it's $HOME" in argv
-    argv = _run_script(tmp_path, out / "point_003.sbatch")  # ddp: one torchrun per node
-    assert argv[:2] == ["-m", "torch.distributed.run"]
-    assert "--rdzv-endpoint=node-a:24242" in argv and "--rdzv-id=4242" in argv
-    assert argv[argv.index("scalelab") - 1 :] == ["-m", "scalelab", *want(pts[2])]
+    argv = _run_script(tmp_path, out / "point_003.sbatch")  # ddp: one scalelab per node
+    rdzv = ["--nnodes", "2", "--rdzv-endpoint=node-a:24242", "--rdzv-id=4242"]
+    assert argv == ["-m", "scalelab", *want(pts[2]), *rdzv]
     other = _run_script(tmp_path, out / "point_003.sbatch", SLURM_JOB_ID="4243")
     assert "--rdzv-endpoint=node-a:24243" in other
 
@@ -177,14 +182,16 @@ def test_cpus_per_task_and_threads_from_ranks(cli, tmp_path):
     code, _, err = cli("slurm", tmp_path / "s.toml", "--nodes", "2", "-o", tmp_path / "j")
     assert code == 0, err
     ddp, mpi = (p.read_text() for p in sorted((tmp_path / "j").glob("point_*")))
-    assert "#SBATCH --cpus-per-task=6" in ddp and "--nproc-per-node=2" in ddp
+    assert "#SBATCH --cpus-per-task=6" in ddp and "--ranks 4 " in ddp and "--nnodes 2 " in ddp
     assert "#SBATCH --cpus-per-task=3" in mpi and "#SBATCH --ntasks=4" in mpi
     assert "export OMP_NUM_THREADS=3" in ddp and "export OMP_NUM_THREADS=3" in mpi
+    # no --python: the interpreter scalelab runs in (it has scalelab; python3 may not)
+    assert f"PY={shlex.quote(sys.executable)}\n" in ddp
 
 
 def test_mpi_plugin_follows_the_library(cli, tmp_path, study, monkeypatch):
     """pmix where the library speaks it and srun offers it; pmi2 where srun lacks pmix; an
-    explicit --mpi-plugin wins."""
+    explicit --mpi-plugin wins where srun offers it, and is refused where it does not."""
     from scalelab import environment
 
     monkeypatch.setattr(environment, "mpi_info", lambda: {"mpi_pmi": ["pmix"]})
@@ -194,8 +201,13 @@ def test_mpi_plugin_follows_the_library(cli, tmp_path, study, monkeypatch):
     monkeypatch.setenv("MPI_LIST", "none pmi2")
     out, _ = _generate(cli, tmp_path, study)
     assert "--mpi=pmi2" in (out / "point_002.sbatch").read_text()
+    monkeypatch.setenv("MPI_LIST", "none pmi2 cray_shasta")
     out, _ = _generate(cli, tmp_path, study, "--mpi-plugin", "cray_shasta")
     assert "--mpi=cray_shasta" in (out / "point_002.sbatch").read_text()
+    # one srun lacks: every MPI step would fail at once, so refused before anything is queued
+    code, _, err = cli("slurm", study, "--nodes", "2", "--mpi-plugin", "pmix", "-o", tmp_path / "x")
+    assert code == 2 and "--mpi-plugin pmix: this Slurm's srun offers none, pmi2" in err, err
+    assert not (tmp_path / "x").exists()
 
 
 def test_sbatch_options_pass_through(cli, tmp_path, study):
@@ -259,7 +271,8 @@ def test_bad_options_one_line_exit_2(cli, tmp_path, study, args, needle):
 
 def test_gpu_points_need_a_gpu_request(cli, tmp_path):
     """A --device cuda point in jobs that ask for no GPU is refused before anything is written."""
-    (tmp_path / "s.toml").write_text(DDP_STUDY.replace("threads = 3", 'device = "cuda"'))
+    study = DDP_STUDY.replace("threads = 3", 'device = "cuda"').replace(', "mpi"', "")
+    (tmp_path / "s.toml").write_text(study)  # (mpi on cuda: refused as `run` refuses it)
     code, _, err = cli("slurm", tmp_path / "s.toml", "--gpus-per-node", "0", "-o", tmp_path / "j")
     assert code == 2 and "--device cuda but the jobs ask for no GPU" in err, err
     assert not (tmp_path / "j").exists()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import re
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,7 +51,7 @@ class SlurmOptions:
     gpu_bind: str | None = None
     exclusive: bool = False
     time: str = "00:30:00"
-    python: str = "python3"
+    python: str = sys.executable  # the interpreter scalelab runs in (has scalelab)
     mpi_plugin: str | None = None  # srun --mpi=<plugin>; None: chosen by default_mpi_plugin
     setup: tuple[str, ...] = ()  # shell lines run first (module load, venv activation)
     workdir: Path = Path(".")
@@ -147,27 +148,33 @@ def default_mpi_plugin() -> str:
 
 
 def launch_words(lay: Layout, opts: SlurmOptions, plugin: str) -> list[str]:
-    """The command before the point's `run ...` arguments. `$head`, `$port` and
-    `$SLURM_JOB_ID` stay shell expansions (scripts.py writes them unquoted)."""
+    """The command before the point's `run ...` arguments. A torchrun point runs one
+    `scalelab run ... --nnodes N` per node (rdzv_words): scalelab starts that node's torchrun
+    and watches it, so a dead rank or a refusal ends the step with one line and one record."""
     if lay.launcher == "torchrun":
         srun = ["srun", f"--nodes={lay.nodes}", f"--ntasks={lay.nodes}", "--ntasks-per-node=1"]
-        return [
-            *srun,
-            opts.python,
-            "-m",
-            "torch.distributed.run",
-            f"--nnodes={lay.nodes}",
-            f"--nproc-per-node={lay.ranks // lay.nodes}",
-            "--rdzv-backend=c10d",
-            "--rdzv-id=$SLURM_JOB_ID",
-            "--rdzv-endpoint=$head:$port",
-            "-m",
-            "scalelab",
-        ]
+        return [*srun, opts.python, "-m", "scalelab"]
     srun = ["srun", f"--nodes={lay.nodes}", f"--ntasks={lay.ranks}"]
     if lay.launcher == "mpi":
         srun += [f"--ntasks-per-node={lay.per_node}", f"--mpi={plugin}"]
     return [*srun, opts.python, "-m", "scalelab"]
+
+
+def rdzv_words(lay: Layout) -> list[str]:
+    """`run` options after the point's own: the nodes meet at a c10d rendezvous on the first
+    node. `$head`, `$port` and `$SLURM_JOB_ID` stay shell expansions (scripts.py writes them
+    unquoted)."""
+    if lay.launcher != "torchrun" or lay.nodes == 1:
+        return []
+    return ["--nnodes", str(lay.nodes), "--rdzv-endpoint=$head:$port", "--rdzv-id=$SLURM_JOB_ID"]
+
+
+def check_plugin(plugin: str) -> None:
+    """An srun --mpi plugin this Slurm lacks fails every MPI step at once: refused here, before
+    anything is queued (where srun can be asked)."""
+    offered = srun_mpi_plugins()
+    if offered is not None and plugin not in offered:
+        raise UsageError(f"--mpi-plugin {plugin}: this Slurm's srun offers {', '.join(offered)}")
 
 
 def header(job: str, lay: Layout, opts: SlurmOptions, log: str) -> list[str]:
@@ -177,6 +184,7 @@ def header(job: str, lay: Layout, opts: SlurmOptions, log: str) -> list[str]:
         f"#SBATCH --nodes={lay.nodes}",
         f"#SBATCH --time={opts.time}",
         f"#SBATCH --output={log}",
+        "#SBATCH --open-mode=append",  # a requeued job's log keeps its earlier attempts
         f"#SBATCH --cpus-per-task={lay.cpus_per_task}",
     ]
     if lay.launcher == "torchrun":
