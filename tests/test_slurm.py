@@ -5,6 +5,7 @@ needed: tests/test_slurm_cluster.py runs the scripts on a real Slurm."""
 
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 
@@ -276,3 +277,82 @@ def test_gpu_points_need_a_gpu_request(cli, tmp_path):
     code, _, err = cli("slurm", tmp_path / "s.toml", "--gpus-per-node", "0", "-o", tmp_path / "j")
     assert code == 2 and "--device cuda but the jobs ask for no GPU" in err, err
     assert not (tmp_path / "j").exists()
+
+
+def _point_job(tmp_path, study, srun_body):
+    """point_002.sbatch (mpi) with a stand-in srun running srun_body and a stand-in Python whose
+    point-helper calls (`done ...`, `failed REASON ...`) land in ARGS_DIR/helper-* files."""
+    out, _ = _generate(cli_main, tmp_path, study)
+    own = tmp_path / "ownbin"
+    own.mkdir()
+    (own / "srun").write_text(f"#!/bin/bash\n{srun_body}\n")
+    (own / "python3").write_text(
+        '#!/bin/bash\n[ "$2" = scalelab.cli.slurm_point ] || exit 0\n'
+        'printf "%s\\n" "${@:3}" > "$(mktemp -p "$ARGS_DIR" helper-XXXX)"\n'
+        '[ "$3" = done ] && exit 1 || exit 0\n'
+    )
+    for f in own.iterdir():
+        f.chmod(0o755)
+    args_dir = tmp_path / "args"
+    args_dir.mkdir()
+    env = {**os.environ, "ARGS_DIR": str(args_dir), "PATH": f"{own}:{os.environ['PATH']}"}
+    env.update(SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="node-[a-b]")
+    return out / "point_002.sbatch", env, args_dir
+
+
+def _helper_calls(args_dir):
+    return sorted(
+        (p.read_text().splitlines() for p in args_dir.glob("helper-*")),
+        key=lambda c: c[0] != "done",
+    )
+
+
+def cli_main(*args):
+    from scalelab.cli.main import main
+
+    code = main([str(a) for a in args])
+    return code, "", ""
+
+
+def test_a_step_srun_fails_itself_leaves_a_failed_record(tmp_path, study):
+    """srun's own failure (a plugin it lacks, a Python without scalelab) used to end the job
+    with no record: the step's last srun or scalelab line becomes the failed record's reason."""
+    said = "srun: error: Couldn't find the specified plugin name for mpi/bogus"
+    script, env, args_dir = _point_job(tmp_path, study, f'echo "{said}" >&2; exit 1')
+    proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
+    assert proc.returncode == 1 and said in proc.stderr
+    done, failed = _helper_calls(args_dir)
+    assert done[0] == "done" and failed[:2] == [
+        "failed",
+        f"the job step exited with code 1: {said}",
+    ]
+    assert failed[2:] == done[1:]  # the same point
+
+
+def test_the_early_time_warning_lets_the_point_run_on(tmp_path, study):
+    """USR1 (--signal=B:USR1@120, ahead of a >= 10 min limit) no longer ends the job FAILED 143:
+    the point runs on and ends as it ends (here ok: no failed record). SIGTERM after it is the
+    time limit, and the failed record says so."""
+    import signal
+    import time
+
+    for srun, signals, code, reason in [
+        ("sleep 2", [signal.SIGUSR1], 0, None),
+        ("sleep 30", [signal.SIGUSR1, signal.SIGTERM], 143, "(its time limit)"),
+    ]:
+        for d in ("ownbin", "args"):
+            shutil.rmtree(tmp_path / d, ignore_errors=True)
+        script, env, args_dir = _point_job(tmp_path, study, srun)
+        proc = subprocess.Popen(["bash", str(script)], env=env, start_new_session=True)
+        try:
+            while not list(args_dir.glob("helper-*")):  # the traps are set: `done` was asked
+                time.sleep(0.05)
+            for sig in signals:
+                time.sleep(0.5)
+                proc.send_signal(sig)
+            assert proc.wait(timeout=60) == code
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+        calls = _helper_calls(args_dir)
+        assert [c[0] for c in calls] == ["done"] + (["failed"] if reason else [])
+        assert reason is None or calls[1][1].endswith(reason), calls
