@@ -150,3 +150,46 @@ def _alive(pid: int) -> bool:
             return f.read().split(") ")[1][0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_an_interactive_step_stopped_by_slurm_leaves_one_record(tmp_path, monkeypatch):
+    """`srun -n2 scalelab run ...` stopped by scancel or its time limit: task 0 writes the one
+    record (the other tasks, and a generated job whose script records it, write none)."""
+    for var in ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "93")
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    monkeypatch.delenv(srun_task.BATCH_RECORDS_VAR, raising=False)
+    cfg, out = RunConfig(workload="mlp", strategy="mpi-dp", ranks=2), tmp_path / "r.jsonl"
+    stop = [signal.SIGTERM]
+    assert srun_task._outcome(tmp_path, -15, time.time(), stop, cfg, out) == 143
+    (rec,) = read_records(out)
+    assert rec["status"] == "failed" and "step 93.0 was stopped by Slurm" in rec["error"]
+    monkeypatch.setenv(srun_task.BATCH_RECORDS_VAR, "1")
+    out.unlink()
+    assert srun_task._outcome(tmp_path, -15, time.time(), stop, cfg, out) == 143
+    assert not out.exists()
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    monkeypatch.delenv(srun_task.BATCH_RECORDS_VAR)
+    assert srun_task._outcome(tmp_path, -15, time.time(), stop, cfg, out) == 143
+    assert not out.exists()
+
+
+def test_a_one_process_strategy_under_several_srun_tasks_is_refused(cli, tmp_path, monkeypatch):
+    """`srun -n2 scalelab run alexnet` (a one-process strategy) wrote two identical records:
+    refused, said once (by task 0), nothing written."""
+    out = tmp_path / "r.jsonl"
+    step = {"SLURM_JOB_ID": "94", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2"}
+    for task, said in (("0", 1), ("1", 0)):
+        for k, v in {**step, "SLURM_PROCID": task}.items():
+            monkeypatch.setenv(k, v)
+        code, _, err = cli("run", "mlp", "--batch", "2", "--out", out)
+        assert code == 2 and len(err.strip().splitlines()) == said, err
+        assert not said or "runs in one process, but srun started 2 tasks" in err
+    assert not out.exists()
+
+
+def test_quiet_slurm_prints_nothing(cli, tmp_path):
+    (tmp_path / "s.toml").write_text(POINT)
+    code, out, err = cli("slurm", tmp_path / "s.toml", "-q", "-o", tmp_path / "j")
+    assert code == 0 and out == "" and err == "" and (tmp_path / "j" / "submit_all.sh").exists()

@@ -105,6 +105,7 @@ def preamble(opts: SlurmOptions, lay: Layout) -> list[str]:
         COMM_ENV,
         f"PY={shlex.quote(opts.python)}",
         f"export OMP_NUM_THREADS={lay.threads}   # torch intra-op threads per rank",
+        "export SCALELAB_BATCH_RECORDS=1   # a stopped step: run_point's record, not the tasks'",
     ]
     if lay.launcher == "torchrun":
         # The rendezvous: the job's first node, a port from the job id. sed reads every line

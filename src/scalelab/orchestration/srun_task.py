@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from scalelab.config import RunConfig
 
 CHILD_VAR = "SCALELAB_SRUN_CHILD"
+BATCH_RECORDS_VAR = "SCALELAB_BATCH_RECORDS"  # set by generated sbatch scripts
 PEER_GRACE_S = 3.0
 CONT_WAIT_S = 2.0  # scancel's SIGTERM after its SIGCONT
 # A node agent whose ranks failed without a signal waits this long for the agent of the node
@@ -104,14 +105,14 @@ def _outcome(
     if code == 0:
         return 0
     if stopped:  # scancel, a time limit, or a dead peer's task ended the step: not ours to say
-        return stop_code(stopped)
+        return _stopped(stopped, rank == 0, cfg, results, before)
     if code == -signal.SIGABRT:
         # An MPI library aborting because a peer vanished (UCX's shared-memory copy from a
         # killed peer: "process_vm_readv ... No such process"): the dead rank's task is
         # cancelling the step; a rank that aborted on its own still gets named below.
         _wait_for(stopped, PEER_GRACE_S)
         if stopped:
-            return stop_code(stopped)
+            return _stopped(stopped, rank == 0, cfg, results, before)
     if code < 0:
         host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
         line = jobs.dead_line((rank, host, -code), jobs.statuses(folder), ended)
@@ -126,7 +127,7 @@ def _outcome(
         # rank's task is cancelling the step and says why; give its signal time to come.
         _wait_for(stopped, PEER_GRACE_S)
         if stopped:
-            return stop_code(stopped)
+            return _stopped(stopped, rank == 0, cfg, results, before)
     if notes and (notes[0][0] != 2 or rank == 0):
         _say(notes[0][1])
     if (
@@ -137,6 +138,21 @@ def _outcome(
         and _lines(results) == before
     ):
         _record(cfg, results, notes[0][1])  # the ranks left it to us: a peer vanished unnamed
+    return code
+
+
+def _stopped(
+    stopped: list[int], task0: bool, cfg: RunConfig, results: Path | None, before: int
+) -> int:
+    """Slurm stopped the step (scancel, a time limit) or a dead rank's task cancelled it. The
+    step's one record: the dead rank's, written before it cancelled, else task 0 writes that
+    Slurm stopped it (an interactive srun has no batch script to say so)."""
+    code = stop_code(stopped)
+    if os.environ.get(BATCH_RECORDS_VAR):  # a generated job's script records it (run_point)
+        return code
+    if task0 and results is not None and _lines(results) == before:
+        step = f"{os.environ.get('SLURM_JOB_ID')}.{os.environ.get('SLURM_STEP_ID')}"
+        _record(cfg, results, f"step {step} was stopped by Slurm (time limit or scancel)")
     return code
 
 
@@ -199,7 +215,7 @@ def _agent_outcome(outcome, stopped, cfg, results, before: int) -> int:
     if outcome.code == 0:
         return 0
     if stopped:
-        return stop_code(stopped)
+        return _stopped(stopped, task0, cfg, results, before)
     if outcome.code == 2:  # every node's ranks refused alike
         if task0:
             _say(outcome.message)
@@ -207,7 +223,7 @@ def _agent_outcome(outcome, stopped, cfg, results, before: int) -> int:
     if not outcome.killed:  # a peer's death, most likely: let its node's agent say it
         _wait_for(stopped, AGENT_GRACE_S)
         if stopped:
-            return stop_code(stopped)
+            return _stopped(stopped, task0, cfg, results, before)
     line = outcome.message
     node = os.environ.get("SLURMD_NODENAME")
     if outcome.killed and node:  # torchrun names the host by its own name, not Slurm's node

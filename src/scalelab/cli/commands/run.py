@@ -29,6 +29,7 @@ from scalelab.comm.launch import (
     settle_config,
     torchrun_command,
 )
+from scalelab.comm.slurm import step_tasks as srun_tasks
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
 from scalelab.orchestration import srun_task
@@ -160,6 +161,11 @@ def run_one(args: argparse.Namespace) -> tuple[int, dict[str, Any] | None]:
         return _compare_devices(cfg, args)
     launcher = _launcher(strategy, cfg)
     results = None if args.no_record else Path(args.out)
+    if launcher is None and srun_tasks() is not None and srun_tasks() > 1:
+        raise UsageError(
+            f"strategy {cfg.strategy} runs in one process, but srun started {srun_tasks()} "
+            "tasks (each would run it and append its own record): use srun -n 1"
+        )
     if node_agent:  # srun's task on one node: this node's torchrun, watched
         return srun_task.agent(lambda: launch(launcher, cfg, args, say=False), cfg, results)
     if srun_task.should_watch(launcher):  # srun's task: run the rank as a watched child

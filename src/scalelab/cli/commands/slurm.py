@@ -85,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
     )
     out_dir = check_dir(args.out_dir or Path("scalelab-results") / f"slurm-{study.name}", "-o")
     scripts = write_scripts(study, opts, out_dir, args.array)
+    if args.quiet:  # -q: warnings only
+        return 0
     print(
         f"wrote {len(scripts)} job script(s), report.sbatch and submit_all.sh in {out_dir}: "
         f"submit with `{out_dir}/submit_all.sh [sbatch options]`"
