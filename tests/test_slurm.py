@@ -256,6 +256,8 @@ def test_submit_all_passes_its_options_and_chains_the_report(cli, tmp_path, stud
     [
         (["--nodes", "1", "--gpus-per-node", "4"], "needs 8 ranks but 1 nodes x 4 per node give 4"),
         (["--time", "half an hour"], "--time 'half an hour'"),
+        (["--time", "0"], "--time '0': expected a limit above 0"),  # 0: Slurm's no limit
+        (["--time", "00:61:00"], "--time '00:61:00'"),  # Slurm: 01:01:00
         (["--partition", "gpu a"], "--partition 'gpu a': unexpected characters"),
         (["--nodes", "3", "--tasks-per-node", "3"], "torchrun needs ranks (8) divisible by nodes"),
         (["--cpus-per-task", "-2"], "--cpus-per-task must be >= 1, got -2"),
@@ -356,3 +358,13 @@ def test_the_early_time_warning_lets_the_point_run_on(tmp_path, study):
         calls = _helper_calls(args_dir)
         assert [c[0] for c in calls] == ["done"] + (["failed"] if reason else [])
         assert reason is None or calls[1][1].endswith(reason), calls
+
+
+def test_time_limits_as_slurm_reads_them(cli, tmp_path, study):
+    """UNLIMITED is written (no early warning: no limit to warn of); 1-2 is a day and two
+    hours, so a warning 2 minutes ahead of it is asked for."""
+    out, _ = _generate(cli, tmp_path, study, "--time", "UNLIMITED")
+    text = (out / "point_001.sbatch").read_text()
+    assert "#SBATCH --time=UNLIMITED\n" in text and "--signal" not in text
+    out, _ = _generate(cli, tmp_path, study, "--time", "1-2")
+    assert "#SBATCH --signal=B:USR1@120\n" in (out / "point_001.sbatch").read_text()

@@ -31,6 +31,7 @@ from scalelab.strategies import STRATEGIES
 SAFE_FIELD = re.compile(r"^[A-Za-z0-9_.,:+=-]+$")
 SAFE_PATH = re.compile(r"^[A-Za-z0-9_./+-]+$")
 TIME = re.compile(r"^(\d+-)?\d+(:\d{2}){0,2}$")
+UNLIMITED = ("UNLIMITED", "INFINITE")
 MEM = re.compile(r"^\d+[KMGT]?$")
 # sbatch options passed through as given (value checked, then one #SBATCH line each)
 PASSTHROUGH = ("mem", "qos", "constraint", "gpus_per_task", "gpu_bind", "account", "partition")
@@ -63,8 +64,13 @@ class SlurmOptions:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-        if not TIME.match(self.time):
-            raise UsageError(f"--time {self.time!r}: expected [D-]HH:MM:SS, e.g. 00:30:00")
+        if self.time.upper() not in UNLIMITED and not (
+            TIME.match(self.time) and _fields_ok(self.time)
+        ):
+            raise UsageError(
+                f"--time {self.time!r}: expected a limit above 0 as [D-]HH:MM:SS (minutes and "
+                "seconds below 60), MM, MM:SS, D-HH or UNLIMITED, e.g. 00:30:00"
+            )
         if self.mem is not None and not MEM.match(self.mem):
             raise UsageError(f"--mem {self.mem!r}: expected a size such as 64G or 4000M")
         for name in (*PASSTHROUGH, "mpi_plugin"):
@@ -73,11 +79,34 @@ class SlurmOptions:
                 raise UsageError(f"--{name.replace('_', '-')} {value!r}: unexpected characters")
 
     def minutes(self) -> float:
-        """The time limit in minutes ([D-]HH:MM:SS, MM, MM:SS, HH:MM:SS)."""
-        days, _, rest = self.time.rpartition("-")
-        parts = [int(p) for p in rest.split(":")]
+        """The time limit in minutes (inf for UNLIMITED)."""
+        if self.time.upper() in UNLIMITED:
+            return math.inf
+        return _minutes(self.time)
+
+
+def _hms(time: str) -> tuple[int, int, int, int]:
+    """(days, hours, minutes, seconds) of Slurm's MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM,
+    D-HH:MM:SS."""
+    days, sep, rest = time.rpartition("-")
+    parts = [int(p) for p in rest.split(":")]
+    if sep:
+        h, m, s = (parts + [0, 0])[:3]
+    else:
         h, m, s = {1: (0, parts[0], 0), 2: (0, *parts), 3: tuple(parts)}[len(parts)]
-        return (int(days or 0) * 24 + h) * 60 + m + s / 60
+    return int(days or 0), h, m, s
+
+
+def _minutes(time: str) -> float:
+    d, h, m, s = _hms(time)
+    return (d * 24 + h) * 60 + m + s / 60
+
+
+def _fields_ok(time: str) -> bool:
+    """Slurm reads 00:61:00 as 01:01:00 and 0 as no limit at all: neither is what was meant."""
+    _, h, m, s = _hms(time)
+    clock = ":" in time and (time.count(":") == 2 or "-" in time)  # minutes is a clock field
+    return s < 60 and (m < 60 or not clock) and _minutes(time) > 0
 
 
 @dataclass(frozen=True)
@@ -199,6 +228,6 @@ def header(job: str, lay: Layout, opts: SlurmOptions, log: str) -> list[str]:
             lines.append(f"#SBATCH --{name.replace('_', '-')}={value}")
     if opts.exclusive:
         lines.append("#SBATCH --exclusive")
-    if opts.minutes() >= 10:  # a warning while there is time to write the failed record
+    if 10 <= opts.minutes() < math.inf:  # the limit is near: noted, the point runs on
         lines.append("#SBATCH --signal=B:USR1@120")
     return lines
