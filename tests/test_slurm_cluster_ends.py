@@ -142,6 +142,7 @@ def test_ddp_jobs_end_with_one_line_and_one_record(tmp_path, mnist_dir, cli):
     code, _, err = cli("report", res, "-o", tmp_path / "report")
     page = (tmp_path / "report" / "index.html").read_text()
     assert code == 0 and "died (signal 9)" in page and "srun: error" in page, err
+    assert all(f">{job}<" in page for job in ids)  # the Slurm job of each record
 
 
 def _log(jobs: Path, job: str) -> str:

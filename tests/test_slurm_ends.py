@@ -193,3 +193,20 @@ def test_quiet_slurm_prints_nothing(cli, tmp_path):
     (tmp_path / "s.toml").write_text(POINT)
     code, out, err = cli("slurm", tmp_path / "s.toml", "-q", "-o", tmp_path / "j")
     assert code == 0 and out == "" and err == "" and (tmp_path / "j" / "submit_all.sh").exists()
+
+
+def test_records_name_their_job_and_nodes_apart():
+    """The same config on 1 and on 2 nodes: two experiments (scaling does not merge them);
+    each record's Slurm job (array task, requeued attempt) and nodes are columns of the
+    frame the report and runs.csv show."""
+    from scalelab.analysis.frame import experiment_key, records_frame
+
+    cfg = RunConfig(workload="mlp", strategy="mpi-dp", ranks=2).to_dict()
+    one = {"workload": "mlp", "strategy": "mpi-dp", "config": cfg, "status": "ok"}
+    two = {**one, "slurm": {"job_id": "7", "array_job_id": "5", "array_task_id": 2,
+                            "nodes": 2, "restart": 1}}  # fmt: skip
+    plain = {**one, "slurm": {"job_id": "8", "nodes": 1}}
+    assert experiment_key(one) == experiment_key(plain) != experiment_key(two)
+    df = records_frame([one, two, plain])
+    assert list(df["nodes"]) == [1, 2, 1]
+    assert list(df["slurm_job"].fillna("-")) == ["-", "5_2+1", "8"]
