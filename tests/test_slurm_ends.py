@@ -210,3 +210,14 @@ def test_records_name_their_job_and_nodes_apart():
     df = records_frame([one, two, plain])
     assert list(df["nodes"]) == [1, 2, 1]
     assert list(df["slurm_job"].fillna("-")) == ["-", "5_2+1", "8"]
+
+
+def test_a_rank_killed_before_its_status_page_is_not_rank_minus_one(tmp_path):
+    """MPICH boxes a killed process by pid; one that died before it wrote its status page
+    has no rank scalelab knows: `a rank`, not `rank -1`."""
+    from scalelab.orchestration.jobs import explain
+
+    box = ["BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES", "PID 4321 RUNNING AT nodeA",
+           "KILLED BY SIGNAL: 9 (Killed)"]  # fmt: skip
+    out = explain(tmp_path, box, 9, time.time(), "mpi")
+    assert out.message == "scalelab: a rank on nodeA died (signal 9) during setup", out.message

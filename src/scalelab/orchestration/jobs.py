@@ -207,7 +207,7 @@ def notes(folder: Path) -> list[tuple[int, str]]:
 
 
 def dead_line(
-    dead: tuple[int, str, int | None],
+    dead: tuple[int | None, str, int | None],
     status: dict,
     ended: float,
     vanished: bool = False,
@@ -219,7 +219,7 @@ def dead_line(
     _, st_host, beat, phase = status.get(rank, (None, host, None, "setup"))
     after = f"; job aborted after {max(0.0, ended - beat):.1f} s" if beat else ""
     how = f"died (signal {signal})" if signal else ("died" if vanished else "exited")
-    who = f"rank {rank}"
+    who = f"rank {rank}" if rank is not None else "a rank"
     if alike:
         who, after = (
             _one_of([rank, *alike]),
@@ -288,7 +288,8 @@ def _dead_rank(
     # "KILLED BY SIGNAL: 9 (Killed)".
     pid = re.search(r"(?:RANK (\d+) )?PID (\d+) RUNNING AT (\S+)", text)
     if pid:
-        by_pid = {s[0]: r for r, s in status.items()}.get(int(pid.group(2)), -1)
+        # None: killed before it wrote its status page, so which rank it was is unknown
+        by_pid = {s[0]: r for r, s in status.items()}.get(int(pid.group(2)))
         rank_of = int(pid.group(1)) if pid.group(1) else by_pid
         return rank_of, pid.group(3), _mpich_signal(text, rank_of in silent)
     return None
