@@ -368,3 +368,15 @@ def test_time_limits_as_slurm_reads_them(cli, tmp_path, study):
     assert "#SBATCH --time=UNLIMITED\n" in text and "--signal" not in text
     out, _ = _generate(cli, tmp_path, study, "--time", "1-2")
     assert "#SBATCH --signal=B:USR1@120\n" in (out / "point_001.sbatch").read_text()
+
+
+def test_gpus_per_task_counts_a_torchrun_tasks_ranks(cli, tmp_path):
+    """--gpus-per-task is per rank: a DDP point's task is one torchrun per node running 2
+    ranks there, so it asks for 2 GPUs (it asked for 1 while 2 ranks wanted one each)."""
+    study = DDP_STUDY.replace("threads = 3", 'device = "cuda"').replace(', "mpi"', "")
+    (tmp_path / "s.toml").write_text(study)
+    code, _, err = cli("slurm", tmp_path / "s.toml", "--nodes", "2", "--gpus-per-task", "1",
+                       "-o", tmp_path / "j")  # fmt: skip
+    assert code == 0, err
+    ddp = (tmp_path / "j" / "point_001.sbatch").read_text()
+    assert "#SBATCH --gpus-per-task=2\n" in ddp and "--nnodes 2 " in ddp

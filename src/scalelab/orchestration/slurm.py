@@ -206,6 +206,15 @@ def check_plugin(plugin: str) -> None:
         raise UsageError(f"--mpi-plugin {plugin}: this Slurm's srun offers {', '.join(offered)}")
 
 
+def per_torchrun(gpus_per_rank: str, ranks_per_node: int) -> str:
+    """--gpus-per-task is per rank; a torchrun point's task is a node's torchrun, which runs
+    ranks_per_node ranks: `1` over 4 ranks per node is 4 (`a100:1`: `a100:4`)."""
+    kind, _, count = gpus_per_rank.rpartition(":")
+    if not count.isdigit():
+        raise UsageError(f"--gpus-per-task {gpus_per_rank!r}: expected N or TYPE:N")
+    return (f"{kind}:" if kind else "") + str(int(count) * ranks_per_node)
+
+
 def header(job: str, lay: Layout, opts: SlurmOptions, log: str) -> list[str]:
     lines = [
         "#!/bin/bash",
@@ -224,6 +233,8 @@ def header(job: str, lay: Layout, opts: SlurmOptions, log: str) -> list[str]:
         lines.append(f"#SBATCH --gpus-per-node={opts.gpus_per_node}")
     for name in PASSTHROUGH:
         value = getattr(opts, name)
+        if value is not None and name == "gpus_per_task" and lay.launcher == "torchrun":
+            value = per_torchrun(value, lay.per_node)
         if value is not None:
             lines.append(f"#SBATCH --{name.replace('_', '-')}={value}")
     if opts.exclusive:
