@@ -98,9 +98,10 @@ data_dir = "{mnist}"
 def test_ddp_jobs_end_with_one_line_and_one_record(tmp_path, mnist_dir, cli):
     """Generated DDP jobs on n1+n2 (srun -> one scalelab per node -> torchrun -> ranks):
     - a rank SIGKILLed: one line naming it, not torchrun's ChildFailedError, and one record;
-    - the early time warning (USR1, --time 00:10:00) while a point runs: it runs on to ok;
+    - a requeued job: a record of its first attempt (requeued), its log kept; then the early
+      time warning (USR1, --time 00:10:00) while it runs: it runs on to ok;
     - srun failing itself (a plugin it lacks): the step's srun line in a failed record;
-    each job one record, all in `report`, and no process left."""
+    each job one record per attempt, all in `report`, and no process left."""
     (tmp_path / "s.toml").write_text(STUDY.format(mnist=mnist_dir))
     res, jobs = tmp_path / "res.jsonl", tmp_path / "jobs"
     code, _, err = cli("slurm", tmp_path / "s.toml", "--nodes", "2", "--time", "00:10:00",
@@ -115,6 +116,10 @@ def test_ddp_jobs_end_with_one_line_and_one_record(tmp_path, mnist_dir, cli):
            (short, long, bogus)]  # fmt: skip
     ok_job, killed_job, bogus_job = ids
     wait_until(lambda: _step_running(ok_job, tmp_path), 240, "the short point never ran")
+    slurm(["scontrol", "requeue", ok_job], tmp_path)  # attempt 0 stopped, attempt 1 runs
+    wait_until(lambda: _state(ok_job, tmp_path) == "PENDING", 120, "never requeued")
+    slurm(["scontrol", "update", f"JobId={ok_job}", "BeginTime=now"], tmp_path)  # not in 2 min
+    wait_until(lambda: _step_running(ok_job, tmp_path), 240, "the requeued point never ran")
     slurm(["scancel", "--signal=USR1", "--batch", ok_job], tmp_path)
     rank = wait_until(
         lambda: [p for p in processes_with(token, "RANK", "1") if _torchrun_worker(p, killed_job)],
@@ -126,10 +131,15 @@ def test_ddp_jobs_end_with_one_line_and_one_record(tmp_path, mnist_dir, cli):
     os.kill(rank, signal.SIGKILL)
     wait_for(ids, tmp_path)
 
-    recs = {r["slurm"]["job_id"]: r for r in read_records(res)}
-    assert len(read_records(res)) == 3 and set(recs) == set(ids)  # one record per job
+    got = read_records(res)
+    recs = {r["slurm"]["job_id"]: r for r in got}  # the last attempt's
+    assert len(got) == 4 and set(recs) == set(ids)  # one record per job and attempt
+    first = next(r for r in got if r["slurm"]["job_id"] == ok_job and r["slurm"]["restart"] == 0)
+    assert first["status"] == "failed" and "(requeued: it runs again)" in first["error"]
     assert recs[ok_job]["status"] == "ok" and recs[ok_job]["config"]["epochs"] == 1
+    assert recs[ok_job]["slurm"]["restart"] == 1  # and after USR1 it ran on to ok
     assert "JobState=COMPLETED" in slurm(["scontrol", "show", "job", ok_job], tmp_path).stdout
+    assert "DUE TO JOB REQUEUE" in _log(jobs, ok_job)  # the first attempt's log is kept
     dead = rf"rank 1 on {node} died \(signal 9\) during \S+; job aborted after"
     assert recs[killed_job]["status"] == "failed" and re.match(dead, recs[killed_job]["error"])
     log = _log(jobs, killed_job)
@@ -147,6 +157,10 @@ def test_ddp_jobs_end_with_one_line_and_one_record(tmp_path, mnist_dir, cli):
 
 def _log(jobs: Path, job: str) -> str:
     return next((jobs / "logs").glob(f"*-{job}.out")).read_text()
+
+
+def _state(job: str, cwd) -> str:
+    return slurm(["squeue", "-h", "-j", job, "-o", "%T"], cwd).stdout.strip()
 
 
 def _step_running(job: str, cwd) -> bool:

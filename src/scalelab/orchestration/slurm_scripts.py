@@ -40,15 +40,18 @@ COMM_ENV = """\
 # check failed, a failure, a dead rank named by its watcher) or, when the step left none (srun
 # itself failed, a refusal, a signal), a failed record with the step's last scalelab or srun
 # line; `point_helper failed` writes nothing where this attempt has a record. A job stopped by
-# SIGTERM (time limit, scancel) records that. USR1 (--signal ahead of the limit) only notes
+# SIGTERM (time limit, scancel, requeue: Restarts grew past this attempt's) records that. USR1 (--signal ahead of the limit) only notes
 # that the limit is near: the point runs on, and may still finish. srun runs in the
 # background so the traps fire at once (bash runs traps only between foreground commands).
 RUN_POINT = """\
 point_helper() { "$PY" -m scalelab.cli.slurm_point "$@"; }
 near_limit=""
 stopped() {
-  local why="time limit or scancel"
+  local why="time limit or scancel" restarts
   [ -n "$near_limit" ] && why="its time limit"
+  restarts=$(scontrol show job -o "$SLURM_JOB_ID" 2>/dev/null | grep -o 'Restarts=[0-9]*' \\
+    | cut -d= -f2) || true
+  [ "${restarts:-0}" -gt "${SLURM_RESTART_COUNT:-0}" ] && why="requeued: it runs again"
   point_helper failed "job $SLURM_JOB_ID was stopped by Slurm ($why)" "${args[@]}" || true
   exit 143
 }
