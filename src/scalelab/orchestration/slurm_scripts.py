@@ -40,8 +40,9 @@ COMM_ENV = """\
 # check failed, a failure, a dead rank named by its watcher) or, when the step left none (srun
 # itself failed, a refusal, a signal), a failed record with the step's last scalelab or srun
 # line; `point_helper failed` writes nothing where this attempt has a record. A job stopped by
-# SIGTERM (time limit, scancel, requeue: Restarts grew past this attempt's) records that. USR1 (--signal ahead of the limit) only notes
-# that the limit is near: the point runs on, and may still finish. srun runs in the
+# SIGTERM (time limit, scancel, requeue: Restarts grew past this attempt's) records that.
+# USR1 (--signal ahead of the limit) only notes that the limit is near: the point runs on,
+# and may still finish. srun runs in the
 # background so the traps fire at once (bash runs traps only between foreground commands).
 RUN_POINT = """\
 point_helper() { "$PY" -m scalelab.cli.slurm_point "$@"; }
