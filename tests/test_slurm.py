@@ -4,7 +4,10 @@ receive, so the quoting is proven by the shell rather than by string matching. N
 needed: tests/test_slurm_cluster.py runs the scripts on a real Slurm."""
 
 import os
+import shlex
+import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -79,6 +82,8 @@ def _generate(cli, tmp_path, study, *extra):
         out,
         "--out",
         tmp_path / "res" / "r.jsonl",
+        "--python",
+        "python3",
         *extra,
     )
     assert code == 0, err
@@ -118,7 +123,9 @@ def test_one_script_per_point_with_the_right_launcher(cli, tmp_path, study):
     # MPICH (this machine's library) speaks pmi2: chosen although srun also offers pmix
     assert "srun --nodes=2 --ntasks=8 --ntasks-per-node=4 --mpi=pmi2 python3 -m scalelab" in mpi
     assert "#SBATCH --ntasks-per-node=1" in ddp and "head=$(scontrol show hostnames" in ddp
-    assert "--nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d" in ddp
+    # one scalelab per node, which starts and watches that node's torchrun
+    assert "srun --nodes=2 --ntasks=2 --ntasks-per-node=1 python3 -m scalelab)" in ddp
+    assert '--nnodes 2 "--rdzv-endpoint=$head:$port" "--rdzv-id=$SLURM_JOB_ID")' in ddp
     assert "# export NCCL_DEBUG=INFO" in ddp and "# export UCX_TLS=" in ddp  # commented
     assert "%x-%j.out" in mpi
 
@@ -133,10 +140,9 @@ def test_arguments_survive_the_shell(cli, tmp_path, study):
     argv = _run_script(tmp_path, out / "point_002.sbatch")  # mpi: srun runs python directly
     assert argv == ["-m", "scalelab", *want(pts[1])]
     assert "my dir/it's $HOME" in argv
-    argv = _run_script(tmp_path, out / "point_003.sbatch")  # ddp: one torchrun per node
-    assert argv[:2] == ["-m", "torch.distributed.run"]
-    assert "--rdzv-endpoint=node-a:24242" in argv and "--rdzv-id=4242" in argv
-    assert argv[argv.index("scalelab") - 1 :] == ["-m", "scalelab", *want(pts[2])]
+    argv = _run_script(tmp_path, out / "point_003.sbatch")  # ddp: one scalelab per node
+    rdzv = ["--nnodes", "2", "--rdzv-endpoint=node-a:24242", "--rdzv-id=4242"]
+    assert argv == ["-m", "scalelab", *want(pts[2]), *rdzv]
     other = _run_script(tmp_path, out / "point_003.sbatch", SLURM_JOB_ID="4243")
     assert "--rdzv-endpoint=node-a:24243" in other
 
@@ -177,14 +183,16 @@ def test_cpus_per_task_and_threads_from_ranks(cli, tmp_path):
     code, _, err = cli("slurm", tmp_path / "s.toml", "--nodes", "2", "-o", tmp_path / "j")
     assert code == 0, err
     ddp, mpi = (p.read_text() for p in sorted((tmp_path / "j").glob("point_*")))
-    assert "#SBATCH --cpus-per-task=6" in ddp and "--nproc-per-node=2" in ddp
+    assert "#SBATCH --cpus-per-task=6" in ddp and "--ranks 4 " in ddp and "--nnodes 2 " in ddp
     assert "#SBATCH --cpus-per-task=3" in mpi and "#SBATCH --ntasks=4" in mpi
     assert "export OMP_NUM_THREADS=3" in ddp and "export OMP_NUM_THREADS=3" in mpi
+    # no --python: the interpreter scalelab runs in (it has scalelab; python3 may not)
+    assert f"PY={shlex.quote(sys.executable)}\n" in ddp
 
 
 def test_mpi_plugin_follows_the_library(cli, tmp_path, study, monkeypatch):
     """pmix where the library speaks it and srun offers it; pmi2 where srun lacks pmix; an
-    explicit --mpi-plugin wins."""
+    explicit --mpi-plugin wins where srun offers it, and is refused where it does not."""
     from scalelab import environment
 
     monkeypatch.setattr(environment, "mpi_info", lambda: {"mpi_pmi": ["pmix"]})
@@ -194,8 +202,13 @@ def test_mpi_plugin_follows_the_library(cli, tmp_path, study, monkeypatch):
     monkeypatch.setenv("MPI_LIST", "none pmi2")
     out, _ = _generate(cli, tmp_path, study)
     assert "--mpi=pmi2" in (out / "point_002.sbatch").read_text()
+    monkeypatch.setenv("MPI_LIST", "none pmi2 cray_shasta")
     out, _ = _generate(cli, tmp_path, study, "--mpi-plugin", "cray_shasta")
     assert "--mpi=cray_shasta" in (out / "point_002.sbatch").read_text()
+    # one srun lacks: every MPI step would fail at once, so refused before anything is queued
+    code, _, err = cli("slurm", study, "--nodes", "2", "--mpi-plugin", "pmix", "-o", tmp_path / "x")
+    assert code == 2 and "--mpi-plugin pmix: this Slurm's srun offers none, pmi2" in err, err
+    assert not (tmp_path / "x").exists()
 
 
 def test_sbatch_options_pass_through(cli, tmp_path, study):
@@ -243,6 +256,8 @@ def test_submit_all_passes_its_options_and_chains_the_report(cli, tmp_path, stud
     [
         (["--nodes", "1", "--gpus-per-node", "4"], "needs 8 ranks but 1 nodes x 4 per node give 4"),
         (["--time", "half an hour"], "--time 'half an hour'"),
+        (["--time", "0"], "--time '0': expected a limit above 0"),  # 0: Slurm's no limit
+        (["--time", "00:61:00"], "--time '00:61:00'"),  # Slurm: 01:01:00
         (["--partition", "gpu a"], "--partition 'gpu a': unexpected characters"),
         (["--nodes", "3", "--tasks-per-node", "3"], "torchrun needs ranks (8) divisible by nodes"),
         (["--cpus-per-task", "-2"], "--cpus-per-task must be >= 1, got -2"),
@@ -259,7 +274,109 @@ def test_bad_options_one_line_exit_2(cli, tmp_path, study, args, needle):
 
 def test_gpu_points_need_a_gpu_request(cli, tmp_path):
     """A --device cuda point in jobs that ask for no GPU is refused before anything is written."""
-    (tmp_path / "s.toml").write_text(DDP_STUDY.replace("threads = 3", 'device = "cuda"'))
+    study = DDP_STUDY.replace("threads = 3", 'device = "cuda"').replace(', "mpi"', "")
+    (tmp_path / "s.toml").write_text(study)  # (mpi on cuda: refused as `run` refuses it)
     code, _, err = cli("slurm", tmp_path / "s.toml", "--gpus-per-node", "0", "-o", tmp_path / "j")
     assert code == 2 and "--device cuda but the jobs ask for no GPU" in err, err
     assert not (tmp_path / "j").exists()
+
+
+def _point_job(tmp_path, study, srun_body):
+    """point_002.sbatch (mpi) with a stand-in srun running srun_body and a stand-in Python whose
+    point-helper calls (`done ...`, `failed REASON ...`) land in ARGS_DIR/helper-* files."""
+    out, _ = _generate(cli_main, tmp_path, study)
+    own = tmp_path / "ownbin"
+    own.mkdir()
+    (own / "srun").write_text(f"#!/bin/bash\n{srun_body}\n")
+    (own / "python3").write_text(
+        '#!/bin/bash\n[ "$2" = scalelab.cli.slurm_point ] || exit 0\n'
+        'printf "%s\\n" "${@:3}" > "$(mktemp -p "$ARGS_DIR" helper-XXXX)"\n'
+        '[ "$3" = done ] && exit 1 || exit 0\n'
+    )
+    for f in own.iterdir():
+        f.chmod(0o755)
+    args_dir = tmp_path / "args"
+    args_dir.mkdir()
+    env = {**os.environ, "ARGS_DIR": str(args_dir), "PATH": f"{own}:{os.environ['PATH']}"}
+    env.update(SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="node-[a-b]")
+    return out / "point_002.sbatch", env, args_dir
+
+
+def _helper_calls(args_dir):
+    return sorted(
+        (p.read_text().splitlines() for p in args_dir.glob("helper-*")),
+        key=lambda c: c[0] != "done",
+    )
+
+
+def cli_main(*args):
+    from scalelab.cli.main import main
+
+    code = main([str(a) for a in args])
+    return code, "", ""
+
+
+def test_a_step_srun_fails_itself_leaves_a_failed_record(tmp_path, study):
+    """srun's own failure (a plugin it lacks, a Python without scalelab) used to end the job
+    with no record: the step's last srun or scalelab line becomes the failed record's reason."""
+    said = "srun: error: Couldn't find the specified plugin name for mpi/bogus"
+    script, env, args_dir = _point_job(tmp_path, study, f'echo "{said}" >&2; exit 1')
+    proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
+    assert proc.returncode == 1 and said in proc.stderr
+    done, failed = _helper_calls(args_dir)
+    assert done[0] == "done" and failed[:2] == [
+        "failed",
+        f"the job step exited with code 1: {said}",
+    ]
+    assert failed[2:] == done[1:]  # the same point
+
+
+def test_the_early_time_warning_lets_the_point_run_on(tmp_path, study):
+    """USR1 (--signal=B:USR1@120, ahead of a >= 10 min limit) no longer ends the job FAILED 143:
+    the point runs on and ends as it ends (here ok: no failed record). SIGTERM after it is the
+    time limit, and the failed record says so."""
+    import signal
+    import time
+
+    for srun, signals, code, reason in [
+        ("sleep 2", [signal.SIGUSR1], 0, None),
+        ("sleep 30", [signal.SIGUSR1, signal.SIGTERM], 143, "(its time limit)"),
+    ]:
+        for d in ("ownbin", "args"):
+            shutil.rmtree(tmp_path / d, ignore_errors=True)
+        script, env, args_dir = _point_job(tmp_path, study, srun)
+        proc = subprocess.Popen(["bash", str(script)], env=env, start_new_session=True)
+        try:
+            while not list(args_dir.glob("helper-*")):  # the traps are set: `done` was asked
+                time.sleep(0.05)
+            for sig in signals:
+                time.sleep(0.5)
+                proc.send_signal(sig)
+            assert proc.wait(timeout=60) == code
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+        calls = _helper_calls(args_dir)
+        assert [c[0] for c in calls] == ["done"] + (["failed"] if reason else [])
+        assert reason is None or calls[1][1].endswith(reason), calls
+
+
+def test_time_limits_as_slurm_reads_them(cli, tmp_path, study):
+    """UNLIMITED is written (no early warning: no limit to warn of); 1-2 is a day and two
+    hours, so a warning 2 minutes ahead of it is asked for."""
+    out, _ = _generate(cli, tmp_path, study, "--time", "UNLIMITED")
+    text = (out / "point_001.sbatch").read_text()
+    assert "#SBATCH --time=UNLIMITED\n" in text and "--signal" not in text
+    out, _ = _generate(cli, tmp_path, study, "--time", "1-2")
+    assert "#SBATCH --signal=B:USR1@120\n" in (out / "point_001.sbatch").read_text()
+
+
+def test_gpus_per_task_counts_a_torchrun_tasks_ranks(cli, tmp_path):
+    """--gpus-per-task is per rank: a DDP point's task is one torchrun per node running 2
+    ranks there, so it asks for 2 GPUs (it asked for 1 while 2 ranks wanted one each)."""
+    study = DDP_STUDY.replace("threads = 3", 'device = "cuda"').replace(', "mpi"', "")
+    (tmp_path / "s.toml").write_text(study)
+    code, _, err = cli("slurm", tmp_path / "s.toml", "--nodes", "2", "--gpus-per-task", "1",
+                       "-o", tmp_path / "j")  # fmt: skip
+    assert code == 0, err
+    ddp = (tmp_path / "j" / "point_001.sbatch").read_text()
+    assert "#SBATCH --gpus-per-task=2\n" in ddp and "--nnodes 2 " in ddp

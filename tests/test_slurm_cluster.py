@@ -97,6 +97,8 @@ def test_mpi_spatial_across_two_nodes_equals_one_node(slurm_conf, tmp_path):
         "debug",
     )
     assert job["job_id"].isdigit() and b["slurm"]["node_list"] == "n1"
+    # one rank on each node: no "2 processes on 1 CPUs" (the world size taken as ranks here)
+    assert not any(re.match(r"\d+ processes (on|x) ", w) for w in a["warnings"]), a["warnings"]
 
 
 def test_a_rank_killed_under_srun_is_named_and_the_step_ends(slurm_conf, tmp_path):

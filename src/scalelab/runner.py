@@ -264,6 +264,8 @@ def _record_failure(
     if results is None or not strategy.is_root:
         return
     error = str(exc) if isinstance(exc, RunFailed) else f"{type(exc).__name__}: {exc}"
+    if job_status.launcher_records(error):  # one record per job: the dead rank's
+        return
     tb = traceback.format_exc(limit=8)
     append_record(results, failed_record(cfg, error, strategy.comm.size, traceback=tb))
 

@@ -61,6 +61,8 @@ COLUMNS = [
     "digest",
     "hostname",
     "gpu_name",
+    "slurm_job",
+    "nodes",
 ]
 
 
@@ -96,7 +98,25 @@ def experiment_key(rec: dict[str, Any], drop: frozenset[str] = frozenset()) -> s
     """A hashable identity of what a run measured, ignoring NOT_EXPERIMENT and `drop` keys."""
     cfg = {k: v for k, v in config_of(rec).items() if k not in NOT_EXPERIMENT | drop}
     cfg.update(workload=rec.get("workload"), strategy=rec.get("strategy"))
+    if nodes_of(rec) > 1:  # the same config over more nodes is another experiment
+        cfg["nodes"] = nodes_of(rec)
     return json.dumps(cfg, sort_keys=True, default=str)
+
+
+def nodes_of(rec: dict[str, Any]) -> int:
+    """The nodes of the Slurm job the record ran in (1 outside Slurm)."""
+    return int((rec.get("slurm") or {}).get("nodes") or 1)
+
+
+def slurm_job(rec: dict[str, Any]) -> str | None:
+    """`JOB`, `ARRAYJOB_TASK` for an array task, `+N` for a requeued job's attempt N."""
+    job = rec.get("slurm") or {}
+    if not job.get("job_id"):
+        return None
+    name = str(job["job_id"])
+    if job.get("array_job_id") and job.get("array_task_id") is not None:
+        name = f"{job['array_job_id']}_{job['array_task_id']}"
+    return name + (f"+{job['restart']}" if job.get("restart") else "")
 
 
 def differing_keys(records: list[dict[str, Any]], drop: frozenset[str] = frozenset()) -> list[str]:
@@ -177,6 +197,8 @@ def records_frame(records: list[dict[str, Any]]) -> pd.DataFrame:
             "digest": rec.get("digest"),
             "hostname": env.get("hostname"),
             "gpu_name": env.get("gpu_name"),
+            "slurm_job": slurm_job(rec),
+            "nodes": nodes_of(rec),
         }
         row.update({f"cfg.{k}": _scalar(v) for k, v in cfg.items()})
         rows.append(row)

@@ -99,7 +99,10 @@ def runs_section(records: list[dict[str, Any]], page: Page) -> Section:
         "warnings",
         "error",
     ]
+    if df["slurm_job"].notna().any():  # which job ran it, on how many nodes
+        cols[2:2] = ["nodes", "slurm_job"]
     view = df[cols].rename(columns={"iter_s": "ms/iter", "achieved_tflops": "GFLOP/s"})
+    view = view.rename(columns={"slurm_job": "Slurm job"})
     fmts = {
         "ms/iter": _ms,
         "IQR ms/iter": _ms,

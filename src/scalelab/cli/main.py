@@ -17,6 +17,7 @@ import typing
 from scalelab import __version__
 from scalelab.cli.base import COMMANDS
 from scalelab.comm import job_status
+from scalelab.comm.launch import die_with_parent
 from scalelab.errors import EXIT_FAILED, EXIT_INTERNAL, EXIT_OK, EXIT_USAGE, CheckFailed, UsageError
 from scalelab.instrument.timer import HUB
 
@@ -101,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args)
     if job_status.start_beacon():  # a rank of a job scalelab launched: report phases
         HUB.beacon = job_status.beacon  # every phase the timer opens lands on its status page
+        # ... and dies with its launcher: torchrun starts its workers in a session of their
+        # own, so a killed torchrun (or watcher) would leave them running past scancel
+        die_with_parent()
     try:
         return args.handler(args)
     except UsageError as exc:
@@ -121,9 +125,16 @@ def _one_line(args: argparse.Namespace, kind: str, exc: BaseException | str, cod
     process instead, which prints the first rank's line once."""
     text = " ".join(str(exc).split("\n"))
     line = f"scalelab {args.command}: {kind}: {text}"
-    if not job_status.report(line, code):
+    if not job_status.report(line, code) and not _said_by_task0(code):
         sys.stderr.write(line + "\n")
     return code
+
+
+def _said_by_task0(code: int) -> bool:
+    """srun's tasks refuse alike (the same command line on each): task 0 says it once."""
+    from scalelab.comm.slurm import srun_launched
+
+    return code == EXIT_USAGE and srun_launched() and os.environ.get("SLURM_PROCID") != "0"
 
 
 def _reader_gone() -> int:

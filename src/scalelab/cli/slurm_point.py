@@ -16,7 +16,7 @@ from typing import Any
 
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
-from scalelab.orchestration.sweep import config_key
+from scalelab.orchestration.sweep import job_nodes, same_point
 from scalelab.record import append_record, failed_record, read_records
 from scalelab.record_schema import FINISHED
 
@@ -29,14 +29,6 @@ def point_config(argv: list[str]) -> tuple[RunConfig, Path]:
     return config_from_args(args, workload=args.workload), Path(args.out)
 
 
-def same_point(cfg: RunConfig, record: dict[str, Any]) -> bool:
-    """record ran cfg. Threads the point left to Slurm are whatever the run settled on."""
-    got = dict(record.get("config") or {})
-    if cfg.threads is None:
-        got["threads"] = None
-    return config_key(got) == config_key(cfg.to_dict())
-
-
 def _records(results: Path) -> list[dict[str, Any]]:
     try:
         return read_records(results) if results.exists() else []
@@ -45,15 +37,20 @@ def _records(results: Path) -> list[dict[str, Any]]:
 
 
 def is_done(cfg: RunConfig, results: Path) -> bool:
-    return any(r.get("status") in FINISHED and same_point(cfg, r) for r in _records(results))
+    """A finished record (ok or check-failed) of this point on this job's node count."""
+    nodes = job_nodes()
+    return any(r.get("status") in FINISHED and same_point(cfg, r, nodes) for r in _records(results))
 
 
 def record_failure(cfg: RunConfig, results: Path, reason: str) -> bool:
-    """Append the failed record unless a record of this point from this job exists (the root
-    rank recorded its own failure, or the job got both USR1 and TERM)."""
+    """Append the failed record unless a record of this point from this attempt of this job
+    exists (the ranks recorded how it ended, or a watcher named a dead rank)."""
     job = os.environ.get("SLURM_JOB_ID")
+    attempt = int(os.environ.get("SLURM_RESTART_COUNT") or 0)  # a requeued job's next attempt
     for r in _records(results):
-        if same_point(cfg, r) and job is not None and (r.get("slurm") or {}).get("job_id") == job:
+        got = r.get("slurm") or {}
+        ours = job is not None and got.get("job_id") == job
+        if ours and int(got.get("restart") or 0) == attempt and same_point(cfg, r):
             return False
     append_record(results, failed_record(cfg, reason, source="slurm"))
     return True

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import re
 import socket
 import time
 from pathlib import Path
@@ -22,6 +23,14 @@ STATUS_BYTES = 256
 RECORD_FILE = "record.json"
 CHECK_FAILED = ": check failed: "  # in the one line of a run whose check failed (exit 1)
 _beacon: mmap.mmap | None = None
+# A rank's failure that a vanished peer caused: MPICH's shared-memory copy from a process
+# that no longer exists (process_vm_readv: errno 3, ESRCH), or a socket the peer's death
+# closed (ch3 and ofi over tcp, UCX, gloo).
+PEER_GONE = re.compile(
+    r"errno 3\b|No such process|reset by (remote )?peer|closed by peer|Broken pipe"
+    r"|Communication error with rank|Socket closed",
+    re.I,
+)
 
 
 # --- the rank's side -----------------------------------------------------------------------
@@ -66,6 +75,12 @@ def report(line: str, code: int) -> bool:
 def is_check_failure(line: str) -> bool:
     """A rank's line saying the run finished and its check failed: no rank died."""
     return CHECK_FAILED in line
+
+
+def launcher_records(error: str) -> bool:
+    """A failure a dead peer caused, in a job scalelab launched or watches: the launching
+    side names the dead rank and writes the one record of the job, not this rank."""
+    return bool(os.environ.get(JOB_DIR_VAR)) and PEER_GONE.search(error) is not None
 
 
 def hand_over_record(record: dict) -> bool:

@@ -7,9 +7,11 @@ the same command line under `mpiexec -n N` (MPI strategies) or `torchrun --nproc
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +26,25 @@ if TYPE_CHECKING:
 MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MPI_LOCALRANKID")
 # Processes per launcher task on this node (mpiexec's and torchrun's own counts).
 LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
+
+
+PR_SET_PDEATHSIG = 1
+try:
+    _LIBC = ctypes.CDLL(None, use_errno=True)  # resolved before any fork (preexec_fn)
+except OSError:  # pragma: no cover - no C library to ask
+    _LIBC = None
+
+
+def die_with_parent(sig: int = signal.SIGKILL, parent: int | None = None) -> None:
+    """This process gets `sig` when its parent dies (Linux PR_SET_PDEATHSIG): a rank dies with
+    the launcher or watcher that started it. `parent`: the pid expected as parent; if it is
+    gone already (the death came before this call: orphaned to init), the signal comes now."""
+    prctl = getattr(_LIBC, "prctl", None)
+    if prctl is None:
+        return
+    prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    if os.getppid() == 1 or (parent is not None and os.getppid() != parent):
+        os.kill(os.getpid(), sig)
 
 
 def inside_mpi_launcher() -> bool:
@@ -66,6 +87,18 @@ def default_threads() -> int | None:
 
 def inside_launcher(launcher: str) -> bool:
     return inside_mpi_launcher() if launcher == "mpi" else inside_torchrun()
+
+
+def refuse_nested_launch(launcher: str, ranks: int) -> None:
+    """Inside an srun step, mpiexec (MPICH's hydra, Open MPI's mpirun) starts its ranks with a
+    nested srun that waits for CPUs this step holds: for ever ("Requested nodes are busy")."""
+    tasks = slurm.step_tasks()
+    if launcher == "mpi" and tasks is not None:
+        raise UsageError(
+            f"--ranks {ranks} inside an srun step of {tasks} task(s): mpiexec would wait for "
+            f"ever for a nested srun; let srun start the ranks (srun -n {ranks} --mpi=pmi2 "
+            "scalelab run ...) or run scalelab from the batch script"
+        )
 
 
 def find_mpiexec() -> str:

@@ -130,4 +130,5 @@ def job_fields(env: Mapping[str, str] | None = None) -> dict[str, object] | None
         "nodes": int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1),
         "tasks": step_tasks(env) or int(env.get("SLURM_NTASKS") or 1),
         "cpus_per_task": cpus_per_task(env),
+        "restart": int(env.get("SLURM_RESTART_COUNT") or 0),  # a requeued job's attempt
     }

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from scalelab.comm import slurm
 from scalelab.instrument.stats import SPREAD_CV, describe
 
 # CPUs' worth of other processes' work beyond what our run left free before a run is warned.
@@ -72,11 +73,14 @@ def cpu_allowance(
 
 
 def ranks_on_host(size: int, env: dict[str, str] | None = None) -> int:
-    """Ranks sharing this host: the launcher's local size, else all of them (one host)."""
+    """Ranks sharing this host: the launcher's local size, else srun's tasks on this node
+    (SLURM_STEP_TASKS_PER_NODE: `srun -N2 -n2` puts one on each), else all of them."""
     env = os.environ if env is None else env
     for var in LOCAL_SIZE_VARS:
         if env.get(var, "").isdigit():
             return int(env[var])
+    if slurm.step_tasks(env) == size and env.get("SLURM_STEP_TASKS_PER_NODE"):
+        return slurm.tasks_on_this_node(env)  # srun started the ranks: one task each
     return size
 
 

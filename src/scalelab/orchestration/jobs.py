@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -23,8 +24,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from scalelab.comm.job_status import JOB_DIR_VAR, RECORD_FILE, is_check_failure
-from scalelab.comm.launch import mpiexec_command, torchrun_command
+from scalelab.comm.job_status import JOB_DIR_VAR, PEER_GONE, RECORD_FILE, is_check_failure
+from scalelab.comm.launch import die_with_parent, mpiexec_command, torchrun_command
+
+
+def dies_with_parent(sig: int = signal.SIGKILL):
+    """A Popen preexec_fn: the child gets `sig` when the process that started it dies, so a
+    killed watcher or launcher leaves no rank running behind it."""
+    parent = os.getpid()
+    return lambda: die_with_parent(sig, parent)
 
 
 def handed_record(folder: Path) -> dict | None:
@@ -52,6 +60,7 @@ NOISE = [
         r"^-{40,}\s*$",
     )
 ]
+PIPE_DRAIN_S = 30.0
 TORCH_FAILURE = re.compile(r"^Traceback \(most recent call last\):|ChildFailedError")
 
 
@@ -61,33 +70,42 @@ class JobOutcome:
     message: str | None = None  # the one line printed for a failed job
     captured: list[str] = field(default_factory=list)  # the launcher's lines kept back
     record: dict | None = None  # the record the root rank handed over (hand_over_record)
+    killed: bool = False  # a rank of this launcher died of a signal (message names it)
 
 
-def run_job(cmd: list[str], env: dict[str, str], launcher: str) -> JobOutcome:
+def run_job(cmd: list[str], env: dict[str, str], launcher: str, say: bool = True) -> JobOutcome:
     """Run the launcher command with a job folder; forward the ranks' output, keep back the
-    launcher's own, and turn a failure into one line."""
+    launcher's own, and turn a failure into one line (printed unless `say` is False: the
+    caller decides). The launcher gets SIGTERM if this process dies (it stops its ranks)."""
     folder = tempfile.mkdtemp(prefix="scalelab-job-")
     env = {**env, JOB_DIR_VAR: folder}
     try:
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        proc = subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            preexec_fn=dies_with_parent(signal.SIGTERM),
+        )
         captured: list[str] = []
         pumps = [
-            threading.Thread(target=_pump, args=(proc.stdout, sys.stdout, captured)),
-            threading.Thread(target=_pump, args=(proc.stderr, sys.stderr, captured)),
+            threading.Thread(target=_pump, args=(proc.stdout, sys.stdout, captured), daemon=True),
+            threading.Thread(target=_pump, args=(proc.stderr, sys.stderr, captured), daemon=True),
         ]
         for t in pumps:
             t.start()
         code = proc.wait()
-        for t in pumps:
-            t.join()
+        for t in pumps:  # bounded: a rank outliving its launcher may hold the pipes open
+            t.join(timeout=PIPE_DRAIN_S)
         ended = time.time()
         record = handed_record(Path(folder))
         if code == 0:
             return JobOutcome(0, record=record)
         outcome = explain(Path(folder), captured, code, ended, launcher)
         outcome.record = record
-        sys.stderr.write(outcome.message + "\n")
-        sys.stderr.flush()
+        if say:
+            sys.stderr.write(outcome.message + "\n")
+            sys.stderr.flush()
         return outcome
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -146,7 +164,7 @@ def explain(
         return JobOutcome(1, checks[0][1], captured)
     if dead is not None and dead[2] is not None:
         alike = _killed_alike(dead, status, silent) if launcher == "mpi" else []
-        return JobOutcome(1, dead_line(dead, status, ended, alike=alike), captured)
+        return JobOutcome(1, dead_line(dead, status, ended, alike=alike), captured, killed=True)
     vanished = _vanished_rank(said, silent, status) if launcher == "mpi" else None
     if dead is None and vanished is not None:
         return JobOutcome(1, dead_line(vanished, status, ended, vanished=True), captured)
@@ -156,16 +174,6 @@ def explain(
         return JobOutcome(1, dead_line(dead, status, ended), captured)
     name = "mpiexec" if launcher == "mpi" else launcher
     return JobOutcome(1, f"scalelab: job failed: {name} exited with code {code}", captured)
-
-
-# A rank's failure that a vanished peer caused: MPICH's shared-memory copy from a process
-# that no longer exists (process_vm_readv: errno 3, ESRCH), or a socket the peer's death
-# closed (ch3 and ofi over tcp, UCX, gloo).
-PEER_GONE = re.compile(
-    r"errno 3\b|No such process|reset by (remote )?peer|closed by peer|Broken pipe"
-    r"|Communication error with rank|Socket closed",
-    re.I,
-)
 
 
 def _vanished_rank(
@@ -204,7 +212,7 @@ def notes(folder: Path) -> list[tuple[int, str]]:
 
 
 def dead_line(
-    dead: tuple[int, str, int | None],
+    dead: tuple[int | None, str, int | None],
     status: dict,
     ended: float,
     vanished: bool = False,
@@ -216,7 +224,7 @@ def dead_line(
     _, st_host, beat, phase = status.get(rank, (None, host, None, "setup"))
     after = f"; job aborted after {max(0.0, ended - beat):.1f} s" if beat else ""
     how = f"died (signal {signal})" if signal else ("died" if vanished else "exited")
-    who = f"rank {rank}"
+    who = f"rank {rank}" if rank is not None else "a rank"
     if alike:
         who, after = (
             _one_of([rank, *alike]),
@@ -285,7 +293,8 @@ def _dead_rank(
     # "KILLED BY SIGNAL: 9 (Killed)".
     pid = re.search(r"(?:RANK (\d+) )?PID (\d+) RUNNING AT (\S+)", text)
     if pid:
-        by_pid = {s[0]: r for r, s in status.items()}.get(int(pid.group(2)), -1)
+        # None: killed before it wrote its status page, so which rank it was is unknown
+        by_pid = {s[0]: r for r, s in status.items()}.get(int(pid.group(2)))
         rank_of = int(pid.group(1)) if pid.group(1) else by_pid
         return rank_of, pid.group(3), _mpich_signal(text, rank_of in silent)
     return None

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import re
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from scalelab.strategies import STRATEGIES
 SAFE_FIELD = re.compile(r"^[A-Za-z0-9_.,:+=-]+$")
 SAFE_PATH = re.compile(r"^[A-Za-z0-9_./+-]+$")
 TIME = re.compile(r"^(\d+-)?\d+(:\d{2}){0,2}$")
+UNLIMITED = ("UNLIMITED", "INFINITE")
 MEM = re.compile(r"^\d+[KMGT]?$")
 # sbatch options passed through as given (value checked, then one #SBATCH line each)
 PASSTHROUGH = ("mem", "qos", "constraint", "gpus_per_task", "gpu_bind", "account", "partition")
@@ -50,7 +52,7 @@ class SlurmOptions:
     gpu_bind: str | None = None
     exclusive: bool = False
     time: str = "00:30:00"
-    python: str = "python3"
+    python: str = sys.executable  # the interpreter scalelab runs in (has scalelab)
     mpi_plugin: str | None = None  # srun --mpi=<plugin>; None: chosen by default_mpi_plugin
     setup: tuple[str, ...] = ()  # shell lines run first (module load, venv activation)
     workdir: Path = Path(".")
@@ -62,8 +64,13 @@ class SlurmOptions:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-        if not TIME.match(self.time):
-            raise UsageError(f"--time {self.time!r}: expected [D-]HH:MM:SS, e.g. 00:30:00")
+        if self.time.upper() not in UNLIMITED and not (
+            TIME.match(self.time) and _fields_ok(self.time)
+        ):
+            raise UsageError(
+                f"--time {self.time!r}: expected a limit above 0 as [D-]HH:MM:SS (minutes and "
+                "seconds below 60), MM, MM:SS, D-HH or UNLIMITED, e.g. 00:30:00"
+            )
         if self.mem is not None and not MEM.match(self.mem):
             raise UsageError(f"--mem {self.mem!r}: expected a size such as 64G or 4000M")
         for name in (*PASSTHROUGH, "mpi_plugin"):
@@ -72,11 +79,34 @@ class SlurmOptions:
                 raise UsageError(f"--{name.replace('_', '-')} {value!r}: unexpected characters")
 
     def minutes(self) -> float:
-        """The time limit in minutes ([D-]HH:MM:SS, MM, MM:SS, HH:MM:SS)."""
-        days, _, rest = self.time.rpartition("-")
-        parts = [int(p) for p in rest.split(":")]
+        """The time limit in minutes (inf for UNLIMITED)."""
+        if self.time.upper() in UNLIMITED:
+            return math.inf
+        return _minutes(self.time)
+
+
+def _hms(time: str) -> tuple[int, int, int, int]:
+    """(days, hours, minutes, seconds) of Slurm's MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM,
+    D-HH:MM:SS."""
+    days, sep, rest = time.rpartition("-")
+    parts = [int(p) for p in rest.split(":")]
+    if sep:
+        h, m, s = (parts + [0, 0])[:3]
+    else:
         h, m, s = {1: (0, parts[0], 0), 2: (0, *parts), 3: tuple(parts)}[len(parts)]
-        return (int(days or 0) * 24 + h) * 60 + m + s / 60
+    return int(days or 0), h, m, s
+
+
+def _minutes(time: str) -> float:
+    d, h, m, s = _hms(time)
+    return (d * 24 + h) * 60 + m + s / 60
+
+
+def _fields_ok(time: str) -> bool:
+    """Slurm reads 00:61:00 as 01:01:00 and 0 as no limit at all: neither is what was meant."""
+    _, h, m, s = _hms(time)
+    clock = ":" in time and (time.count(":") == 2 or "-" in time)  # minutes is a clock field
+    return s < 60 and (m < 60 or not clock) and _minutes(time) > 0
 
 
 @dataclass(frozen=True)
@@ -147,27 +177,42 @@ def default_mpi_plugin() -> str:
 
 
 def launch_words(lay: Layout, opts: SlurmOptions, plugin: str) -> list[str]:
-    """The command before the point's `run ...` arguments. `$head`, `$port` and
-    `$SLURM_JOB_ID` stay shell expansions (scripts.py writes them unquoted)."""
+    """The command before the point's `run ...` arguments. A torchrun point runs one
+    `scalelab run ... --nnodes N` per node (rdzv_words): scalelab starts that node's torchrun
+    and watches it, so a dead rank or a refusal ends the step with one line and one record."""
     if lay.launcher == "torchrun":
         srun = ["srun", f"--nodes={lay.nodes}", f"--ntasks={lay.nodes}", "--ntasks-per-node=1"]
-        return [
-            *srun,
-            opts.python,
-            "-m",
-            "torch.distributed.run",
-            f"--nnodes={lay.nodes}",
-            f"--nproc-per-node={lay.ranks // lay.nodes}",
-            "--rdzv-backend=c10d",
-            "--rdzv-id=$SLURM_JOB_ID",
-            "--rdzv-endpoint=$head:$port",
-            "-m",
-            "scalelab",
-        ]
+        return [*srun, opts.python, "-m", "scalelab"]
     srun = ["srun", f"--nodes={lay.nodes}", f"--ntasks={lay.ranks}"]
     if lay.launcher == "mpi":
         srun += [f"--ntasks-per-node={lay.per_node}", f"--mpi={plugin}"]
     return [*srun, opts.python, "-m", "scalelab"]
+
+
+def rdzv_words(lay: Layout) -> list[str]:
+    """`run` options after the point's own: the nodes meet at a c10d rendezvous on the first
+    node. `$head`, `$port` and `$SLURM_JOB_ID` stay shell expansions (scripts.py writes them
+    unquoted)."""
+    if lay.launcher != "torchrun" or lay.nodes == 1:
+        return []
+    return ["--nnodes", str(lay.nodes), "--rdzv-endpoint=$head:$port", "--rdzv-id=$SLURM_JOB_ID"]
+
+
+def check_plugin(plugin: str) -> None:
+    """An srun --mpi plugin this Slurm lacks fails every MPI step at once: refused here, before
+    anything is queued (where srun can be asked)."""
+    offered = srun_mpi_plugins()
+    if offered is not None and plugin not in offered:
+        raise UsageError(f"--mpi-plugin {plugin}: this Slurm's srun offers {', '.join(offered)}")
+
+
+def per_torchrun(gpus_per_rank: str, ranks_per_node: int) -> str:
+    """--gpus-per-task is per rank; a torchrun point's task is a node's torchrun, which runs
+    ranks_per_node ranks: `1` over 4 ranks per node is 4 (`a100:1`: `a100:4`)."""
+    kind, _, count = gpus_per_rank.rpartition(":")
+    if not count.isdigit():
+        raise UsageError(f"--gpus-per-task {gpus_per_rank!r}: expected N or TYPE:N")
+    return (f"{kind}:" if kind else "") + str(int(count) * ranks_per_node)
 
 
 def header(job: str, lay: Layout, opts: SlurmOptions, log: str) -> list[str]:
@@ -177,6 +222,7 @@ def header(job: str, lay: Layout, opts: SlurmOptions, log: str) -> list[str]:
         f"#SBATCH --nodes={lay.nodes}",
         f"#SBATCH --time={opts.time}",
         f"#SBATCH --output={log}",
+        "#SBATCH --open-mode=append",  # a requeued job's log keeps its earlier attempts
         f"#SBATCH --cpus-per-task={lay.cpus_per_task}",
     ]
     if lay.launcher == "torchrun":
@@ -187,10 +233,12 @@ def header(job: str, lay: Layout, opts: SlurmOptions, log: str) -> list[str]:
         lines.append(f"#SBATCH --gpus-per-node={opts.gpus_per_node}")
     for name in PASSTHROUGH:
         value = getattr(opts, name)
+        if value is not None and name == "gpus_per_task" and lay.launcher == "torchrun":
+            value = per_torchrun(value, lay.per_node)
         if value is not None:
             lines.append(f"#SBATCH --{name.replace('_', '-')}={value}")
     if opts.exclusive:
         lines.append("#SBATCH --exclusive")
-    if opts.minutes() >= 10:  # a warning while there is time to write the failed record
+    if 10 <= opts.minutes() < math.inf:  # the limit is near: noted, the point runs on
         lines.append("#SBATCH --signal=B:USR1@120")
     return lines

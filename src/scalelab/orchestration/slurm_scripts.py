@@ -14,10 +14,12 @@ from scalelab.orchestration.slurm import (
     SAFE_PATH,
     Layout,
     SlurmOptions,
+    check_plugin,
     default_mpi_plugin,
     header,
     launch_words,
     layout,
+    rdzv_words,
 )
 from scalelab.orchestration.sweep import Point, Study, points
 
@@ -33,29 +35,53 @@ COMM_ENV = """\
 # export SCALELAB_DEBUG=1                # full tracebacks instead of one-line errors
 """
 
-# run_point: the arrays `launch` and `args` name one point. Skipped when it has an ok record;
-# a step that dies, or a job stopped by its time limit or scancel (SIGTERM, or USR1 from
-# --signal ahead of the limit), leaves a failed record. srun runs in the background so the
-# trap fires at once (bash runs traps only between foreground commands).
+# run_point: the arrays `launch` and `args` name one point. Skipped when it has an ok record.
+# Every way the step ends leaves exactly one record of this attempt: the ranks' own (ok, a
+# check failed, a failure, a dead rank named by its watcher) or, when the step left none (srun
+# itself failed, a refusal, a signal), a failed record with the step's last scalelab or srun
+# line; `point_helper failed` writes nothing where this attempt has a record. A job stopped by
+# SIGTERM (time limit, scancel, requeue: Restarts grew past this attempt's) records that.
+# USR1 (--signal ahead of the limit) only notes that the limit is near: the point runs on,
+# and may still finish. srun runs in the
+# background so the traps fire at once (bash runs traps only between foreground commands).
 RUN_POINT = """\
 point_helper() { "$PY" -m scalelab.cli.slurm_point "$@"; }
+near_limit=""
 stopped() {
-  point_helper failed "job $SLURM_JOB_ID was stopped by Slurm (time limit or scancel)" \\
-    "${args[@]}" || true
+  local why="time limit or scancel" restarts
+  [ -n "$near_limit" ] && why="its time limit"
+  restarts=$(scontrol show job -o "$SLURM_JOB_ID" 2>/dev/null | grep -o 'Restarts=[0-9]*' \\
+    | cut -d= -f2) || true
+  [ "${restarts:-0}" -gt "${SLURM_RESTART_COUNT:-0}" ] && why="requeued: it runs again"
+  point_helper failed "job $SLURM_JOB_ID was stopped by Slurm ($why)" "${args[@]}" || true
   exit 143
 }
+warned() { near_limit=1; woken=1; }
+last_said() { grep -E '^(scalelab|srun: error)' "$1" | tail -n 1 || true; }
 run_point() {
-  trap stopped TERM USR1
+  trap stopped TERM
+  trap warned USR1
   if point_helper done "${args[@]}"; then
     echo "scalelab: this point has an ok record already: skipped"
     return 0
   fi
-  "${launch[@]}" "${args[@]}" &
-  local code=0
-  wait $! || code=$?
+  local said code
+  said=$(mktemp)
+  "${launch[@]}" "${args[@]}" 2> >(tee "$said" >&2) &
+  local step=$!
+  while :; do
+    woken="" code=0
+    wait "$step" || code=$?
+    [ -n "$woken" ] || break  # USR1 interrupted the wait: the step runs on
+  done
   trap - TERM USR1
-  case $code in 0|1|2) return "$code" ;; esac  # ok, check failed, refused: ranks said so
-  point_helper failed "the job step exited with code $code" "${args[@]}" || true
+  sleep 0.2  # tee's last lines
+  if [ "$code" != 0 ]; then
+    local why
+    why=$(last_said "$said")
+    point_helper failed "the job step exited with code $code${why:+: $why}" "${args[@]}" || true
+  fi
+  rm -f "$said"
   return "$code"
 }
 """
@@ -67,10 +93,11 @@ def _words(words: list[str]) -> str:
 
 
 def point_lines(point: Point, lay: Layout, opts: SlurmOptions, plugin: str, results: Path):
-    args = [*point.argv(), "--out", str(results)]
+    args = shlex.join([*point.argv(), "--out", str(results)])
+    rdzv = rdzv_words(lay)
     return [
         f"launch=({_words(launch_words(lay, opts, plugin))})",
-        f"args=({shlex.join(args)})",
+        f"args=({args}{' ' + _words(rdzv) if rdzv else ''})",
     ]
 
 
@@ -82,6 +109,7 @@ def preamble(opts: SlurmOptions, lay: Layout) -> list[str]:
         COMM_ENV,
         f"PY={shlex.quote(opts.python)}",
         f"export OMP_NUM_THREADS={lay.threads}   # torch intra-op threads per rank",
+        "export SCALELAB_BATCH_RECORDS=1   # a stopped step: run_point's record, not the tasks'",
     ]
     if lay.launcher == "torchrun":
         # The rendezvous: the job's first node, a port from the job id. sed reads every line
@@ -178,6 +206,8 @@ def write_scripts(study: Study, opts: SlurmOptions, out_dir: Path, array: bool) 
         raise UsageError(f"{log_dir}: #SBATCH --output cannot take this path; pick a plainer -o")
     needs_mpi = any(lay.launcher == "mpi" for lay in lays)
     plugin = opts.mpi_plugin or (default_mpi_plugin() if needs_mpi else "pmi2")
+    if needs_mpi:
+        check_plugin(plugin)
     log_dir.mkdir(parents=True, exist_ok=True)
     texts: dict[str, str] = {}
     if array:

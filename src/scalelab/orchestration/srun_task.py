@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -34,13 +35,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from scalelab.comm import job_status, slurm
+from scalelab.comm.launch import inside_torchrun
 from scalelab.orchestration import jobs
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from scalelab.config import RunConfig
 
 CHILD_VAR = "SCALELAB_SRUN_CHILD"
+BATCH_RECORDS_VAR = "SCALELAB_BATCH_RECORDS"  # set by generated sbatch scripts
 PEER_GRACE_S = 3.0
+CONT_WAIT_S = 2.0  # scancel's SIGTERM after its SIGCONT
+# A node agent whose ranks failed without a signal waits this long for the agent of the node
+# where a rank was killed to name it and cancel the step (torchrun notices a dead worker,
+# stops its others and reports: seconds).
+AGENT_GRACE_S = 20.0
 WATCHED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCONT)
 
 
@@ -63,12 +73,18 @@ def watch(argv: list[str], cfg: RunConfig, results: Path | None) -> tuple[int, d
     env = {**os.environ, CHILD_VAR: "1", job_status.JOB_DIR_VAR: folder}
     stopped: list[int] = []
     previous = {s: signal.signal(s, lambda n, _f: stopped.append(n)) for s in WATCHED}
+    before = _lines(results)
     try:
         # The child gets Slurm's signals itself (the step's processes are all signalled).
         cmd = [sys.executable, "-m", "scalelab", *argv]
-        child = subprocess.Popen(cmd, env=env, close_fds=False)
+        # The rank dies with its watcher (SIGKILL on the watcher's death): a killed task
+        # leaves no rank behind it, running on after scancel.
+        child = subprocess.Popen(
+            cmd, env=env, close_fds=False, preexec_fn=jobs.dies_with_parent(signal.SIGKILL)
+        )
         code = child.wait()
-        outcome = _outcome(Path(folder), code, time.time(), stopped, cfg, results)
+        ended = time.time()
+        outcome = _outcome(Path(folder), code, ended, stopped, cfg, results, before)
         return outcome, jobs.handed_record(Path(folder))
     finally:
         for s, handler in previous.items():
@@ -77,28 +93,32 @@ def watch(argv: list[str], cfg: RunConfig, results: Path | None) -> tuple[int, d
 
 
 def _outcome(
-    folder: Path, code: int, ended: float, stopped: list[int], cfg: RunConfig, results: Path | None
+    folder: Path,
+    code: int,
+    ended: float,
+    stopped: list[int],
+    cfg: RunConfig,
+    results: Path | None,
+    before: int = 0,
 ) -> int:
     rank = job_status.this_rank()
     if code == 0:
         return 0
     if stopped:  # scancel, a time limit, or a dead peer's task ended the step: not ours to say
-        return 128 + stopped[0]
+        return _stopped(stopped, rank == 0, cfg, results, before)
     if code == -signal.SIGABRT:
         # An MPI library aborting because a peer vanished (UCX's shared-memory copy from a
         # killed peer: "process_vm_readv ... No such process"): the dead rank's task is
         # cancelling the step; a rank that aborted on its own still gets named below.
         _wait_for(stopped, PEER_GRACE_S)
         if stopped:
-            return 128 + stopped[0]
+            return _stopped(stopped, rank == 0, cfg, results, before)
     if code < 0:
         host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
         line = jobs.dead_line((rank, host, -code), jobs.statuses(folder), ended)
         _say(line)
         if results is not None:
-            from scalelab.record import append_record, failed_record
-
-            append_record(results, failed_record(cfg, line.removeprefix("scalelab: ")))
+            _record(cfg, results, line)
         _end_step()
         return 1
     notes = jobs.notes(folder)
@@ -107,10 +127,44 @@ def _outcome(
         # rank's task is cancelling the step and says why; give its signal time to come.
         _wait_for(stopped, PEER_GRACE_S)
         if stopped:
-            return 128 + stopped[0]
+            return _stopped(stopped, rank == 0, cfg, results, before)
     if notes and (notes[0][0] != 2 or rank == 0):
         _say(notes[0][1])
+    if (
+        notes
+        and notes[0][0] != 2
+        and rank == 0
+        and results is not None
+        and _lines(results) == before
+    ):
+        _record(cfg, results, notes[0][1])  # the ranks left it to us: a peer vanished unnamed
     return code
+
+
+def _stopped(
+    stopped: list[int], task0: bool, cfg: RunConfig, results: Path | None, before: int
+) -> int:
+    """Slurm stopped the step (scancel, a time limit) or a dead rank's task cancelled it. The
+    step's one record: the dead rank's, written before it cancelled, else task 0 writes that
+    Slurm stopped it (an interactive srun has no batch script to say so)."""
+    code = stop_code(stopped)
+    if os.environ.get(BATCH_RECORDS_VAR):  # a generated job's script records it (run_point)
+        return code
+    if task0 and results is not None and _lines(results) == before:
+        step = f"{os.environ.get('SLURM_JOB_ID')}.{os.environ.get('SLURM_STEP_ID')}"
+        _record(cfg, results, f"step {step} was stopped by Slurm (time limit or scancel)")
+    return code
+
+
+def stop_code(stopped: list[int]) -> int:
+    """128 + the signal that stopped the task. scancel sends SIGCONT before SIGTERM (a stopped
+    task must wake to die): the SIGTERM that follows is the cause, so wait a moment for it."""
+    if all(s == signal.SIGCONT for s in stopped):
+        end = time.monotonic() + CONT_WAIT_S
+        while all(s == signal.SIGCONT for s in stopped) and time.monotonic() < end:
+            time.sleep(0.05)
+    cause = next((s for s in stopped if s != signal.SIGCONT), stopped[0])
+    return 128 + int(cause)
 
 
 def _wait_for(stopped: list[int], seconds: float) -> None:
@@ -130,3 +184,62 @@ def _end_step() -> None:
     step = f"{os.environ.get('SLURM_JOB_ID')}.{os.environ.get('SLURM_STEP_ID')}"
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         subprocess.run(["scancel", "--quiet", step], capture_output=True, timeout=60)
+
+
+# --- torchrun under srun: one agent per node ------------------------------------------------
+def is_node_agent(launcher: str | None, nnodes: int) -> bool:
+    """`srun --ntasks-per-node=1 scalelab run ... --nnodes N`: this task starts this node's
+    torchrun (it is not a rank, and takes no rank from Slurm)."""
+    return launcher == "torchrun" and nnodes > 1 and slurm.srun_launched() and not inside_torchrun()
+
+
+def agent(
+    start: Callable[[], jobs.JobOutcome], cfg: RunConfig, results: Path | None
+) -> tuple[int, dict | None]:
+    """Run this node's torchrun (start(), which prints nothing) and end as the step should:
+    the node where a rank died names it once, records it and cancels the step; the others
+    stay quiet once stopped; a refusal is said by task 0 only; nothing waits without bound."""
+    stopped: list[int] = []
+    previous = {s: signal.signal(s, lambda n, _f: stopped.append(n)) for s in WATCHED}
+    before = _lines(results)
+    try:
+        outcome = start()
+        return _agent_outcome(outcome, stopped, cfg, results, before), outcome.record
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _agent_outcome(outcome, stopped, cfg, results, before: int) -> int:
+    task0 = os.environ.get("SLURM_PROCID", "0") == "0"
+    if outcome.code == 0:
+        return 0
+    if stopped:
+        return _stopped(stopped, task0, cfg, results, before)
+    if outcome.code == 2:  # every node's ranks refused alike
+        if task0:
+            _say(outcome.message)
+        return 2
+    if not outcome.killed:  # a peer's death, most likely: let its node's agent say it
+        _wait_for(stopped, AGENT_GRACE_S)
+        if stopped:
+            return _stopped(stopped, task0, cfg, results, before)
+    line = outcome.message
+    node = os.environ.get("SLURMD_NODENAME")
+    if outcome.killed and node:  # torchrun names the host by its own name, not Slurm's node
+        line = re.sub(r" on \S+ died", f" on {node} died", line, count=1)
+    _say(line)
+    if results is not None and (outcome.killed or (task0 and _lines(results) == before)):
+        _record(cfg, results, line)
+    _end_step()
+    return outcome.code
+
+
+def _lines(path: Path | None) -> int:
+    return len(path.read_bytes().splitlines()) if path is not None and path.exists() else 0
+
+
+def _record(cfg: RunConfig, results: Path, line: str) -> None:
+    from scalelab.record import append_record, failed_record
+
+    append_record(results, failed_record(cfg, line.removeprefix("scalelab: ")))

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from scalelab import config_sections
-from scalelab.comm.launch import mpiexec_command, torchrun_command
+from scalelab.comm.launch import mpiexec_command, refuse_nested_launch, torchrun_command
 from scalelab.config import RunConfig, upgrade_record_config
 from scalelab.errors import UsageError
 from scalelab.orchestration.jobs import NOISE
@@ -241,7 +241,11 @@ def points(study: Study) -> list[Point]:
         try:
             cfg = RunConfig(**merged)
             workload = WORKLOADS.get(cfg.workload)  # the name exists
-            config_sections.check(cfg, STRATEGIES.get(cfg.strategy), workload)  # options read
+            strategy = STRATEGIES.get(cfg.strategy)
+            config_sections.check(cfg, strategy, workload)  # options read
+            check = getattr(strategy, "preflight", None)  # what `run` refuses before ranks
+            if check is not None:
+                check(cfg)
         except UsageError as exc:
             desc = " ".join(f"{k}={v}" for k, v in values.items())
             raise UsageError(f"{study.source}: point {i} ({desc}): {exc}") from None
@@ -249,17 +253,46 @@ def points(study: Study) -> list[Point]:
     return out
 
 
-def done_keys(results: Path) -> set[str]:
-    """Configs that already have a finished record in the results file."""
+def job_nodes(record: dict[str, Any] | None = None) -> int:
+    """The nodes of the Slurm job a record ran in (of the job this process is in, for None);
+    1 outside Slurm."""
+    if record is None:
+        from scalelab.comm.slurm import job_fields
+
+        job = job_fields() or {}
+    else:
+        job = record.get("slurm") or {}
+    return int(job.get("nodes") or 1)
+
+
+def same_point(cfg: RunConfig, record: dict[str, Any], nodes: int | None = None) -> bool:
+    """record ran cfg, on `nodes` nodes (any, for None): a point's identity is everything that
+    changes its result, its node layout included. Threads a point leaves unset are whatever
+    the run settled on (the CPUs Slurm gave it), so they do not tell runs apart."""
+    got = dict(record.get("config") or {})
+    if cfg.threads is None:
+        got["threads"] = None
+    if config_key(got) != config_key(cfg.to_dict()):
+        return False
+    return nodes is None or job_nodes(record) == nodes
+
+
+def finished(results: Path) -> list[dict[str, Any]]:
+    """The finished records (ok or check-failed) in the results file (none when it holds
+    no scalelab records)."""
     if not results.exists():
-        return set()
+        return []
     try:
         records = read_records(results)
     except UsageError as exc:
         if "holds no scalelab records" in str(exc):
-            return set()
+            return []
         raise
-    return {config_key(r.get("config") or {}) for r in records if r.get("status") in FINISHED}
+    return [r for r in records if r.get("status") in FINISHED]
+
+
+def is_done(point: Point, ok: list[dict[str, Any]], nodes: int) -> bool:
+    return any(same_point(point.config, r, nodes) for r in ok)
 
 
 def command(point: Point, results: Path) -> tuple[list[str], dict[str, str] | None]:
@@ -267,9 +300,7 @@ def command(point: Point, results: Path) -> tuple[list[str], dict[str, str] | No
     started straight under mpiexec / torchrun when its strategy needs ranks (what `scalelab
     run --ranks N` would do itself, minus one Python process per point)."""
     run = ["-m", "scalelab", *point.argv(), "--out", str(results)]
-    strategy = STRATEGIES.get(point.config.strategy)
-    pick = getattr(strategy, "launcher_for", None)  # tensor: mpiexec, or torchrun for DTensor
-    launcher = pick(point.config) if pick is not None else strategy.launcher
+    launcher = _launcher(point)
     ranks = point.config.ranks
     if launcher is None or ranks == 1:
         return [sys.executable, *run], None
@@ -281,6 +312,12 @@ def command(point: Point, results: Path) -> tuple[list[str], dict[str, str] | No
     env.setdefault("NCCL_NVLS_ENABLE", "0")  # as comm.launch.relaunch: NVLink multicast off
     env["SCALELAB_LAUNCHED"] = "1"
     return [*cmd, *run], env
+
+
+def _launcher(point: Point) -> str | None:
+    strategy = STRATEGIES.get(point.config.strategy)
+    pick = getattr(strategy, "launcher_for", None)  # tensor: mpiexec, or torchrun for DTensor
+    return pick(point.config) if pick is not None else strategy.launcher
 
 
 # --- running -------------------------------------------------------------------------------
@@ -340,11 +377,10 @@ def run_point(point: Point, results: Path, timeout: float | None = None) -> Outc
     cmd, env = command(point, results)
     code, err = _run_process(cmd, timeout, env)
     seconds = time.perf_counter() - start
-    key = point.match_key()
-    new = [r for r in _records(results)[before:] if config_key(r.get("config") or {}) == key]
-    finished = [r for r in new if r.get("status") in FINISHED]
-    if finished:
-        rec = finished[-1]
+    new = [r for r in _records(results)[before:] if same_point(point.config, r)]
+    done = [r for r in new if r.get("status") in FINISHED]
+    if done:
+        rec = done[-1]
         status = "check failed" if rec.get("check_passed") is False else "ok"
         return Outcome(point, status, seconds, rec)
     error = _last_line(err) if code != 0 else "exited 0 but wrote no record"
@@ -377,19 +413,23 @@ def run_study(
 ) -> list[Outcome]:
     """Every point not yet in the results (all with force), one line of progress each."""
     todo = points(study)
-    done = set() if force else done_keys(study.results)
+    for point in todo:  # before any point runs: a launch that would hang is refused
+        if point.config.ranks > 1:
+            refuse_nested_launch(_launcher(point), point.config.ranks)
+    ok, nodes = ([] if force else finished(study.results)), job_nodes()
+    done = {p.index for p in todo if is_done(p, ok, nodes)}
     outcomes: list[Outcome] = []
     spent, ran = 0.0, 0
     for point in todo:
         head = f"[{point.index}/{len(todo)}] {point.describe()}"
-        if point.match_key() in done:
+        if point.index in done:
             echo(f"{head}: in {study.results} already, skipped")
             outcomes.append(Outcome(point, "done"))
             continue
         with slow_note(echo, f"{head}: running..."):  # the point's own output is --quiet
             out = run_point(point, study.results, study.timeout_s)
         spent, ran = spent + out.seconds, ran + 1
-        left = sum(1 for p in todo[point.index :] if p.match_key() not in done)
+        left = sum(1 for p in todo[point.index :] if p.index not in done)
         echo(f"{head}: {_summary(out)} | eta {spent / ran * left:.0f} s")
         outcomes.append(out)
     return outcomes

@@ -24,7 +24,13 @@ from scalelab.cli.options import (
     workload_name,
 )
 from scalelab.comm import job_status
-from scalelab.comm.launch import inside_launcher, settle_config, torchrun_command
+from scalelab.comm.launch import (
+    inside_launcher,
+    refuse_nested_launch,
+    settle_config,
+    torchrun_command,
+)
+from scalelab.comm.slurm import step_tasks as srun_tasks
 from scalelab.config import RunConfig
 from scalelab.errors import EXIT_FAILED, UsageError
 from scalelab.orchestration import srun_task
@@ -148,17 +154,25 @@ def run_one(args: argparse.Namespace) -> tuple[int, dict[str, Any] | None]:
     """(exit code, the record this process printed or None: launched jobs print their own)."""
     cfg = config_from_args(args, workload=workload_name(args), **_defaults(args))
     strategy = STRATEGIES.get(cfg.strategy)
-    cfg = settle_config(cfg, strategy.launcher)
+    node_agent = srun_task.is_node_agent(_launcher(strategy, cfg), args.nnodes)
+    cfg = settle_config(cfg, None if node_agent else strategy.launcher)
     preflight(strategy, cfg)
     check_run_outputs(cfg, None if args.no_record else Path(args.out))
     if cfg.compare_devices:
         return _compare_devices(cfg, args)
     launcher = _launcher(strategy, cfg)
+    results = None if args.no_record else Path(args.out)
+    if launcher is None and srun_tasks() is not None and srun_tasks() > 1:
+        raise UsageError(
+            f"strategy {cfg.strategy} runs in one process, but srun started {srun_tasks()} "
+            "tasks (each would run it and append its own record): use srun -n 1"
+        )
+    if node_agent:  # srun's task on one node: this node's torchrun, watched
+        return srun_task.agent(lambda: launch(launcher, cfg, args, say=False), cfg, results)
     if srun_task.should_watch(launcher):  # srun's task: run the rank as a watched child
-        results = None if args.no_record else Path(args.out)
         return srun_task.watch(args.argv, cfg, results)
     if launcher is not None and cfg.ranks > 1 and not inside_launcher(launcher):
-        results = None if args.no_record else Path(args.out)
+        refuse_nested_launch(launcher, cfg.ranks)
         before = _lines(results)
         outcome = launch(launcher, cfg, args)  # the root rank hands its record over
         code = outcome.code
@@ -241,7 +255,7 @@ def preflight(strategy: type, cfg: RunConfig) -> None:
         checkpoint.preflight(cfg, cfg.ranks, global_batch)
 
 
-def launch(launcher: str, cfg: RunConfig, args: argparse.Namespace) -> JobOutcome:
+def launch(launcher: str, cfg: RunConfig, args: argparse.Namespace, say: bool = True) -> JobOutcome:
     if launcher != "torchrun" or (args.nnodes == 1 and args.rdzv_endpoint is None):
         return relaunch_job(launcher, cfg.ranks, args.argv)
     if args.rdzv_endpoint is None or cfg.ranks % args.nnodes:
@@ -258,7 +272,7 @@ def launch(launcher: str, cfg: RunConfig, args: argparse.Namespace) -> JobOutcom
     ]
     env = {**os.environ, "SCALELAB_LAUNCHED": "1"}
     env.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (shared hosts)
-    return run_job([*cmd, "-m", "scalelab", *args.argv], env, launcher)
+    return run_job([*cmd, "-m", "scalelab", *args.argv], env, launcher, say=say)
 
 
 def _compare_devices(cfg: RunConfig, args: argparse.Namespace) -> tuple[int, dict[str, Any]]:

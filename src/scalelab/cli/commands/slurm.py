@@ -4,6 +4,7 @@ a report job chained after them, and submit_all.sh."""
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from scalelab.cli.base import COMMANDS, Command
@@ -38,7 +39,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         p.add_argument(flag, default=None, help=f"sbatch {flag}: {what}")
     p.add_argument("--exclusive", action="store_true", help="sbatch --exclusive: whole nodes")
     p.add_argument("--time", default="00:30:00", help="time limit per job (default 00:30:00)")
-    p.add_argument("--python", default="python3", help="Python on the nodes (default python3)")
+    p.add_argument(
+        "--python",
+        default=sys.executable,
+        help="Python on the nodes (default: the one scalelab runs in now, %(default)s)",
+    )
     p.add_argument(
         "--mpi-plugin",
         default=None,
@@ -80,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
     )
     out_dir = check_dir(args.out_dir or Path("scalelab-results") / f"slurm-{study.name}", "-o")
     scripts = write_scripts(study, opts, out_dir, args.array)
+    if args.quiet:  # -q: warnings only
+        return 0
     print(
         f"wrote {len(scripts)} job script(s), report.sbatch and submit_all.sh in {out_dir}: "
         f"submit with `{out_dir}/submit_all.sh [sbatch options]`"

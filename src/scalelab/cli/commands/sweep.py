@@ -12,7 +12,14 @@ from pathlib import Path
 
 from scalelab.cli.base import COMMANDS, Command
 from scalelab.errors import UsageError
-from scalelab.orchestration.sweep import done_keys, load_study, points, run_study
+from scalelab.orchestration.sweep import (
+    finished,
+    is_done,
+    job_nodes,
+    load_study,
+    points,
+    run_study,
+)
 from scalelab.outputs import check_file
 
 
@@ -68,11 +75,11 @@ def scalelab_executable() -> str:
 
 
 def dry_run(study, force: bool) -> int:
-    done = set() if force else done_keys(study.results)
     pts = points(study)
+    ok, nodes = ([] if force else finished(study.results)), job_nodes()
     print(f"study {study.name}: {len(pts)} points -> {study.results} (dry run)")
     for p in pts:
-        state = "done" if p.match_key() in done else "todo"
+        state = "done" if is_done(p, ok, nodes) else "todo"
         cmd = [scalelab_executable(), *p.argv(), "--out", str(study.results)]
         print(f"[{p.index}/{len(pts)}] {state}  {shlex.join(cmd)}")
     return 0

@@ -1,0 +1,183 @@
+"""How jobs end on a real Slurm (the two emulated nodes of tests/slurm/cluster.sh): each
+ending leaves one line and one record, nothing hangs, nothing is left running.
+tests/test_slurm_ends.py checks the same logic without a cluster."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from rank_procs import environ, wait_past_setup
+from scalelab.record import read_records
+from test_slurm_cluster import ALEXNET, PY, slurm, wait_for
+
+pytestmark = pytest.mark.slurm
+
+
+def processes_with(token: str, var: str = "", value: str = "") -> list[int]:
+    """pids started with SCALELAB_TEST_TOKEN=token (and var=value, where given)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        env = environ(entry.name) if entry.name.isdigit() else None
+        ours = env is not None and env.get(b"SCALELAB_TEST_TOKEN") == token.encode()
+        if ours and (not var or env.get(var.encode()) == value.encode()):
+            out.append(int(entry.name))
+    return out
+
+
+def wait_until(what, timeout: float, why: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = what()
+        if got:
+            return got
+        time.sleep(0.2)
+    pytest.fail(why)
+
+
+@pytest.mark.usefixtures("slurm_conf")
+def test_srun_mpiexec_refused_and_a_killed_watcher_takes_its_rank(tmp_path):
+    """`srun -n1 ... --strategy mpi --ranks 2` hung for ever in mpiexec's nested srun: now one
+    line, exit 2. Under `srun -N2 -n2 --mpi=pmi2`, SIGKILL to the task srun started (the
+    watcher of rank 1) used to leave rank 1 running past scancel: it dies with its watcher,
+    and after scancel no process of the job is left."""
+    out = tmp_path / "r.jsonl"
+    proc = slurm(["srun", "-n1", PY, "-m", "scalelab", *ALEXNET, "--ranks", "2"], tmp_path, 120)
+    said = [ln for ln in proc.stderr.splitlines() if ln.startswith("scalelab")]
+    assert proc.returncode == 2 and len(said) == 1 and "inside an srun step" in said[0]
+
+    token, name = uuid.uuid4().hex, f"w{uuid.uuid4().hex[:8]}"
+    args = [*ALEXNET[:-5], "--iters", "1000000", "--warmup", "0", "--quiet", "--out", str(out)]
+    cmd = ["srun", "-J", name, "-N2", "-n2", "--ntasks-per-node=1", "--mpi=pmi2", PY, "-m"]
+    env = {**os.environ, "SCALELAB_TEST_TOKEN": token, "MPIR_CVAR_CH4_NETMOD": "ucx"}
+    job = subprocess.Popen([*cmd, "scalelab", *args], cwd=tmp_path, env=env, text=True)
+    try:
+        rank = wait_until(
+            lambda: [p for p in processes_with(token, "PMI_RANK", "1") if _has_job_dir(p)],
+            180,
+            "rank 1 never started",
+        )[0]
+        wait_past_setup(rank, timeout=180)
+        watcher = int(Path(f"/proc/{rank}/stat").read_text().split(") ")[1].split()[1])
+        os.kill(watcher, signal.SIGKILL)
+        wait_until(lambda: not _alive(rank), 15, "rank 1 outlived its watcher")
+        slurm(["scancel", "-n", name], tmp_path)
+        job.wait(timeout=120)
+        wait_until(lambda: not processes_with(token), 60, "a process of the job was left")
+    finally:
+        if job.poll() is None:
+            job.kill()
+
+
+STUDY = """
+[study]
+name = "ends"
+[grid]
+epochs = [1, 100000]
+[fixed]
+workload = "mlp"
+strategy = "ddp"
+train = true
+ranks = 2
+hidden = 16
+batch = 20
+train_size = 200
+heldout_size = 100
+data_dir = "{mnist}"
+"""
+
+
+@pytest.mark.usefixtures("slurm_conf")
+def test_ddp_jobs_end_with_one_line_and_one_record(tmp_path, mnist_dir, cli):
+    """Generated DDP jobs on n1+n2 (srun -> one scalelab per node -> torchrun -> ranks):
+    - a rank SIGKILLed: one line naming it, not torchrun's ChildFailedError, and one record;
+    - a requeued job: a record of its first attempt (requeued), its log kept; then the early
+      time warning (USR1, --time 00:10:00) while it runs: it runs on to ok;
+    - srun failing itself (a plugin it lacks): the step's srun line in a failed record;
+    each job one record per attempt, all in `report`, and no process left."""
+    (tmp_path / "s.toml").write_text(STUDY.format(mnist=mnist_dir))
+    res, jobs = tmp_path / "res.jsonl", tmp_path / "jobs"
+    code, _, err = cli("slurm", tmp_path / "s.toml", "--nodes", "2", "--time", "00:10:00",
+                       "-o", jobs, "--out", res)  # fmt: skip
+    assert code == 0, err
+    short, long = jobs / "point_001.sbatch", jobs / "point_002.sbatch"
+    bogus = jobs / "bogus.sbatch"
+    bogus.write_text(long.read_text().replace("launch=(srun ", "launch=(srun --mpi=bogus "))
+    token = uuid.uuid4().hex
+    env = {"SCALELAB_TEST_TOKEN": token}
+    ids = [slurm(["sbatch", "--parsable", str(s)], tmp_path, **env).stdout.strip() for s in
+           (short, long, bogus)]  # fmt: skip
+    ok_job, killed_job, bogus_job = ids
+    wait_until(lambda: _step_running(ok_job, tmp_path), 240, "the short point never ran")
+    slurm(["scontrol", "requeue", ok_job], tmp_path)  # attempt 0 stopped, attempt 1 runs
+    wait_until(lambda: _state(ok_job, tmp_path) == "PENDING", 120, "never requeued")
+    slurm(["scontrol", "update", f"JobId={ok_job}", "BeginTime=now"], tmp_path)  # not in 2 min
+    wait_until(lambda: _step_running(ok_job, tmp_path), 240, "the requeued point never ran")
+    slurm(["scancel", "--signal=USR1", "--batch", ok_job], tmp_path)
+    rank = wait_until(
+        lambda: [p for p in processes_with(token, "RANK", "1") if _torchrun_worker(p, killed_job)],
+        240,
+        "rank 1 of the long point never started",
+    )[0]
+    wait_past_setup(rank, timeout=240)
+    node = environ(rank)[b"SLURMD_NODENAME"].decode()
+    os.kill(rank, signal.SIGKILL)
+    wait_for(ids, tmp_path)
+
+    got = read_records(res)
+    recs = {r["slurm"]["job_id"]: r for r in got}  # the last attempt's
+    assert len(got) == 4 and set(recs) == set(ids)  # one record per job and attempt
+    first = next(r for r in got if r["slurm"]["job_id"] == ok_job and r["slurm"]["restart"] == 0)
+    assert first["status"] == "failed" and "(requeued: it runs again)" in first["error"]
+    assert recs[ok_job]["status"] == "ok" and recs[ok_job]["config"]["epochs"] == 1
+    assert recs[ok_job]["slurm"]["restart"] == 1  # and after USR1 it ran on to ok
+    assert "JobState=COMPLETED" in slurm(["scontrol", "show", "job", ok_job], tmp_path).stdout
+    assert "DUE TO JOB REQUEUE" in _log(jobs, ok_job)  # the first attempt's log is kept
+    dead = rf"rank 1 on {node} died \(signal 9\) during \S+; job aborted after"
+    assert recs[killed_job]["status"] == "failed" and re.match(dead, recs[killed_job]["error"])
+    log = _log(jobs, killed_job)
+    assert len(re.findall(dead, log)) == 1 and "ChildFailedError" not in log, log
+    assert "Traceback" not in log, log
+    assert recs[bogus_job]["status"] == "failed"
+    assert "the job step exited with code" in recs[bogus_job]["error"]
+    assert "srun: error" in recs[bogus_job]["error"] and "bogus" in recs[bogus_job]["error"]
+    assert not processes_with(token)
+    code, _, err = cli("report", res, "-o", tmp_path / "report")
+    page = (tmp_path / "report" / "index.html").read_text()
+    assert code == 0 and "died (signal 9)" in page and "srun: error" in page, err
+    assert all(f">{job}<" in page for job in ids)  # the Slurm job of each record
+
+
+def _log(jobs: Path, job: str) -> str:
+    return next((jobs / "logs").glob(f"*-{job}.out")).read_text()
+
+
+def _state(job: str, cwd) -> str:
+    return slurm(["squeue", "-h", "-j", job, "-o", "%T"], cwd).stdout.strip()
+
+
+def _step_running(job: str, cwd) -> bool:
+    return f"{job}.0" in slurm(["squeue", "-h", "-s", "-j", job, "-o", "%i"], cwd).stdout
+
+
+def _torchrun_worker(pid: int, job: str) -> bool:
+    env = environ(pid) or {}
+    return b"TORCHELASTIC_RUN_ID" in env and env.get(b"SLURM_JOB_ID") == job.encode()
+
+
+def _has_job_dir(pid: int) -> bool:
+    return b"SCALELAB_JOB_DIR" in (environ(pid) or {})
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
