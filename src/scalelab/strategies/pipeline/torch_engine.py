@@ -27,6 +27,7 @@ view (OwnedOutput). Every schedule trains any cut like one process.
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
@@ -37,6 +38,7 @@ from scalelab.errors import UsageError
 from scalelab.instrument.timer import device_sync, timed_iterations
 from scalelab.planning import partition as part
 from scalelab.planning import profiling
+from scalelab.planning.preserve import kept_state
 from scalelab.results import RunOutput
 from scalelab.strategies import penalty as pen
 from scalelab.strategies.mesh import Layout, MeshGroups
@@ -88,11 +90,15 @@ class TorchPipeline(TorchDistStrategy):
         self.profile: list[part.LayerProfile] | None = None
         self.balance_rounds: list[dict[str, Any]] = []
         auto = counts is None
-        if auto:
-            counts = self.comm.bcast_object(self._auto_counts(sample) if self.is_root else None)
-        self._place(counts)
-        if auto and cfg.stages > 1 and cfg.rebalance > 0:
-            self._rebalance(sample)
+        # the balancing passes leave the model's state and the RNG as they were
+        with kept_state([model]) if cfg.train else nullcontext():
+            if auto:
+                counts = self.comm.bcast_object(
+                    self._auto_counts(sample) if self.is_root else None
+                )
+            self._place(counts)
+            if auto and cfg.stages > 1 and cfg.rebalance > 0:
+                self._rebalance(sample)
         self.log.current.clear()  # the balancing passes are not steps
 
     def _auto_counts(self, sample: torch.Tensor) -> list[int]:
