@@ -5,22 +5,55 @@ trace in the model (the pipeline's --balance auto and --rebalance passes in trai
 
 from __future__ import annotations
 
+import json
 from contextlib import nullcontext
+from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
-from programs.train_helpers import PROGRAMS
+from programs.train_helpers import PROGRAMS, launcher, records_and_weights, run
 from scalelab.config import RunConfig
 from scalelab.planning.preserve import kept_state
 from scalelab.planning.profiling import profile_layers
+from scalelab.record import read_records
 from scalelab.runner import execute
+from scalelab.train.sync_bn import AllReduceBatchNorm, convert
 from scalelab.workloads.layers import Layer
 
 NETS = PROGRAMS / "user_nets.py"
 BN = dict(workload="model", model=f"{NETS}:rescnn", input_shape="3,12,12", train=True,
           train_size=16, heldout_size=4, batch=8, epochs=1, lr=0.2, dtype="fp64", quiet=True,
           threads=1)  # fmt: skip
+
+
+# The user MLP (LayerNorm, dropout: the check turns it off and says so) has no BatchNorm.
+MLP = dict(BN, model=f"{NETS}:mlp", input_shape="3,4", check=True)
+RES = dict(BN, check=True)
+
+
+def _launch(kind: str, ranks: int, runs: dict, out: Path) -> dict:
+    """Several runs in one launch (the ranks start once); the records by run name."""
+    program = PROGRAMS / ("train_runs.py" if kind == "mpi" else "user_runs.py")
+    proc = run([*launcher(kind, ranks), str(program), str(out), json.dumps(runs)], timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return records_and_weights(out)[0]
+
+
+def _passes(rec: dict) -> None:
+    tc = rec["train_check"]
+    assert rec["status"] == "ok" and rec["check_passed"], tc
+    assert rec["relerr"] <= rec["tolerance"] == 1e-12 and "fp64 floor" in tc["basis"], tc
+    assert rec["reference"] == "train-fp64-one-process" and not tc["counts_differ"], tc
+
+
+def _fails_by_batchnorm(rec: dict, over: str) -> None:
+    tc = rec["train_check"]
+    assert rec["status"] == "check-failed" and not rec["check_passed"], tc
+    bn = tc["batchnorm"]
+    assert bn["modules"] == ["bn", "res.bn1", "res.bn2"] and over in bn["normalises_over"], bn
+    assert bn["running_stats_relerr"] > 1e-3 and "--sync-bn" in tc["cause"], tc
 
 
 def _trained(tmp_path, name: str, **kw) -> dict[str, torch.Tensor]:
@@ -68,3 +101,103 @@ def test_pipeline_balancing_leaves_batchnorm_statistics_as_one_process(tmp_path)
     assert int(one["bn.num_batches_tracked"]) == 2
     for key, value in one.items():
         assert torch.allclose(pipe[key], value, rtol=1e-12, atol=1e-14), key
+
+
+@pytest.mark.mpi
+def test_torchrun_strategies_train_what_one_process_trains(tmp_path):
+    """2 gloo ranks: ddp, the pipeline on both engines, DTensor's tensor parallelism pass the
+    check on the MLP (dropout off, said); on the BatchNorm net ddp fails by design (the
+    modules, the difference, --sync-bn offered) and passes with --sync-bn; the torch
+    engine's --balance auto leaves BatchNorm's statistics as one process's."""
+    two = {**MLP, "ranks": 2}
+    runs = {
+        "ddp": {**two, "strategy": "ddp"},
+        "pipe": {**two, "strategy": "pipeline", "stages": 2, "microbatches": 2},
+        "pipe_torch": {**two, "strategy": "pipeline", "engine": "torch", "stages": 2,
+                       "microbatches": 2},
+        "tensor": {**two, "strategy": "tensor", "engine": "torch"},
+        "bn_ddp": {**RES, "ranks": 2, "strategy": "ddp"},
+        "bn_ddp_sync": {**RES, "ranks": 2, "strategy": "ddp", "sync_bn": True},
+        "bn_pipe_torch": {**RES, "ranks": 2, "strategy": "pipeline", "engine": "torch",
+                          "stages": 2, "microbatches": 1},
+    }  # fmt: skip
+    recs = _launch("torchrun", 2, runs, tmp_path)
+    verdicts = {n: (r["status"], r["relerr"], r["train_check"]["worst"]) for n, r in recs.items()}
+    for name in ("ddp", "pipe", "pipe_torch", "tensor", "bn_ddp_sync", "bn_pipe_torch"):
+        assert recs[name]["status"] == "ok", verdicts
+        _passes(recs[name])
+    assert recs["ddp"]["train_check"]["dropout_off"] == ["drop"]
+    _fails_by_batchnorm(recs["bn_ddp"], "each rank's share")
+    assert recs["bn_ddp_sync"]["train_check"]["sync_bn"] is True
+
+
+@pytest.mark.mpi
+def test_two_dimensional_meshes_train_what_one_process_trains(tmp_path):
+    four = {**MLP, "ranks": 4, "dp": 2, "engine": "torch"}
+    runs = {"dp_pp": {**four, "strategy": "pipeline", "stages": 2, "microbatches": 2},
+            "dp_tp": {**four, "strategy": "tensor", "tp": 2}}  # fmt: skip
+    recs = _launch("torchrun", 4, runs, tmp_path)
+    for rec in recs.values():
+        _passes(rec)
+
+
+@pytest.mark.mpi
+def test_mpi_dp_checked_and_batchnorm_synced_over_mpi_ranks(tmp_path):
+    """mpiexec -n 2: mpi-dp passes on the MLP; on the BatchNorm net it fails by design and
+    passes with --sync-bn (AllReduceBatchNorm over MPI: SyncBatchNorm does not run on CPU)."""
+    runs = {
+        "dp": {**MLP, "ranks": 2, "strategy": "mpi-dp"},
+        "bn": {**RES, "ranks": 2, "strategy": "mpi-dp"},
+        "bn_sync": {**RES, "ranks": 2, "strategy": "mpi-dp", "sync_bn": True},
+    }
+    recs = _launch("mpi", 2, runs, tmp_path)
+    _passes(recs["dp"])
+    _passes(recs["bn_sync"])
+    _fails_by_batchnorm(recs["bn"], "each rank's share")
+
+
+@pytest.mark.mpi
+def test_a_wrong_training_fails_the_check_with_exit_1(cli, tmp_path):
+    """A model whose gradient differs per rank (scaled by 1 + rank in training): mpi-dp's
+    weights are not one process's; exit 1, status check-failed, the check line says FAILED."""
+    out = tmp_path / "runs.jsonl"
+    code, stdout, err = cli(
+        "run", "--model", f"{NETS}:per_rank", "--input-shape", "3,4", "--train", "--check",
+        "--strategy", "mpi-dp", "--ranks", "2", "--dtype", "fp64", "--train-size", "16",
+        "--heldout-size", "4", "--batch", "8", "--threads", "1", "--out", out,
+    )  # fmt: skip
+    assert code == 1, err
+    (rec,) = read_records(out)
+    assert rec["status"] == "check-failed" and rec["relerr"] > 1e-3, rec["train_check"]
+    assert "FAILED" in stdout + err
+
+
+def test_allreduce_batchnorm_is_batchnorm_in_one_process():
+    """With the identity as the all-reduce (one rank), outputs, input gradients and running
+    statistics are plain BatchNorm's; eval mode uses the running statistics."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 3, 4, 4, dtype=torch.float64, requires_grad=True)
+    ref = nn.BatchNorm2d(3).double()
+    synced = convert(nn.Sequential(nn.BatchNorm2d(3).double()), lambda t: t)[0]
+    assert isinstance(synced, AllReduceBatchNorm)
+    weight = torch.randn(6, 3, 4, 4, dtype=torch.float64)
+    grads = []
+    for m in (synced, ref):
+        (m(x) * weight).sum().backward()
+        grads.append(x.grad.clone())
+        x.grad = None
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-12, atol=1e-12)
+    for key, value in ref.state_dict().items():
+        torch.testing.assert_close(synced.state_dict()[key], value, rtol=1e-14, atol=0)
+    synced.eval(), ref.eval()
+    torch.testing.assert_close(synced(x), ref(x), rtol=1e-14, atol=1e-14)
+
+
+def test_sync_bn_and_resume_are_refused_where_they_cannot_apply(cli):
+    for args, needle in (
+        (["--strategy", "pipeline", "--sync-bn"], "--microbatches 1"),
+        (["--strategy", "local", "--sync-bn"], "only ddp and mpi-dp"),
+        (["--check", "--resume", str(NETS)], "cannot follow --resume"),
+    ):
+        code, out, err = cli("run", "mlp", "--train", *args, "--no-record")
+        assert code == 2 and out == "" and needle in err, err

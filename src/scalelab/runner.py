@@ -23,9 +23,11 @@ from scalelab.config import RunConfig
 from scalelab.errors import RunFailed, UsageError
 from scalelab.instrument import host_checks
 from scalelab.oracle.check import CheckResult, check_output
+from scalelab.oracle.train_compare import summary_line as train_check_line
 from scalelab.precision import PRECISIONS, Precision
 from scalelab.record import append_record, failed_record, new_record
 from scalelab.results import RunOutput
+from scalelab.run import train_check
 from scalelab.run.numbers import numbers_lines
 from scalelab.run.session import instrumented
 from scalelab.strategies import STRATEGIES, Strategy
@@ -40,7 +42,7 @@ _log = logging.getLogger("scalelab.run")
 @dataclass
 class RunReport:
     record: dict[str, Any] | None  # None on non-root ranks
-    check: CheckResult | None
+    check: CheckResult | train_check.TrainCheck | None
 
     @property
     def exit_code(self) -> int:
@@ -86,6 +88,7 @@ def check_config(cfg: RunConfig) -> None:
     ignore, and the rules of the sections it reads. `scalelab run` calls this before it
     starts a launcher, the runner again on every rank."""
     config_sections.check(cfg, STRATEGIES.get(cfg.strategy), WORKLOADS.get(cfg.workload))
+    train_check.refuse(cfg)
 
 
 def _check(cfg: RunConfig, workload: Workload, strategy: Strategy) -> None:
@@ -117,6 +120,7 @@ def _execute(
     model = workload.build_model()
     if cfg.weights is not None:
         load_weights(model, cfg.weights)
+    model, prep = train_check.prepare(cfg, strategy, model)  # --train: --check, --sync-bn
     reference_params = state_dict_float64(model) if cfg.check else None
     try:
         probe = host_checks.HostProbe.start()
@@ -135,8 +139,13 @@ def _execute(
     if bad is not None:  # a diverged or poisoned run: failed, and its weights are not kept
         _record_failure(strategy, cfg, results, RunFailed(bad))
         raise RunFailed(bad)
-    check = None
-    if cfg.check:
+    check: CheckResult | train_check.TrainCheck | None = None
+    if cfg.check and cfg.train:
+        check = _slow_note(
+            "check: training the same steps in one float64 process...",
+            lambda: train_check.check(cfg, reference_params, output.model or model, prep),
+        )
+    elif cfg.check:
         ref = _slow_note(
             f"check: the float64 oracle's forward pass over {len(inputs.x)} items...",
             lambda: workload.reference_forward(reference_params, inputs.x.numpy()),
@@ -147,6 +156,9 @@ def _execute(
     if cfg.save_weights is not None:  # inference: the weights it ran (they are unchanged)
         save_weights(output.model if output.model is not None else model, cfg.save_weights)
     record = build_record(cfg, workload, strategy, output, check)
+    if isinstance(check, train_check.TrainCheck):
+        record.update(check.fields())
+        record["status"] = "ok" if check.passed else "check-failed"
     _add_checks(record, strategy, output, load, places)
     record["rank_wall_s"] = rank_walls
     if results is not None:
@@ -294,7 +306,7 @@ def build_record(
         achieved_tflops=flops / wall / 1e12 if wall > 0 else float("nan"),
         **out.notes,
     )
-    if check is not None:
+    if isinstance(check, CheckResult):
         rec.update(
             relerr=check.relerr,
             tolerance=check.tolerance,
@@ -335,7 +347,9 @@ def format_summary(rec: dict[str, Any]) -> str:
         timing,
         "  phases: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in top.items()),
     ]
-    if "relerr" in rec:
+    if "train_check" in rec:
+        lines.append(train_check_line(rec["train_check"]))
+    elif "relerr" in rec:
         verdict = "ok" if rec["check_passed"] else "FAILED"
         lines.append(
             f"  check: relerr {rec['relerr']:.2e} (tolerance {rec['tolerance']:.0e}) "

@@ -34,6 +34,7 @@ from torch.distributed.pipelining import (
 )
 
 from scalelab.errors import UsageError
+from scalelab.strategies.pipeline.torch_meta import keep_inference_state
 
 SCHEDULES: dict[str, type] = {
     "gpipe": ScheduleGPipe,
@@ -200,6 +201,7 @@ def build_pass(
     ]  # fmt: skip
     for stage in stages:
         clock.wrap(stage)
+        keep_inference_state(stage)  # its shape-learning forward changes no state
     cls = SCHEDULES[name]
     try:
         sched = cls(stages[0] if name in SINGLE else stages, n_microbatches=micro,
