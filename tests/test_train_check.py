@@ -17,7 +17,6 @@ from programs.train_helpers import PROGRAMS, launcher, records_and_weights, run
 from scalelab.config import RunConfig
 from scalelab.planning.preserve import kept_state
 from scalelab.planning.profiling import profile_layers
-from scalelab.record import read_records
 from scalelab.runner import execute
 from scalelab.train.sync_bn import AllReduceBatchNorm, convert
 from scalelab.workloads.layers import Layer
@@ -33,11 +32,12 @@ MLP = dict(BN, model=f"{NETS}:mlp", input_shape="3,4", check=True)
 RES = dict(BN, check=True)
 
 
-def _launch(kind: str, ranks: int, runs: dict, out: Path) -> dict:
-    """Several runs in one launch (the ranks start once); the records by run name."""
-    program = PROGRAMS / ("train_runs.py" if kind == "mpi" else "user_runs.py")
+def _launch(kind: str, ranks: int, runs: dict, out: Path, code: int = 0) -> dict:
+    """Several runs in one launch (the ranks start once); the records by run name. The
+    launch exits 1 when a check failed (tests/programs/check_runs.py)."""
+    program = PROGRAMS / "check_runs.py"
     proc = run([*launcher(kind, ranks), str(program), str(out), json.dumps(runs)], timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == code, proc.stderr[-3000:]
     return records_and_weights(out)[0]
 
 
@@ -121,7 +121,7 @@ def test_torchrun_strategies_train_what_one_process_trains(tmp_path):
         "bn_pipe_torch": {**RES, "ranks": 2, "strategy": "pipeline", "engine": "torch",
                           "stages": 2, "microbatches": 1},
     }  # fmt: skip
-    recs = _launch("torchrun", 2, runs, tmp_path)
+    recs = _launch("torchrun", 2, runs, tmp_path, code=1)
     verdicts = {n: (r["status"], r["relerr"], r["train_check"]["worst"]) for n, r in recs.items()}
     for name in ("ddp", "pipe", "pipe_torch", "tensor", "bn_ddp_sync", "bn_pipe_torch"):
         assert recs[name]["status"] == "ok", verdicts
@@ -142,34 +142,24 @@ def test_two_dimensional_meshes_train_what_one_process_trains(tmp_path):
 
 
 @pytest.mark.mpi
-def test_mpi_dp_checked_and_batchnorm_synced_over_mpi_ranks(tmp_path):
+def test_mpi_dp_checked_batchnorm_synced_and_a_wrong_training_fails(tmp_path):
     """mpiexec -n 2: mpi-dp passes on the MLP; on the BatchNorm net it fails by design and
-    passes with --sync-bn (AllReduceBatchNorm over MPI: SyncBatchNorm does not run on CPU)."""
+    passes with --sync-bn (AllReduceBatchNorm over MPI: SyncBatchNorm does not run on CPU);
+    a model whose gradient differs per rank (scaled by 1 + rank in training) fails: status
+    check-failed, and the launch exits 1 as `scalelab run` does (RunReport.exit_code)."""
     runs = {
         "dp": {**MLP, "ranks": 2, "strategy": "mpi-dp"},
         "bn": {**RES, "ranks": 2, "strategy": "mpi-dp"},
         "bn_sync": {**RES, "ranks": 2, "strategy": "mpi-dp", "sync_bn": True},
+        "wrong": {**MLP, "model": f"{NETS}:per_rank", "ranks": 2, "strategy": "mpi-dp"},
     }
-    recs = _launch("mpi", 2, runs, tmp_path)
+    recs = _launch("mpi", 2, runs, tmp_path, code=1)
     _passes(recs["dp"])
     _passes(recs["bn_sync"])
     _fails_by_batchnorm(recs["bn"], "each rank's share")
-
-
-@pytest.mark.mpi
-def test_a_wrong_training_fails_the_check_with_exit_1(cli, tmp_path):
-    """A model whose gradient differs per rank (scaled by 1 + rank in training): mpi-dp's
-    weights are not one process's; exit 1, status check-failed, the check line says FAILED."""
-    out = tmp_path / "runs.jsonl"
-    code, stdout, err = cli(
-        "run", "--model", f"{NETS}:per_rank", "--input-shape", "3,4", "--train", "--check",
-        "--strategy", "mpi-dp", "--ranks", "2", "--dtype", "fp64", "--train-size", "16",
-        "--heldout-size", "4", "--batch", "8", "--threads", "1", "--out", out,
-    )  # fmt: skip
-    assert code == 1, err
-    (rec,) = read_records(out)
-    assert rec["status"] == "check-failed" and rec["relerr"] > 1e-3, rec["train_check"]
-    assert "FAILED" in stdout + err
+    wrong = recs["wrong"]
+    assert wrong["status"] == "check-failed" and wrong["relerr"] > 1e-3, wrong["train_check"]
+    assert "batchnorm" not in wrong["train_check"] and not wrong["train_check"]["cause"]
 
 
 def test_allreduce_batchnorm_is_batchnorm_in_one_process():
