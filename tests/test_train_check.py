@@ -191,3 +191,14 @@ def test_sync_bn_and_resume_are_refused_where_they_cannot_apply(cli):
     ):
         code, out, err = cli("run", "mlp", "--train", *args, "--no-record")
         assert code == 2 and out == "" and needle in err, err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_ddp_on_gpus_syncs_batchnorm_with_torch_syncbatchnorm(tmp_path):
+    """NCCL ranks: --sync-bn is torch's SyncBatchNorm; without it the check names BatchNorm."""
+    gpu = {**RES, "ranks": 2, "strategy": "ddp", "device": "cuda"}
+    recs = _launch("torchrun", 2, {"sync": {**gpu, "sync_bn": True}, "per_rank": gpu},
+                   tmp_path, code=1)  # fmt: skip
+    _passes(recs["sync"])
+    _fails_by_batchnorm(recs["per_rank"], "each rank's share")
