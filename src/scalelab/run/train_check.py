@@ -127,7 +127,7 @@ def reference(
     keep = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.metadata["section"] in SAME}
     one = replace(
         RunConfig(**keep), strategy="local", ranks=1, dtype=dtype, device=device, check=False,
-        quiet=True, weights=None, save_weights=None,
+        quiet=True, weights=None, save_weights=None, sync_bn=False,
     )  # fmt: skip
     workload = WORKLOADS.get(one.workload)(one)
     model = workload.build_model()
