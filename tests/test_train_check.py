@@ -17,7 +17,7 @@ from programs.train_helpers import PROGRAMS, launcher, records_and_weights, run
 from scalelab.config import RunConfig
 from scalelab.planning.preserve import kept_state
 from scalelab.planning.profiling import profile_layers
-from scalelab.runner import execute
+from scalelab.runner import execute, format_summary
 from scalelab.train.sync_bn import AllReduceBatchNorm, convert
 from scalelab.workloads.layers import Layer
 
@@ -60,6 +60,23 @@ def _trained(tmp_path, name: str, **kw) -> dict[str, torch.Tensor]:
     path = tmp_path / f"{name}.pt"
     execute(RunConfig(**{**BN, **kw, "save_weights": str(path)}), None)
     return torch.load(path)
+
+
+def test_one_process_checks_fp32_against_its_own_rounding_and_names_micro_batches():
+    """local fp32: held to the fp32 floor or 10 x what one fp32 process loses (here it is that
+    process), the basis recorded; a pipeline of 2 micro-batches on the BatchNorm net fails by
+    design, naming the modules and offering --microbatches 1; the summary says both."""
+    fp32 = execute(RunConfig(**{**MLP, "dtype": "fp32"}), None).record
+    tc = fp32["train_check"]
+    assert fp32["check_passed"] and 0 < fp32["relerr"] == tc["one_process_relerr"] < 1e-5, tc
+    assert fp32["tolerance"] == max(1e-5, 10 * fp32["relerr"]) and "fp32" in tc["basis"]
+    assert "relerr" in format_summary(fp32) and tc["dropout_off"] == ["drop"]
+    report = execute(RunConfig(**RES, strategy="pipeline", stages=1, microbatches=2), None)
+    rec = report.record
+    assert report.exit_code == 1 and rec["status"] == "check-failed"
+    bn = rec["train_check"]["batchnorm"]
+    assert bn["modules"] == ["bn", "res.bn1", "res.bn2"] and "micro-batch" in bn["normalises_over"]
+    assert "--microbatches 1" in format_summary(rec) and "FAILED" in format_summary(rec)
 
 
 def test_profiling_a_layer_leaves_its_state_and_the_rng_as_they_were():
