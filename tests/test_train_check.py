@@ -13,10 +13,11 @@ import pytest
 import torch
 from torch import nn
 
-from programs.train_helpers import PROGRAMS, launcher, records_and_weights, run
+from programs.train_helpers import PROGRAMS, launcher, run
 from scalelab.config import RunConfig
 from scalelab.planning.preserve import kept_state
 from scalelab.planning.profiling import profile_layers
+from scalelab.record import read_records
 from scalelab.runner import execute, format_summary
 from scalelab.train.sync_bn import AllReduceBatchNorm, convert
 from scalelab.workloads.layers import Layer
@@ -38,7 +39,9 @@ def _launch(kind: str, ranks: int, runs: dict, out: Path, code: int = 0) -> dict
     program = PROGRAMS / "check_runs.py"
     proc = run([*launcher(kind, ranks), str(program), str(out), json.dumps(runs)], timeout=400)
     assert proc.returncode == code, proc.stderr[-3000:]
-    return records_and_weights(out)[0]
+    recs = read_records(out / "runs.jsonl")
+    assert len(recs) == len(runs), proc.stderr[-3000:]
+    return dict(zip(runs, recs, strict=True))
 
 
 def _passes(rec: dict) -> None:

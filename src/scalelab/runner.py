@@ -143,7 +143,7 @@ def _execute(
     if cfg.check and cfg.train:
         check = _slow_note(
             "check: training the same steps in one float64 process...",
-            lambda: train_check.check(cfg, reference_params, output.model or model, prep),
+            lambda: train_check.check(cfg, reference_params, _trained(output, model), prep),
         )
     elif cfg.check:
         ref = _slow_note(
@@ -165,6 +165,11 @@ def _execute(
         append_record(results, record)
     host_checks.emit(record["warnings"])
     return RunReport(record, check)
+
+
+def _trained(output: RunOutput, model: Any) -> Any:
+    """The trained model on the root: the strategy's whole model where it hands one back."""
+    return output.model if output.model is not None else model
 
 
 def _slow_note(line: str, work: Callable[[], Any], after_s: float = 3.0) -> Any:

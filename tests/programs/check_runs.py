@@ -15,9 +15,10 @@ from scalelab.runner import execute
 CLOSE, TorchDistComm.close = TorchDistComm.close, lambda self: None
 
 out, code = Path(sys.argv[1]), 0
-for name, fields in json.loads(sys.argv[2]).items():
-    cfg = RunConfig(**{"save_weights": str(out / f"{name}.pt"), **fields})
-    code = max(code, execute(cfg, out / "runs.jsonl").exit_code)
+for fields in json.loads(sys.argv[2]).values():
+    # no --save-weights: the check must gather the trained model itself (the pipeline did so
+    # only for --save-weights); the root appends the records in this order
+    code = max(code, execute(RunConfig(**fields), out / "runs.jsonl").exit_code)
 
 TorchDistComm.close = CLOSE
 import torch.distributed as dist  # noqa: E402

@@ -50,7 +50,8 @@ def train_pipelined(
     )
     out = run_training(s, workload, model, plan, step=step)
     out.bytes_moved = s.bytes_moved()
-    out.model = step.whole_model() if s.cfg.save_weights else None
+    # the whole model on the root, gathered (collective): for --save-weights and --check
+    out.model = step.whole_model() if s.cfg.save_weights or s.cfg.check else None
     summary = s.stage_summary(step.laps, step.walls, step.spans)
     stages = s.comm.gather_object(summary)
     out.notes.update(s.announce(pipeline_notes(s.cfg, s.plan, stages, train=True)))
