@@ -32,7 +32,7 @@ def _assert_usage_error(result, needle, results_file):
         (["run", "alexnet", "--image-size", "40"], "image-size"),
         (["run", "alexnet", "--data-dir", "/no/such/dir"], "no such directory"),
         (["run", "alexnet", "--strategy", "serial", "--device", "cuda"], "CPU only"),
-        (["run", "mlp", "--train", "--check"], "drop --train"),
+        (["run", "mlp", "--sync-bn"], "add --train"),
     ],
 )
 def test_bad_input_one_line_exit_2(cli, tmp_path, args, needle):

@@ -48,7 +48,7 @@ def _refused(cli, tmp_path, args, needle):
          "the tensor strategy with --engine torch"),
         # options of the other mode
         (["mlp", "--lr", "0.5"], "--lr is a train option; an inference run does not read it"),
-        (["mlp", "--train", "--check"], "drop --train"),
+        (["mlp", "--sync-bn"], "--sync-bn is a train option; an inference run does not read it"),
         (["mlp", "--strategy", "serial", "--train", "--bucket-mb", "50"], "the serial strategy"),
         (["mlp", "--ckpt-every", "2"], "(add --train)"),
     ],

@@ -46,8 +46,9 @@ class RunConfig:
     )
     check: bool = opt(
         False,
-        "Compare the output with the float64 NumPy oracle; exit 1 if over tolerance.",
-        section="infer",
+        "Compare the output with the float64 NumPy oracle (--train: the trained weights and "
+        "buffers with one float64 process's); exit 1 if over tolerance.",
+        section="run",
     )
     # The inference check's bound, its explanation and strict kernels (run/check.py).
     explain: bool = opt(
@@ -135,6 +136,12 @@ class RunConfig:
     l2: float = opt(
         1e-4,
         "L2 regularisation strength lambda: loss += lambda/2 * sum(W**2) over weight matrices.",
+        section="train",
+    )
+    sync_bn: bool = opt(
+        False,
+        "ddp, mpi-dp: BatchNorm normalises over the whole batch, not each rank's share "
+        "(torch's SyncBatchNorm on GPUs, an all-reduce of the statistics on CPU ranks).",
         section="train",
     )
     train_size: int | None = opt(

@@ -24,9 +24,11 @@ from scalelab.errors import RunFailed, UsageError
 from scalelab.instrument import host_checks
 from scalelab.oracle.check import CheckResult
 from scalelab.oracle.explain import explanation_lines
+from scalelab.oracle.train_compare import summary_line as train_check_line
 from scalelab.precision import strict_fp32
 from scalelab.record import append_record, failed_record, new_record
 from scalelab.results import RunOutput
+from scalelab.run import train_check
 from scalelab.run.check import InferenceCheck, inference_check
 from scalelab.run.numbers import numbers_lines
 from scalelab.run.session import instrumented
@@ -42,7 +44,7 @@ _log = logging.getLogger("scalelab.run")
 @dataclass
 class RunReport:
     record: dict[str, Any] | None  # None on non-root ranks
-    check: CheckResult | None
+    check: CheckResult | train_check.TrainCheck | None
 
     @property
     def exit_code(self) -> int:
@@ -89,6 +91,7 @@ def check_config(cfg: RunConfig) -> None:
     ignore, and the rules of the sections it reads. `scalelab run` calls this before it
     starts a launcher, the runner again on every rank."""
     config_sections.check(cfg, STRATEGIES.get(cfg.strategy), WORKLOADS.get(cfg.workload))
+    train_check.refuse(cfg)
 
 
 def _check(cfg: RunConfig, workload: Workload, strategy: Strategy) -> None:
@@ -120,6 +123,7 @@ def _execute(
     model = workload.build_model()
     if cfg.weights is not None:
         load_weights(model, cfg.weights)
+    model, prep = train_check.prepare(cfg, strategy, model)  # --train: --check, --sync-bn
     reference_params = state_dict_float64(model) if cfg.check else None
     try:
         probe = host_checks.HostProbe.start()
@@ -138,8 +142,14 @@ def _execute(
     if bad is not None:  # a diverged or poisoned run: failed, and its weights are not kept
         _record_failure(strategy, cfg, results, RunFailed(bad))
         raise RunFailed(bad)
-    check, verdict = None, None
-    if cfg.check:
+    check: CheckResult | train_check.TrainCheck | None = None
+    verdict: InferenceCheck | None = None
+    if cfg.check and cfg.train:
+        check = _slow_note(
+            "check: training the same steps in one float64 process...",
+            lambda: train_check.check(cfg, reference_params, _trained(output, model), prep),
+        )
+    elif cfg.check:
         verdict = _inference_check(workload, strategy, model, output, inputs, reference_params)
         check = verdict.result
     if cfg.save_weights is not None:  # inference: the weights it ran (they are unchanged)
@@ -147,6 +157,9 @@ def _execute(
     record = build_record(cfg, workload, strategy, output, check)
     if verdict is not None:
         record.update(verdict.fields)
+    if isinstance(check, train_check.TrainCheck):
+        record.update(check.fields())
+        record["status"] = "ok" if check.passed else "check-failed"
     _add_checks(record, strategy, output, load, places)
     record["rank_wall_s"] = rank_walls
     record["warnings"] += host_checks.rank_wall_warning(record["wall_s"], rank_walls)
@@ -174,6 +187,11 @@ def _inference_check(
         "check: the one-process run in the same dtype, the bound, the explanation...",
         lambda: inference_check(workload, strategy, model, output.output, inputs, params, ref),
     )
+
+
+def _trained(output: RunOutput, model: Any) -> Any:
+    """The trained model on the root: the strategy's whole model where it hands one back."""
+    return output.model if output.model is not None else model
 
 
 def _slow_note(line: str, work: Callable[[], Any], after_s: float = 3.0) -> Any:
@@ -315,7 +333,7 @@ def build_record(
         achieved_tflops=flops / wall / 1e12 if wall > 0 else float("nan"),
         **out.notes,
     )
-    if check is not None:
+    if isinstance(check, CheckResult):
         rec.update(
             relerr=check.relerr,
             tolerance=check.tolerance,
@@ -375,7 +393,9 @@ def format_summary(rec: dict[str, Any]) -> str:
         timing,
         "  phases: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in top.items()),
     ]
-    if "relerr" in rec:
+    if "train_check" in rec:
+        lines.append(train_check_line(rec["train_check"]))
+    elif "relerr" in rec:
         verdict = "ok" if rec["check_passed"] else "FAILED"
         basis = f": {rec['tolerance_basis']}" if rec.get("tolerance_basis") else ""
         lines.append(

@@ -109,3 +109,32 @@ def raises(**kwargs) -> nn.Module:
 
 def not_a_module() -> int:
     return 3
+
+
+class PerRank(nn.Module):
+    """A deliberately wrong training (tests/test_train_check.py): in training mode the output
+    is scaled by 1 + rank (from the launcher's environment), so each rank's gradient differs
+    from its share of one process's and the averaged step is not one process's step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(12, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.fc1(x.flatten(1)))
+        if self.training:
+            h = h * (1 + _rank())
+        return self.fc2(h)
+
+
+def _rank() -> int:
+    import os
+
+    for key in ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK"):
+        if key in os.environ:
+            return int(os.environ[key])
+    return 0
+
+
+def per_rank() -> nn.Module:
+    return PerRank()

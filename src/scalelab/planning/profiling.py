@@ -13,6 +13,7 @@ from contextlib import nullcontext
 import torch
 
 from scalelab.planning.partition import LayerProfile
+from scalelab.planning.preserve import kept_state
 from scalelab.workloads.layers import Layer
 
 
@@ -105,17 +106,22 @@ def profile_layers(
     """Measure each layer on micro-batch x (already prepared, on device), moving one layer at
     a time onto the device and back, so a model too large for one device can be measured.
     channels_last: the layout the stages will run in (cuDNN picks other kernels for NHWC
-    weights, so a layer timed in NCHW misleads the balance)."""
+    weights, so a layer timed in NCHW misleads the balance). Every layer's state (parameters,
+    buffers, gradients) and the RNG are restored after its measurement."""
     out, grad_flows = [], False  # no gradient reaches a layer before the first parameter
     for layer in layers:
-        layer.module.to(device=device, dtype=dtype).train(train)
-        if channels_last:
-            layer.module.to(memory_format=torch.channels_last)
-        profile, x = _measure_layer(layer, x, train, autocast, device, reps, input_grad=grad_flows)
-        grad_flows = grad_flows or any(p.requires_grad for p in layer.module.parameters())
-        out.append(profile)
-        layer.module.zero_grad(set_to_none=True)
-        layer.module.to("cpu")
+        # kept_state: BatchNorm's running statistics and batch count, the RNG (dropout) and
+        # any gradients are as before (values; the module stays in dtype on the host)
+        with kept_state([layer.module]):
+            layer.module.to(device=device, dtype=dtype).train(train)
+            if channels_last:
+                layer.module.to(memory_format=torch.channels_last)
+            profile, x = _measure_layer(
+                layer, x, train, autocast, device, reps, input_grad=grad_flows
+            )
+            grad_flows = grad_flows or any(p.requires_grad for p in layer.module.parameters())
+            out.append(profile)
+            layer.module.to("cpu")
     return out
 
 

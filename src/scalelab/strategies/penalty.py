@@ -41,4 +41,14 @@ def penalty(workload: Workload, named: Iterable[tuple[str, torch.Tensor]]) -> to
     ref = named[0][1]
     z = torch.zeros((1, 2), dtype=ref.dtype, device=ref.device)  # (1, C=2) probe logits
     y = torch.zeros(1, dtype=torch.int64, device=ref.device)
-    return workload.loss(_Params(named), z, y) - Workload.loss(workload, None, z, y)
+    extra = workload.loss(_Params(named), z, y) - item_loss(workload, z, y)
+    # A loss of its own that reads no parameter (a user model's label smoothing) is no penalty:
+    # a constant here, with no gradient to take.
+    return extra if extra.requires_grad else None
+
+
+def item_loss(workload: Workload, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The workload's loss without its parameter penalty: its loss over no parameters (mlp:
+    the cross-entropy; a user model with a loss of its own, e.g. label smoothing: that loss,
+    which the base cross-entropy would silently replace)."""
+    return workload.loss(_Params(()), logits, y)

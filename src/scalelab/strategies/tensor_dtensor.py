@@ -144,7 +144,7 @@ class DTensorParallel(TorchDistStrategy):
     def loss(self, workload: Workload, model: nn.Module, z: torch.Tensor, y: torch.Tensor):
         """The workload's loss with its penalty taken over local pieces: the sharded weights'
         part summed over the tp group in value (its gradient is each rank's own)."""
-        total = Workload.loss(workload, model, z, y)
+        total = pen.item_loss(workload, z, y)
         named = list(model.named_parameters())
         shards = pen.penalty(workload, [(n, p.to_local()) for n, p in named if _sharded(p)])
         whole = pen.penalty(workload, [(n, p.to_local() if isinstance(p, DTensor) else p)

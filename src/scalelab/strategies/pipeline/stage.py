@@ -227,7 +227,7 @@ class StageExecutor:
             annotate(mb=m)
             if ctx.last:
                 y.backward()
-            else:
+            elif y.requires_grad:  # a first stage without parameters: nothing to differentiate
                 torch.autograd.backward(y, from_wire(buf, ctx.channels_last))
         return [] if ctx.first else [(to_wire(x.grad, ctx.channels_last), ctx.rank - 1)]
 

@@ -20,6 +20,7 @@ one; `scalelab fit --mem-limit ... --find stages --run` sets it for the pipeline
 from __future__ import annotations
 
 import sys
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
@@ -34,6 +35,7 @@ from scalelab.config import RunConfig
 from scalelab.errors import UsageError
 from scalelab.instrument.timer import EventTimer, timed_iterations
 from scalelab.planning import profiling
+from scalelab.planning.preserve import kept_state
 from scalelab.planning.schedule import SCHEDULES
 from scalelab.results import RunOutput
 from scalelab.strategies.base import STRATEGIES, Strategy
@@ -120,15 +122,17 @@ class PipelineStrategy(TorchStrategy):
 
     # --- setup: cut, place, learn the shapes crossing each boundary ----------------------
     def setup(self, workload: Workload, model: nn.Module, sample: torch.Tensor | None) -> None:
-        """sample: one batch's transport-form inputs on the root (None elsewhere)."""
+        """sample: one batch's transport-form inputs on the root (None elsewhere). The
+        balancing passes leave the model's state and the RNG as they were (kept_state)."""
         comm = self.comm
         self.workload = workload
         self.lanes = cut.make_lanes(comm.size) if comm.size > 1 else {}  # collective, in order
-        self.plan = cut.initial_plan(self, workload.layers(model), sample)
-        self.place(self.plan.counts, sample)
-        self.placed.executor.connect()
-        if self.plan.auto and comm.size > 1 and self.cfg.rebalance > 0:
-            cut.rebalance(self, sample)
+        with kept_state([model]) if self.cfg.train else nullcontext():
+            self.plan = cut.initial_plan(self, workload.layers(model), sample)
+            self.place(self.plan.counts, sample)
+            self.placed.executor.connect()
+            if self.plan.auto and comm.size > 1 and self.cfg.rebalance > 0:
+                cut.rebalance(self, sample)
 
     def place(self, counts: list[int], sample: torch.Tensor | None) -> None:
         """Build this rank's stage of the cut `counts`: its layers on the device, the shapes

@@ -27,6 +27,7 @@ view (OwnedOutput). Every schedule trains any cut like one process.
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
@@ -37,6 +38,7 @@ from scalelab.errors import UsageError
 from scalelab.instrument.timer import device_sync, timed_iterations
 from scalelab.planning import partition as part
 from scalelab.planning import profiling
+from scalelab.planning.preserve import kept_state
 from scalelab.planning.torch_schedule import NO_EVAL, stage_ids, virtual_stages
 from scalelab.results import RunOutput
 from scalelab.strategies import penalty as pen
@@ -100,11 +102,13 @@ class TorchPipeline(TorchDistStrategy):
         self.profile: list[part.LayerProfile] | None = None
         self.balance_rounds: list[dict[str, Any]] = []
         auto = counts is None
-        if auto:
-            counts = self.comm.bcast_object(self._auto_counts(sample) if self.is_root else None)
-        self._place(counts)
-        if auto and cfg.stages > 1 and cfg.rebalance > 0:
-            self._rebalance(sample)
+        # the balancing passes leave the model's state and the RNG as they were
+        with kept_state([model]) if cfg.train else nullcontext():
+            if auto:
+                counts = self.comm.bcast_object(self._auto_counts(sample) if self.is_root else None)
+            self._place(counts)
+            if auto and cfg.stages > 1 and cfg.rebalance > 0:
+                self._rebalance(sample)
         self.log.current.clear()  # the balancing passes are not steps
 
     def _auto_counts(self, sample: torch.Tensor) -> list[int]:
@@ -220,7 +224,7 @@ class TorchPipeline(TorchDistStrategy):
     def _loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Micro-batch m's share of the global batch's mean cross-entropy: mean_m * n_m / N
         (zero for forward-only passes that run a training schedule)."""
-        base = Workload.loss(self.workload, self.model, out, target)
+        base = pen.item_loss(self.workload, out, target)
         return base * (len(target) * self._scale)
 
     def _run_pass(self, local: Inputs, n_global: int, train: bool):
@@ -323,11 +327,15 @@ class TorchPipeline(TorchDistStrategy):
         share = self.groups.share(len(heldout))
         mine = heldout.slice(share.start, share.stop)
         correct = 0
+        for piece in self.pieces.values():  # BatchNorm: running statistics, not updated
+            piece.eval()
         for start in range(0, len(mine), max(self.cfg.batch // self.cfg.dp, 1)):
             piece = mine.slice(start, start + self.cfg.batch // self.cfg.dp)
             out, _ = self._run_pass(Inputs(piece.x, None), len(piece), False)
             if out is not None:
                 correct += int((out.argmax(dim=1).cpu() == piece.y).sum())
+        for module in self.pieces.values():
+            module.train()
         self._drop_grads()
         self.log.drop_last_passes(evaluation=True)
         self.timer.lap()

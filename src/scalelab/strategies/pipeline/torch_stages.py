@@ -26,6 +26,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from scalelab.errors import UsageError
 from scalelab.planning.torch_schedule import SCHEDULES, SINGLE, SPLIT_BACKWARD
+from scalelab.strategies.pipeline.torch_meta import keep_inference_state
 
 
 def whole_backward_stages(holds_parameters: list[bool]) -> frozenset[int]:
@@ -156,6 +157,7 @@ def build_pass(
     ]  # fmt: skip
     for stage in stages:
         clock.wrap(stage)
+        keep_inference_state(stage)  # its shape-learning forward changes no state
     cls = SCHEDULES[name]
     try:
         sched = cls(stages[0] if name in SINGLE else stages, n_microbatches=micro,

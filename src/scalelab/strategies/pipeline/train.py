@@ -50,7 +50,8 @@ def train_pipelined(
     )
     out = run_training(s, workload, model, plan, step=step)
     out.bytes_moved = s.bytes_moved()
-    out.model = step.whole_model() if s.cfg.save_weights else None
+    # the whole model on the root, gathered (collective): for --save-weights and --check
+    out.model = step.whole_model() if s.cfg.save_weights or s.cfg.check else None
     summary = s.stage_summary(step.laps, step.walls, step.spans)
     stages = s.comm.gather_object(summary)
     out.notes.update(s.announce(pipeline_notes(s.cfg, s.plan, stages, train=True)))
@@ -135,7 +136,11 @@ class ScheduledStep(TrainStep):
     ) -> None:
         self.s, self.model, self.source = s, model, source
         self.loss_here = s.placed.ctx.last
-        self.opt = workload.optimizer(s.placed.module)
+        # A stage of parameter-free layers (an auto cut of [GELU, Dropout]) has nothing to
+        # step, but SGD refuses an empty list: it steps one empty placeholder instead.
+        params = any(True for _ in s.placed.module.parameters())
+        empty = nn.ParameterList([nn.Parameter(torch.zeros(0, device=s.device))])
+        self.opt = workload.optimizer(s.placed.module if params else empty)
         self.laps: list[dict[str, float]] = []
         self.walls: list[float] = []
         self.spans: list[list[tuple[str, float, float]]] = []
@@ -203,9 +208,8 @@ class ScheduledStep(TrainStep):
         index, local = self._index(), list(self.s.placed.module.parameters())
         saved = optimizer["state"]
         state = {i: saved[index[id(p)]] for i, p in enumerate(local) if index[id(p)] in saved}
-        self.opt.load_state_dict(
-            {"state": state, "param_groups": [{**hyper, "params": list(range(len(local)))}]}
-        )
+        slots = list(range(len(self.opt.param_groups[0]["params"])))  # local, or the placeholder
+        self.opt.load_state_dict({"state": state, "param_groups": [{**hyper, "params": slots}]})
 
     def whole_model(self) -> nn.Module | None:
         """--save-weights: every stage's trained tensors in the root's model (collective)."""
