@@ -96,6 +96,21 @@ class TrainStep(ABC):
         return timer.lap()
 
 
+def single_tensor_if_mixed(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer with torch's foreach kernels off where its parameters mix DTensor
+    shards and plain tensors (tensor parallelism: replicated embeddings, norms and heads beside
+    sharded Linears). On CUDA torch picks foreach by default and it refuses the mix ("got mixed
+    torch.Tensor and DTensor", seen on 2x H200 training the GPT under tensor parallelism); the
+    single-tensor loop computes the same update, tensor by tensor. CPU runs never took foreach."""
+    from torch.distributed.tensor import DTensor
+
+    kinds = {isinstance(p, DTensor) for g in opt.param_groups for p in g["params"]}
+    if len(kinds) > 1:
+        for group in opt.param_groups:
+            group["foreach"] = False
+    return opt
+
+
 class TorchStep(TrainStep):
     """One autograd step: forward, backward, the strategy's gradient reduction, the optimizer."""
 
@@ -103,7 +118,7 @@ class TorchStep(TrainStep):
         self, strategy: TrainHost, workload: Workload, model: nn.Module, plan: TrainPlan
     ) -> None:
         self.strategy, self.model, self.plan, self.timer = strategy, model, plan, strategy.timer
-        self.opt = workload.optimizer(model)
+        self.opt = single_tensor_if_mixed(workload.optimizer(model))
         self.scaler = grad_scaler(strategy)
 
     def __call__(self, step: Step) -> torch.Tensor:
