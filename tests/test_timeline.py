@@ -590,22 +590,12 @@ def test_nccl_buckets_timed_by_cuda_events(tmp_path):
         "--bucket-mb",
         "1",
         "--quiet",
-        "--trace",
-        tmp_path / "tr",
+        "--timeline",
         "--out",
         runs,
     )
     rec = read_records(runs)[-1]
     assert all(r["clock"] == "cuda events" and r["allreduce_s"] > 0 for r in rec["ddp_comm"])
-    merged, notes = with_kernels(rec)
-    assert notes == []
-    for spans in merged["timeline"]["ranks"]:  # NCCL's kernels apart from the compute ones
-        nccl = [s for s in spans if s[3] == "device-comm"]
-        assert nccl and all(s[0].lower().startswith("nccl") for s in nccl)
-        assert any(s[3] == "device" for s in spans)
-    steps = step_breakdown(merged)
-    assert (steps["comm_s"] > 0).all() and (steps["compute_s"] > 0).all()
-    assert (steps["overlap_s"] <= steps[["compute_s", "comm_s"]].min(axis=1) + 1e-9).all()
     cfg = RunConfig(workload="resnet18")
     params = sum(p.numel() for p in WORKLOADS.get("resnet18")(cfg).build_model().parameters())
     for spans in rec["timeline"]["ranks"]:
