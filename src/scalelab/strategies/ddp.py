@@ -23,6 +23,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from contextlib import nullcontext
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -120,27 +121,43 @@ class DDPStrategy(TorchDistStrategy):
     def train(
         self, workload: Workload, model: nn.Module, data: tuple[Inputs, Inputs] | None
     ) -> RunOutput:
+        train, heldout = self.train_data(data)
+        module = self.place(model)
+        plan = self.train_plan(workload, module, train, heldout)
+        net = self.wrap(module)
+        fast = self.fast_trainer(workload, net, plan)
+        out = run_training(self, workload, net, plan, make_trainer=fast)
+        out.notes.update(self.bucket_notes())
+        return out
+
+    def train_data(self, data: tuple[Inputs, Inputs] | None) -> tuple[Inputs, Inputs]:
+        """(train, held-out), labelled and enough to give every rank an item."""
         assert data is not None
         train, heldout = data
         require_labels(train, heldout)
         if len(train) < self.comm.size:
             raise UsageError(f"{len(train)} training items cannot feed {self.comm.size} ranks")
-        module = self.place(model)
+        return train, heldout
+
+    def train_plan(
+        self, workload: Workload, module: nn.Module, train: Inputs, heldout: Inputs, **over: Any
+    ) -> TrainPlan:
+        """The data-parallel plan: every rank's share of each global batch (resident on the
+        device, or from loader workers), held-out accuracy over the ranks; `over` replaces
+        fields (fsdp: the loss over gathered parameters, full-state checkpoints)."""
         source = self.source(workload, train)
-        plan = TrainPlan(
+        fields: dict[str, Any] = dict(
             source=source,
             evaluate=lambda m: self.evaluate(workload, module, heldout),
             module=module,
             prepare=(lambda x: x) if isinstance(source, ResidentShards) else workload.prepare,
             loss=workload.loss,
             n_train=len(train),
-            notes=self.notes(source),
         )
-        net = self.wrap(module)
-        fast = self.fast_trainer(workload, net, plan)
-        out = run_training(self, workload, net, plan, make_trainer=fast)
-        out.notes.update(self.bucket_notes())
-        return out
+        fields.update(over)
+        if "notes" not in fields:
+            fields["notes"] = self.notes(source)
+        return TrainPlan(**fields)
 
     def fast_trainer(
         self, workload: Workload, net: nn.Module, plan: TrainPlan

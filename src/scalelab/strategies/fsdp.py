@@ -38,8 +38,7 @@ from scalelab.strategies.base import STRATEGIES
 from scalelab.strategies.ddp import EVAL_BATCH, DDPStrategy, per_rank_batch
 from scalelab.strategies.fsdp_comm import CommTimer
 from scalelab.strategies.torchdist_base import TorchDistStrategy
-from scalelab.train.data import ResidentShards
-from scalelab.train.loop import TrainPlan, require_labels, run_training
+from scalelab.train.loop import run_training
 from scalelab.train.sources import batch_slices
 from scalelab.train.steps import TorchStep
 from scalelab.workloads.base import Inputs, Workload
@@ -138,20 +137,14 @@ class FSDPStrategy(DDPStrategy):
     def train(
         self, workload: Workload, model: nn.Module, data: tuple[Inputs, Inputs] | None
     ) -> RunOutput:
-        assert data is not None
-        train, heldout = data
-        require_labels(train, heldout)
-        if len(train) < self.comm.size:
-            raise UsageError(f"{len(train)} training items cannot feed {self.comm.size} ranks")
+        train, heldout = self.train_data(data)
         module = self.shard_model(workload, self.place(model))
-        source = self.source(workload, train)
-        plan = TrainPlan(
-            source=source,
-            evaluate=lambda m: self.evaluate(workload, module, heldout),
-            module=module,
-            prepare=(lambda x: x) if isinstance(source, ResidentShards) else workload.prepare,
+        plan = self.train_plan(
+            workload,
+            module,
+            train,
+            heldout,
             loss=lambda m, out, y: workload.loss(units.WholeParams(module), out, y),
-            n_train=len(train),
             export_state=lambda m, o: units.export_full(m, o, self.is_root),
             import_state=units.import_full,
             notes=self.notes(),
