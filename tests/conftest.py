@@ -14,6 +14,33 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("SCALELAB_TEST_DATA", ROOT.parent / "shared" / "data"))
 
 
+# When the run is spread over processes (README's test command: pytest-xdist `-n 2 --dist
+# loadfile`), each file goes whole to one process (module fixtures launch ranks once), and
+# the files that share one thing per test run go to the same process: every file that drives
+# Slurm (one cluster, on fixed ports) and every file that reads the README clone (its lines
+# run once). pytest 9 ignores xdist's own `xdist_group` (xdist 3.8 renames `item._nodeid`).
+FILE_GROUPS = {
+    "slurm": ("test_slurm.py", "test_slurm_launch.py", "test_slurm_ends.py",
+              "test_slurm_cluster.py", "test_slurm_cluster_ends.py"),
+    "readme": ("test_readme.py", "test_versions.py", "test_ceilings.py"),
+}  # fmt: skip
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class GroupedFiles(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::", 1)[0]
+            name = Path(file).name
+            return next((g for g, files in FILE_GROUPS.items() if name in files), file)
+
+    return GroupedFiles(config, log)
+
+
 @pytest.fixture(scope="session")
 def mnist_dir() -> Path:
     path = SHARED_DATA / "mnist"

@@ -118,8 +118,7 @@ def test_ddp_jobs_end_with_one_line_and_one_record(tmp_path, mnist_dir, cli):
     wait_until(lambda: _step_running(ok_job, tmp_path), 240, "the short point never ran")
     slurm(["scontrol", "requeue", ok_job], tmp_path)  # attempt 0 stopped, attempt 1 runs
     wait_until(lambda: _state(ok_job, tmp_path) == "PENDING", 120, "never requeued")
-    slurm(["scontrol", "update", f"JobId={ok_job}", "BeginTime=now"], tmp_path)  # not in 2 min
-    wait_until(lambda: _step_running(ok_job, tmp_path), 240, "the requeued point never ran")
+    wait_until(lambda: _start_now(ok_job, tmp_path), 240, "the requeued point never ran")
     slurm(["scancel", "--signal=USR1", "--batch", ok_job], tmp_path)
     rank = wait_until(
         lambda: [p for p in processes_with(token, "RANK", "1") if _torchrun_worker(p, killed_job)],
@@ -161,6 +160,18 @@ def _log(jobs: Path, job: str) -> str:
 
 def _state(job: str, cwd) -> str:
     return slurm(["squeue", "-h", "-j", job, "-o", "%T"], cwd).stdout.strip()
+
+
+def _start_now(job: str, cwd) -> bool:
+    """True once the requeued job's step runs; until then its begin time is set to now, again
+    and again: Slurm puts it 2 minutes ahead (the credential lifetime) when the first attempt's
+    batch step has finished, which may come after an earlier update."""
+    if _step_running(job, cwd):
+        return True
+    if _state(job, cwd) == "PENDING":
+        slurm(["scontrol", "update", f"JobId={job}", "BeginTime=now"], cwd)
+    time.sleep(1)
+    return False
 
 
 def _step_running(job: str, cwd) -> bool:

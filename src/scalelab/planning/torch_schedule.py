@@ -30,28 +30,30 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from torch.distributed.pipelining import (
-    Schedule1F1B,
-    ScheduleDualPipeV,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleLoopedBFS,
-    ScheduleZBVZeroBubble,
-)
-
 from scalelab.errors import UsageError
 from scalelab.planning.schedule import one_f_one_b_ops
 
-SCHEDULES: dict[str, type] = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved-1f1b": ScheduleInterleaved1F1B,
-    "looped-bfs": ScheduleLoopedBFS,
-    "zero-bubble": ScheduleInterleavedZeroBubble,
-    "zbv": ScheduleZBVZeroBubble,
-    "dualpipev": ScheduleDualPipeV,
+# torch's schedule class for each name, by class name: torch.distributed.pipelining costs a
+# second to import (it pulls in torch.export and dynamo), which every scalelab process would
+# pay at start-up through this table; `schedule_class` imports it when a schedule is built.
+SCHEDULES: dict[str, str] = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved-1f1b": "ScheduleInterleaved1F1B",
+    "looped-bfs": "ScheduleLoopedBFS",
+    "zero-bubble": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
 }
+
+
+def schedule_class(name: str) -> type:
+    """torch.distributed.pipelining's class for schedule `name` (a key of SCHEDULES)."""
+    import torch.distributed.pipelining as pipelining
+
+    return getattr(pipelining, SCHEDULES[name])
+
+
 SINGLE = ("gpipe", "1f1b")  # one stage per rank (PipelineScheduleSingle)
 V_SHAPE = ("zbv", "dualpipev")  # exactly two stages per rank, in a V
 # torch 2.13: eval() of these runs their backward actions ("can't steal_bwd_input if this
@@ -119,7 +121,7 @@ def torch_order(name: str, ranks: int, v: int, micro: int) -> dict[int, list[Act
                         stage_index_to_group_rank=None)
         for i in stage_ids(name, 0, ranks, v)
     ]  # fmt: skip
-    schedule = SCHEDULES[name](stubs[0] if name in SINGLE else stubs, n_microbatches=micro,
+    schedule = schedule_class(name)(stubs[0] if name in SINGLE else stubs, n_microbatches=micro,
                                loss_fn=lambda out, target: out, scale_grads=False)  # fmt: skip
     return schedule_actions(schedule, name, ranks, micro)
 

@@ -22,11 +22,11 @@ forwards (all-gather per unit) and the root gathers the outputs.
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from scalelab.comm import even_counts
 from scalelab.config import RunConfig
@@ -36,12 +36,14 @@ from scalelab.results import RunOutput
 from scalelab.strategies import fsdp_units as units
 from scalelab.strategies.base import STRATEGIES
 from scalelab.strategies.ddp import EVAL_BATCH, DDPStrategy, per_rank_batch
-from scalelab.strategies.fsdp_comm import CommTimer
 from scalelab.strategies.torchdist_base import TorchDistStrategy
 from scalelab.train.loop import run_training
 from scalelab.train.sources import batch_slices
 from scalelab.train.steps import TorchStep
 from scalelab.workloads.base import Inputs, Workload
+
+if TYPE_CHECKING:  # torch's fsdp is imported where it is used (a second at start-up)
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 
 @STRATEGIES.register(
@@ -71,6 +73,8 @@ class FSDPStrategy(DDPStrategy):
 
     # --- placement ---------------------------------------------------------------------------
     def mp_policy(self) -> MixedPrecisionPolicy:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
         low = self.precision.autocast
         if low is None:
             return MixedPrecisionPolicy()
@@ -81,6 +85,10 @@ class FSDPStrategy(DDPStrategy):
 
     def shard_model(self, workload: Workload, module: nn.Module) -> nn.Module:
         """fully_shard each unit, then the root (in place: module becomes an FSDPModule)."""
+        from torch.distributed.fsdp import fully_shard
+
+        from scalelab.strategies.fsdp_comm import CommTimer  # torch's fsdp internals, as above
+
         kw = {
             "mesh": self.mesh,
             "reshard_after_forward": self.cfg.reshard_after_forward == "on",

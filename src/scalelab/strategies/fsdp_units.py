@@ -11,30 +11,29 @@ parameters no unit holds.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
-)
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 from scalelab.errors import UsageError
 from scalelab.workloads.blocks import every_block, holds_parameters
 from scalelab.workloads.layers import Layer
 
-FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+# torch's fsdp, DTensor and distributed state-dict modules are imported where they are used:
+# together they cost a second at import, which every scalelab process (each rank of every
+# strategy, `scalelab --help`) would pay through the strategy registry.
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+
+def _full() -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 # --- units -------------------------------------------------------------------------------------
-# PRIVATE helper, to be folded into workloads/blocks.py's `repeated_blocks(module)` (written on
-# another branch) by the integrator: same rule, one place.
 def shard_units(model: nn.Module, layers: list[Layer]) -> list[nn.Module]:
     """The modules fully_shard wraps before the root: repeated blocks, else the layer list's
     layers with parameters (never the root itself; the root takes what is left)."""
@@ -62,6 +61,8 @@ def make_mesh(device: torch.device, world: int, replicate: int) -> DeviceMesh:
             f"--dp-replicate {replicate} does not divide the {world} ranks "
             "(HSDP shards over ranks / R in each of R replicas)"
         )
+    from torch.distributed.device_mesh import init_device_mesh
+
     if device.type == "cuda":
         torch.cuda.set_device(device)  # FSDP allocates its buffers on the current device
     if replicate == 1:
@@ -72,6 +73,8 @@ def make_mesh(device: torch.device, world: int, replicate: int) -> DeviceMesh:
 
 # --- what a rank holds -------------------------------------------------------------------------
 def local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
     return t.to_local() if isinstance(t, DTensor) else t
 
 
@@ -90,6 +93,8 @@ def held_bytes(model: nn.Module, opt: torch.optim.Optimizer | None) -> dict[str,
 def reshard(model: nn.Module) -> None:
     """Free every unit's gathered parameters (a forward without resharding, as an evaluation
     under --reshard-after-forward off, leaves them whole until the next backward)."""
+    from torch.distributed.fsdp import FSDPModule
+
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.reshard()
@@ -110,7 +115,9 @@ def _param_names(model: nn.Module, opt: torch.optim.Optimizer) -> list[list[str]
 def export_full(model: nn.Module, opt: torch.optim.Optimizer, is_root: bool) -> Any:
     """(model state_dict, optimizer state_dict) as one process holds them, on the root (None
     elsewhere); collective: every rank all-gathers its shards."""
-    model_sd, optim_sd = get_state_dict(model, opt, options=FULL)
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, opt, options=_full())
     if not is_root:
         return None
     index = {n: i for i, n in enumerate(n for g in _param_names(model, opt) for n in g)}
@@ -121,6 +128,8 @@ def export_full(model: nn.Module, opt: torch.optim.Optimizer, is_root: bool) -> 
 
 def import_full(model: nn.Module, opt: torch.optim.Optimizer, model_sd: dict, optim: dict) -> None:
     """Load one-process state dicts (every rank holds them: each keeps its shard)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
     names = [n for g in _param_names(model, opt) for n in g]
     state = {names[i]: s for i, s in optim["state"].items()}
     groups = [{**g, "params": [names[i] for i in g["params"]]} for g in optim["param_groups"]]
@@ -135,7 +144,9 @@ def import_full(model: nn.Module, opt: torch.optim.Optimizer, model_sd: dict, op
 
 def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The whole model's state_dict on the root (all-gathered, on the CPU; empty elsewhere)."""
-    return get_model_state_dict(model, options=FULL)
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(model, options=_full())
 
 
 class WholeParams:
@@ -148,6 +159,8 @@ class WholeParams:
         self.module = module
 
     def named_parameters(self) -> Any:
+        from torch.distributed.tensor import DTensor
+
         for name, p in self.module.named_parameters():
             yield name, p.full_tensor() if isinstance(p, DTensor) else p
 

@@ -16,12 +16,15 @@ import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from scalelab.workloads.layers import Layer
+
+if TYPE_CHECKING:
+    from torch.utils.flop_counter import FlopCounterMode
 
 POINT = (nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Sigmoid, nn.Tanh, nn.LeakyReLU, nn.ELU,
          nn.Hardswish, nn.Hardsigmoid, nn.Mish, nn.Identity, nn.Dropout, nn.Dropout1d,
@@ -96,13 +99,19 @@ def trace(model: nn.Module, x: torch.Tensor) -> Call:
 
 
 def _cpu_sdpa_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    from torch.utils.flop_counter import sdpa_flop_count
+
     return sdpa_flop_count(query_shape, key_shape, value_shape)
 
 
 def attention_counter() -> FlopCounterMode:
     """FlopCounterMode that also counts CPU attention: torch counts the CUDA
     scaled_dot_product_attention kernels (flash, efficient, cuDNN) but not the CPU one an eval
-    forward takes (`_scaled_dot_product_flash_attention_for_cpu`: 0 FLOPs for QK^T and AV)."""
+    forward takes (`_scaled_dot_product_flash_attention_for_cpu`: 0 FLOPs for QK^T and AV).
+    Imported here, not at the top: torch's flop counter pulls in triton (0.15 s of every
+    process's start-up)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
     op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
     return FlopCounterMode(display=False, custom_mapping={op: _cpu_sdpa_flops} if op else None)
 

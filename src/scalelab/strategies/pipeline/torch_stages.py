@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from scalelab.errors import UsageError
-from scalelab.planning.torch_schedule import SCHEDULES, SINGLE, SPLIT_BACKWARD
+from scalelab.planning.torch_schedule import SINGLE, SPLIT_BACKWARD, schedule_class
 from scalelab.strategies.pipeline.torch_meta import keep_inference_state
 
 
@@ -158,7 +158,7 @@ def build_pass(
     for stage in stages:
         clock.wrap(stage)
         keep_inference_state(stage)  # its shape-learning forward changes no state
-    cls = SCHEDULES[name]
+    cls = schedule_class(name)
     try:
         sched = cls(stages[0] if name in SINGLE else stages, n_microbatches=micro,
                     loss_fn=loss_fn, scale_grads=False)  # fmt: skip
