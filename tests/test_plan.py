@@ -453,13 +453,13 @@ def test_a_user_models_plan_is_proved_on_this_host(cli, tmp_path):
     summary, out = _plan(cli, tmp_path, "--model", TOKCNN, "--model-arg", "dim=64",
                          "--model-arg", "vocab=500", "--input-shape", "512", "--input-dtype",
                          "int64", "--vocab", "500", "--batch", "2", "--iters", "10",
-                         "--warmup", "2")  # fmt: skip
+                         "--warmup", "2", repeats=2)  # fmt: skip
     rows = {r["candidate"]: r for r in summary["rows"]}
     spatial = next(r["status"] for c, r in rows.items() if "--split spatial" in c)
     dtensor = next(r["status"] for c, r in rows.items() if "--engine torch" in c)
     assert spatial.startswith("does not apply: --split spatial needs a convolution trunk")
     assert dtensor.startswith("does not apply: tensor: nothing to shard: fc is the last Linear")
-    _assert_regret(summary, out)
+    _assert_regret(summary, out, repeats=2)
     v = summary["verify"]
     chosen = next(r for r in v["rows"] if r["candidate"] == v["chosen"])
     assert np.isfinite([chosen["predicted"], chosen["measured"], chosen["error_pct"]]).all()
