@@ -1,7 +1,9 @@
 """`tensor`: the MLP's hidden units split over N ranks (the pipeline model: pipeline.py).
 The same model serves `tensor --engine torch` on the mlp (DTensor shards fc1 column-wise and
-fc2 row-wise: the same hidden-unit split, its all-reduce over gloo); DTensor on other models
-shards only their Linear pairs and replicates the rest, which this model does not describe.
+fc2 row-wise: the same hidden-unit split, its all-reduce over gloo), and on a model of
+repeated blocks (a transformer, sharded by heads: blocks.py, `_predict_heads` below); DTensor
+on other models shards only their Linear pairs and replicates the rest, which this model does
+not describe.
 
 tensor, per step: one rank's compute, and one all-reduce of the (B, classes) partial logits
 (+1 value for the L2 term) over MPI; its backward sends nothing. A rank computes what one
@@ -22,6 +24,8 @@ import dataclasses
 
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
+from scalelab.precision import get_precision
+from scalelab.predict.models import blocks
 from scalelab.predict.models.base import (
     MODELS,
     Context,
@@ -40,9 +44,17 @@ class TensorModel(OverMPI):
         dp = max(1, scenario.cfg.dp)
         if scenario.ranks % dp:
             return f"{scenario.ranks} ranks do not split into --dp {dp} replicas"
+        if self._by_heads(scenario.cfg):
+            return blocks.undivided_heads(scenario.cfg, scenario.ranks // dp)
         if scenario.ranks // dp > scenario.cfg.hidden:
             return f"{scenario.ranks // dp} ranks but only {scenario.cfg.hidden} hidden units"
         return None
+
+    @staticmethod
+    def _by_heads(cfg: RunConfig) -> bool:
+        """DTensor over a model of repeated blocks: the heads plan (no --tp-plan of the user's,
+        whose sharding this model does not know)."""
+        return cfg.engine == "torch" and cfg.tp_plan is None and blocks.is_block_model(cfg)
 
     def calibrated_on(self, cfg: RunConfig) -> RunConfig:
         if cfg.workload != "mlp":
@@ -57,12 +69,43 @@ class TensorModel(OverMPI):
 
     def predict(self, ctx: Context, s: Scenario) -> Prediction:
         """--dp D: D replicas of the N-rank tensor group (mesh2d.py)."""
+        if self._by_heads(s.cfg):
+            grads = lambda inner: blocks.tp_params(s.cfg, inner)  # noqa: E731
+            return replicated(ctx, s, self._predict_heads, self.wire(s).backend, grads)
         if s.cfg.workload != "mlp":
             raise UsageError(
-                f"predict models tensor parallelism of the mlp only (its hidden units split); "
-                f"{s.cfg.workload} with its Linear pairs sharded, the rest replicated, has none yet"
+                f"predict models tensor parallelism of the mlp only (its hidden units split) "
+                f"and of models of repeated blocks (by heads); {s.cfg.workload} with its "
+                "Linear pairs sharded, the rest replicated, has none yet"
             )
         return replicated(ctx, s, self._predict_split, self.wire(s).backend)
+
+    def _predict_heads(self, ctx: Context, s: Scenario) -> Prediction:
+        """A block model over N ranks by heads: the blocks' share of the one-rank compute
+        over N, the rest whole; the blocks' all-reduces of their activations (blocks.py)."""
+        n, batch = s.ranks, s.cfg.batch
+        compute = ctx.compute(s)
+        rows = blocks.row_seconds(ctx, s, compute, batch)
+        split = blocks.sharded(s.cfg)
+        total = max(sum(rows), 1e-30)
+        share = sum(t for t, b in zip(rows, split) if b) / total  # of the compute, the blocks'
+        phases = compute.phases(batch)
+        phases["compute"] *= share / n + (1 - share)
+        sizes = blocks.tp_allreduces(s.cfg, batch, get_precision(s.precision).itemsize)
+        fabric = ctx.fabric(s, self.wire(s).backend)
+        phases["allreduce"] = sum(fabric.allreduce(b, n) for b in sizes) if n > 1 else 0.0
+        phases["overhead"] = compute.overhead_s
+        pred = Prediction(s, phases, frozenset({"allreduce"}), compute.sources, list(compute.notes))
+        per_block = 4 if s.cfg.train else 2
+        pred.notes.append(
+            f"tensor by heads: the blocks ({share:.0%} of the compute) over {n} ranks, the rest "
+            f"replicated; {per_block} all-reduces per block of its activation "
+            f"({sizes[0] / 1e6 if sizes else 0:.3g} MB), {len(sizes)} per step"
+        )
+        if compute.fixed_s > 0:
+            pred.notes.append("compute: the calibrated fixed cost per step kept whole")
+        pred.extra = {"allreduce_bytes": float(sum(sizes) if n > 1 else 0), "tp_share": share}
+        return pred
 
     def _predict_split(self, ctx: Context, s: Scenario) -> Prediction:
         wire = self.wire(s)

@@ -46,7 +46,8 @@ from scalelab.planning.partition import (
 from scalelab.planning.schedule import SCHEDULES, simulate
 from scalelab.precision import get_precision
 from scalelab.predict.calibration import MultiPoint
-from scalelab.predict.compute_model import ComputeModel, build_workload, roofline_layers
+from scalelab.predict.compute_model import ComputeModel, build_workload
+from scalelab.predict.models import blocks
 from scalelab.predict.models.base import MODELS, Context, StrategyModel
 from scalelab.predict.models.mesh2d import replicated
 from scalelab.predict.scenario import Prediction, Scenario
@@ -95,6 +96,8 @@ def partition(
     k, n_layers = stages or scenario.ranks, len(layer_names(scenario))
     if scenario.balance is not None:
         return list(scenario.balance), "the run's partition"
+    if blocks.is_block_model(scenario.cfg):  # cut by torch's tracer at module boundaries
+        return blocks.stage_counts(scenario.cfg, k)
     spec, why = scenario.cfg.balance, "cut where the roofline times balance"
     if spec.strip() != "auto" and len(spec.split(",")) == k:
         return parse_balance(spec, n_layers, k), "--balance"
@@ -138,6 +141,11 @@ class PipelineModel(StrategyModel):
         stages = scenario.ranks // dp * held_stages(scenario.cfg)
         if stages > layers:
             return f"{stages} stages but the model has {layers} layers"
+        if blocks.is_block_model(scenario.cfg):
+            try:
+                blocks.stage_counts(scenario.cfg, stages)
+            except UsageError as exc:
+                return str(exc)
         return None
 
     def predict(self, ctx: Context, s: Scenario) -> Prediction:
@@ -177,7 +185,7 @@ class PipelineModel(StrategyModel):
         m = min(cfg.microbatches, cfg.batch)
         micro = cfg.batch / m
         compute = ctx.compute(_at_batch(s, micro))
-        rows = self._row_times(ctx, s, compute, micro)
+        rows = blocks.row_seconds(ctx, s, compute, micro)
         counts, cut_from = partition(s, rows, k * v)
         owner = row_stages(s, counts)
         t_stage = [sum(t for t, o in zip(rows, owner) if o == st) for st in range(k * v)]
@@ -242,18 +250,6 @@ class PipelineModel(StrategyModel):
             lo, hi = (mid, hi) if lay.replay(mid)[0] < target else (lo, mid)
         return (lo + hi) / 2
 
-    @staticmethod
-    def _row_times(ctx: Context, s: Scenario, compute: ComputeModel, micro: float) -> list[float]:
-        """Seconds of each cost-table row per micro-batch: the one-rank time t(m) split by the
-        calibration's measured layers when they are the cost table's, else by roofline."""
-        costs = build_workload(s.cfg).cost_table()
-        measured = compute.layer_times(micro)
-        if [name for name, _ in measured] == [c.name for c in costs]:
-            return [t for _, t in measured]
-        roof = [t for _, t in roofline_layers(s, ctx.figures, micro)]
-        scale = compute.seconds(micro) / max(sum(roof), 1e-30)
-        return [t * scale for t in roof]
-
     def _send(
         self, ctx: Context, s: Scenario, owner: list[int], micro: float, held: list[int]
     ) -> float:
@@ -263,12 +259,25 @@ class PipelineModel(StrategyModel):
         costs = build_workload(s.cfg).cost_table()
         itemsize = get_precision(s.precision).itemsize
         fabric = ctx.fabric(s, self.wire(s).backend)
+        cuts = self._cut_elems(s, owner, costs, len(held) - 1)
         worst = 0.0
         for st in range(len(held) - 1):
-            last = max(i for i, o in enumerate(owner) if o == st) if st in owner else 0
             crosses = held[st] // s.per_node != held[st + 1] // s.per_node
-            worst = max(worst, fabric.p2p(micro * costs[last].out_elems * itemsize, crosses))
+            worst = max(worst, fabric.p2p(micro * cuts[st] * itemsize, crosses))
         return worst
+
+    @staticmethod
+    def _cut_elems(s: Scenario, owner: list[int], costs: list, n_cuts: int) -> list[int]:
+        """Values per item each cut sends: the output of the stage's last row, or for a block
+        model the input of the module the next stage begins at (the row before it may be the
+        root's own parameters, which output nothing themselves)."""
+        if blocks.is_block_model(s.cfg):
+            return [costs[owner.index(st + 1)].in_elems for st in range(n_cuts)]
+        out = []
+        for st in range(n_cuts):
+            last = max(i for i, o in enumerate(owner) if o == st) if st in owner else 0
+            out.append(costs[last].out_elems)
+        return out
 
     @staticmethod
     def _stage_text(
