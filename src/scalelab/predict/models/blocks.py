@@ -57,7 +57,7 @@ def stage_counts(cfg: RunConfig, stages: int) -> tuple[list[int], str]:
     rows = workload.cost_table()
     profiles = [LayerProfile(r.name, float(r.flops), 0, 0) for r in rows]
     counts = balance_auto(profiles, stages, memory_model(None, stages, 1, False, "gpipe"))
-    why = "FLOP-balanced, each stage begun at a module (the torch engine's --balance auto)"
+    why = "balanced by FLOPs and begun at modules, as the torch engine's --balance auto cuts"
     return snap_counts(counts, layers, workload.blocks.cut_points), why
 
 

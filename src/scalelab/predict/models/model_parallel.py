@@ -98,7 +98,7 @@ class TensorModel(OverMPI):
         pred = Prediction(s, phases, frozenset({"allreduce"}), compute.sources, list(compute.notes))
         per_block = 4 if s.cfg.train else 2
         pred.notes.append(
-            f"tensor by heads: the blocks ({share:.0%} of the compute) over {n} ranks, the rest "
+            f"tensor by heads: the blocks ({share:.0%} of the compute) over the ranks, the rest "
             f"replicated; {per_block} all-reduces per block of its activation "
             f"({sizes[0] / 1e6 if sizes else 0:.3g} MB), {len(sizes)} per step"
         )

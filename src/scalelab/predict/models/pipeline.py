@@ -176,7 +176,8 @@ class PipelineModel(StrategyModel):
         seconds = sum(lay.t_stage[st] for st in mine)
         where = self._stage_text(s, lay.counts, slow, mine, seconds)
         pred.where = {"compute": where, "bubble": where}
-        pred.extra = {"slowest_stage": slow, "slowest_stage_share": busy[slow] / sum(busy)}
+        pred.extra = {"slowest_stage": slow, "slowest_stage_share": busy[slow] / sum(busy),
+                      "cut_bytes": max(lay.cut_bytes, default=0.0)}  # fmt: skip
         return pred
 
     def _layout(self, ctx: Context, s: Scenario) -> _Layout:
@@ -214,9 +215,12 @@ class PipelineModel(StrategyModel):
                 return makespan, [busy[r] for r in range(k)]
 
             run = replay_torch
-        send = self._send(ctx, s, owner, micro, held) if k > 1 else 0.0
+        costs = build_workload(s.cfg).cost_table()
+        itemsize = get_precision(s.precision).itemsize
+        cuts = [micro * n * itemsize for n in self._cut_elems(s, owner, costs, len(held) - 1)]
+        send = self._send(ctx, s, cuts, held) if k > 1 else 0.0
         torch = cfg.engine == "torch"
-        return _Layout(compute, counts, cut_from, t_stage, held, send, run, torch)
+        return _Layout(compute, counts, cut_from, t_stage, held, send, run, torch, cuts)
 
     def _hop(self, ctx: Context, s: Scenario) -> tuple[float, str | None, str]:
         """(seconds, the run it comes from, a note): what one activation or gradient costs
@@ -250,20 +254,16 @@ class PipelineModel(StrategyModel):
             lo, hi = (mid, hi) if lay.replay(mid)[0] < target else (lo, mid)
         return (lo + hi) / 2
 
-    def _send(
-        self, ctx: Context, s: Scenario, owner: list[int], micro: float, held: list[int]
-    ) -> float:
-        """One micro-batch's activations over the costliest cut (compute dtype); the same
-        bytes come back as gradients in training, on the same link. held: the rank of each
-        stage (a cut between stages on different nodes crosses the network)."""
-        costs = build_workload(s.cfg).cost_table()
-        itemsize = get_precision(s.precision).itemsize
+    def _send(self, ctx: Context, s: Scenario, cuts: list[float], held: list[int]) -> float:
+        """One micro-batch's activations over the costliest cut (cuts: bytes per cut, in the
+        compute dtype); the same bytes come back as gradients in training, on the same link.
+        held: the rank of each stage (a cut between stages on different nodes crosses the
+        network)."""
         fabric = ctx.fabric(s, self.wire(s).backend)
-        cuts = self._cut_elems(s, owner, costs, len(held) - 1)
         worst = 0.0
         for st in range(len(held) - 1):
             crosses = held[st] // s.per_node != held[st + 1] // s.per_node
-            worst = max(worst, fabric.p2p(micro * cuts[st] * itemsize, crosses))
+            worst = max(worst, fabric.p2p(cuts[st], crosses))
         return worst
 
     @staticmethod
@@ -311,6 +311,7 @@ class _Layout:
     send: float  # the fabric's time for one micro-batch's activations over the worst cut
     replay: Callable[[float], tuple[float, list[float]]]  # send -> (makespan, busy per rank)
     torch: bool  # --engine torch: its runtime's send cost is calibrated (PipelineModel._hop)
+    cut_bytes: list[float]  # one micro-batch's activation across each cut
 
 
 def held_stages(cfg) -> int:
