@@ -77,6 +77,34 @@ def test_tensor_by_heads_divides_the_blocks_and_all_reduces_their_activations(tr
     assert ("dp_allreduce" in mesh.phases) == train
 
 
+def test_dtensor_host_cost_is_calibrated_on_one_measured_run_of_the_family():
+    """DTensor's own work per sharded op has no ceiling: a measured 2-rank run of the family
+    sets a cost per all-reduce, so its own prediction comes back to its measured step, and
+    plan --calibrate-missing asks for that run when the pool has none."""
+    from scalelab.plan import candidates as cand
+    from scalelab.plan.calibrate import missing
+    from scalelab.plan.space import PlanSpec
+    from scalelab.predict.calibration import MultiPoint
+
+    s = _scenario(2, strategy="tensor", engine="torch", tp=2)
+    bare = predict_one(_ctx(), s)
+    assert bare.phases["dtensor_host"] == 0 and "not calibrated" in " ".join(bare.notes)
+    pool = Pool(multis=[MultiPoint(s, bare.seconds + 0.012, "tp.jsonl:0")])
+    ctx = Context(figures(), None, pool)
+    got = predict_one(ctx, s)
+    assert got.seconds == pytest.approx(bare.seconds + 0.012, rel=1e-9)
+    assert got.phases["dtensor_host"] == pytest.approx(0.012) and got.calibration == {
+        "tp.jsonl:0": "DTensor host cost"}  # fmt: skip
+    mesh = predict_one(ctx, _scenario(4, strategy="tensor", engine="torch", tp=2, dp=2))
+    assert mesh.phases["dtensor_host"] == pytest.approx(0.012)  # 2 x 3 all-reduces a replica
+    spec = PlanSpec(base=RunConfig(workload="model", **GPT, dtype="fp64"), ranks_max=2,
+                    per_node=2, cores=2, global_batch=B, strategies=("tensor-torch",))  # fmt: skip
+    (run,) = [c for c in missing(spec, Pool(), cand.candidates(spec), 2) if c.ranks > 1]
+    assert (run.strategy, run.engine, run.ranks, run.tp, run.dp) == ("tensor", "torch", 2, 2, 1)
+    have = Pool(multis=[MultiPoint(Scenario(run, 2, 2), 0.05, "tp.jsonl:1")])
+    assert not [c for c in missing(spec, have, cand.candidates(spec), 2) if c.ranks > 1]
+
+
 def test_pipeline_cuts_where_the_torch_engine_does_and_sends_a_blocks_activation():
     from scalelab.strategies.pipeline.torch_trace import flop_profile
 

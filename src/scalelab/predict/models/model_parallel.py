@@ -81,8 +81,21 @@ class TensorModel(OverMPI):
         return replicated(ctx, s, self._predict_split, self.wire(s).backend)
 
     def _predict_heads(self, ctx: Context, s: Scenario) -> Prediction:
-        """A block model over N ranks by heads: the blocks' share of the one-rank compute
-        over N, the rest whole; the blocks' all-reduces of their activations (blocks.py)."""
+        """A block model over N ranks by heads (blocks.py), plus DTensor's host work per
+        all-reduce when a measured run of the family calibrates it (_dtensor_host)."""
+        pred = self._heads_bare(ctx, s)
+        n_reduce = int(pred.extra.pop("allreduces"))
+        if s.ranks > 1:
+            per, source, note = self._dtensor_host(ctx, s)
+            pred.phases["dtensor_host"] = per * n_reduce
+            pred.notes.append(note)
+            if source is not None:
+                pred.calibration[source] = "DTensor host cost"
+        return pred
+
+    def _heads_bare(self, ctx: Context, s: Scenario) -> Prediction:
+        """The blocks' share of the one-rank compute over N, the rest whole; the blocks'
+        all-reduces of their activations over the fabric."""
         n, batch = s.ranks, s.cfg.batch
         compute = ctx.compute(s)
         rows = blocks.row_seconds(ctx, s, compute, batch)
@@ -104,8 +117,26 @@ class TensorModel(OverMPI):
         )
         if compute.fixed_s > 0:
             pred.notes.append("compute: the calibrated fixed cost per step kept whole")
-        pred.extra = {"allreduce_bytes": float(sum(sizes) if n > 1 else 0), "tp_share": share}
+        pred.extra = {"allreduce_bytes": float(sum(sizes) if n > 1 else 0), "tp_share": share,
+                      "allreduces": float(len(sizes))}  # fmt: skip
         return pred
+
+    def _dtensor_host(self, ctx: Context, s: Scenario) -> tuple[float, str | None, str]:
+        """(seconds per all-reduce, the run it comes from, a note): DTensor's own host work
+        (dispatching every sharded op, redistributing, launching each collective), which no
+        ceiling measures, calibrated like DDP's host cost: what one measured multi-rank run
+        of the family (Pool.dtensor_anchor) takes beyond the bare prediction of it, per
+        all-reduce of that run (the work grows with the blocks, as the all-reduces do)."""
+        m = ctx.pool.dtensor_anchor(s)
+        if m is None:
+            return 0.0, None, NO_DTENSOR_HOST
+        bare = ctx.once(("dtensor host", m.source), lambda: self._heads_bare(ctx, m.scenario))
+        per = max(0.0, m.seconds - bare.seconds) / max(1.0, bare.extra["allreduces"])
+        note = (
+            f"DTensor host cost {per * 1e3:.3g} ms per all-reduce, calibrated on {m.source} "
+            f"({m.scenario.ranks} ranks, batch {m.scenario.cfg.batch})"
+        )
+        return per, m.source, note
 
     def _predict_split(self, ctx: Context, s: Scenario) -> Prediction:
         wire = self.wire(s)
@@ -127,6 +158,14 @@ class TensorModel(OverMPI):
         phases["allreduce"] = reduce + (wire.stage(ctx.figures, nbytes) if s.ranks > 1 else 0.0)
         phases["overhead"] = compute.overhead_s
         return Prediction(s, phases, frozenset({"allreduce"}), compute.sources, list(compute.notes))
+
+
+NO_DTENSOR_HOST = (
+    "DTensor host cost not calibrated (no measured multi-rank tensor --engine torch run of "
+    "this family): each all-reduce costs the fabric's time alone, which leaves out DTensor's "
+    "own work per sharded op (pass --calibrate with such a run; plan --calibrate-missing "
+    "measures one)"
+)
 
 
 def shard_config(cfg: RunConfig, ranks: int) -> RunConfig:
