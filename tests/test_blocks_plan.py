@@ -77,6 +77,21 @@ def test_tensor_by_heads_divides_the_blocks_and_all_reduces_their_activations(tr
     assert ("dp_allreduce" in mesh.phases) == train
 
 
+def test_predict_command_takes_dtensor_inference_and_names_the_heads(cli, tmp_path):
+    ceilings = tmp_path / "ceilings.json"
+    ceilings.write_text(json.dumps(figures().data))
+    model_args = [x for a in GPT["model_arg"] for x in ("--model-arg", a)]
+    args = ["--model", GPT["model"], "--input-shape", str(T), "--input-dtype", "int64",
+            "--vocab", "24", *model_args]  # fmt: skip
+    code, out, err = cli("predict", *args, "--strategy", "tensor", "--engine", "torch",
+                         "--ranks", "1,2,3", "--batch", str(B), "--dtype", "fp64",
+                         "--ceilings", ceilings)  # fmt: skip
+    assert code == 0, err
+    assert "inference" in out.splitlines()[0]  # DTensor also infers: not forced to --train
+    assert "not runnable: tensor: blocks.0.attn has heads=4 heads, which 3 ranks" in out
+    assert "2 all-reduces per block" in out and "DTensor host cost not calibrated" in out
+
+
 def test_dtensor_host_cost_is_calibrated_on_one_measured_run_of_the_family():
     """DTensor's own work per sharded op has no ceiling: a measured 2-rank run of the family
     sets a cost per all-reduce, so its own prediction comes back to its measured step, and
