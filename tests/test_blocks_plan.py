@@ -144,6 +144,10 @@ def test_pipeline_cuts_where_the_torch_engine_does_and_sends_a_blocks_activation
     # what crosses the cut: one micro-batch's block input, (B/2, T, C) in fp64
     assert pred.extra["cut_bytes"] == B // 2 * T * C * 8
     assert pred.phases["bubble"] > 0 and pred.phases["p2p"] > 0
+    hand = predict_one(_ctx(), _scenario(2, strategy="pipeline", stages=2, microbatches=2))
+    assert hand.feasible.endswith("cut it with --engine torch (torch's tracer)")
+    deep = predict_one(_ctx(), _scenario(8, strategy="pipeline", engine="torch", stages=8))
+    assert deep.feasible.startswith("pipeline: cannot cut the model into 8 stages at module")
 
 
 def test_memory_per_rank_follows_the_split():

@@ -142,7 +142,8 @@ class PipelineModel(StrategyModel):
         if stages > layers:
             return f"{stages} stages but the model has {layers} layers"
         if blocks.is_block_model(scenario.cfg):
-            try:
+            try:  # the workload's own refusal (--engine scalelab), then the tracer's cut
+                build_workload(scenario.cfg).check_strategy("pipeline", scenario.cfg)
                 blocks.stage_counts(scenario.cfg, stages)
             except UsageError as exc:
                 return str(exc)
