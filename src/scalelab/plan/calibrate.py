@@ -12,7 +12,8 @@ agree):
 
 and, when a ddp candidate on several ranks has no measured multi-rank ddp run of its family,
 the smallest of them: DDP's per-step host cost has no ceiling (docs/PREDICT.md); the same for
-a torch-engine pipeline candidate: its runtime's cost per transfer between ranks. A candidate
+a torch-engine pipeline candidate: its runtime's cost per transfer between ranks, and a
+DTensor candidate of a model of repeated blocks: DTensor's host work per all-reduce. A candidate
 whose rank computes a smaller model is calibrated on that model (the strategy model's
 `calibrated_on`): a tensor rank of the mlp on `tensor --ranks 1` at its shard's ceil(H/N)
 units and its replica's batch. Each is run a few times in rounds and the median run kept
@@ -35,8 +36,9 @@ from scalelab.config import RunConfig
 from scalelab.orchestration.sweep import Point, run_point, slow_note
 from scalelab.plan.applies import refusal
 from scalelab.plan.space import PlanSpec
-from scalelab.predict.calibration import Pool, anchor_key, host_calibrated
+from scalelab.predict.calibration import Pool, anchor_key, dtensor_calibrated, host_calibrated
 from scalelab.predict.figures import Figures
+from scalelab.predict.models.blocks import is_block_model
 from scalelab.predict.scenario import Scenario
 from scalelab.record import append_record
 
@@ -116,7 +118,17 @@ def _host_anchors(pool: Pool, members: list[RunConfig], per_node: int) -> list[R
                     key=anchor_key)  # fmt: skip
         if pool.host_anchor(Scenario(first, first.ranks, per_node)) is None:
             todo.append(first)
-    return todo
+    return todo + _dtensor_anchor(pool, members, per_node)
+
+
+def _dtensor_anchor(pool: Pool, members: list[RunConfig], per_node: int) -> list[RunConfig]:
+    """DTensor's host work per all-reduce of a model of repeated blocks (predict's tensor
+    model by heads): its fewest-rank candidate of one replica, when the pool has no such run."""
+    heads = [c for c in members if dtensor_calibrated(c) and is_block_model(c)]
+    if not heads:
+        return []
+    first = min(heads, key=lambda c: (c.ranks, c.batch))
+    return [first] if pool.dtensor_anchor(Scenario(first, first.ranks, per_node)) is None else []
 
 
 def _unique(cfgs: list[RunConfig]) -> list[RunConfig]:

@@ -14,7 +14,8 @@ model cannot run under is left out with that strategy's own refusal (applies.py)
     pipeline         scalelab's engine: stages x micro-batches x gpipe/1f1b
     pipeline-torch   torch.distributed.pipelining (training): --dp D x --stages S,
                      micro-batches, gpipe/1f1b and, 2 stages per rank, interleaved-1f1b,
-                     zero-bubble and zbv
+                     zero-bubble and zbv; inference too (gpipe, interleaved-1f1b)
+                     for a model of repeated blocks, which only torch's tracer cuts
     tensor           the mlp's hidden units over MPI (training)
     tensor-torch     DTensor: --dp D x --tp N, inference and training
 
@@ -27,8 +28,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from scalelab.config import RunConfig
+from scalelab.errors import UsageError
 from scalelab.plan.space import PlanSpec
 from scalelab.registry import Registry
+from scalelab.workloads import WORKLOADS
 
 Source = Callable[[PlanSpec], Iterator[RunConfig]]
 SOURCES: Registry[Source] = Registry("candidate source")
@@ -160,6 +163,22 @@ TORCH_SCHEDULES = (
 )  # fmt: skip
 
 
+# A forward-only pass: the schedules whose eval() runs forwards alone
+# (planning/torch_schedule.NO_EVAL runs backward too).
+EVAL_SCHEDULES = (("gpipe", 1), ("interleaved-1f1b", 2))  # 1f1b: gpipe's order in eval
+
+
+def _blocks(base: RunConfig) -> bool:
+    """A user's model seen through its repeated blocks: the hand engine's pipeline cannot cut
+    it, torch's tracer can (also for inference)."""
+    if not hasattr(WORKLOADS.get(base.workload), "blocks"):  # a shipped workload
+        return False
+    try:
+        return getattr(WORKLOADS.get(base.workload)(base), "blocks", None) is not None
+    except UsageError:
+        return False  # a model that does not build: every candidate says why (applies.py)
+
+
 def _meshes(ranks: int) -> list[tuple[int, int]]:
     """(dp, inner) with dp x inner = ranks and an inner group of at least 2 ranks."""
     return [(ranks // k, k) for k in range(2, ranks + 1) if ranks % k == 0]
@@ -170,7 +189,8 @@ def _meshes(ranks: int) -> list[tuple[int, int]]:
     "training: torch.distributed.pipelining, --dp x --stages, gpipe/1f1b/interleaved-1f1b",
 )
 def pipeline_torch(spec: PlanSpec) -> Iterator[RunConfig]:
-    if not spec.base.train:
+    schedules = TORCH_SCHEDULES if spec.base.train else EVAL_SCHEDULES
+    if not spec.base.train and not _blocks(spec.base):
         return
     for ranks, threads, p in _each(spec, least=2):
         batch = spec.batch_of(ranks)
@@ -178,7 +198,7 @@ def pipeline_torch(spec: PlanSpec) -> Iterator[RunConfig]:
             for m in sorted({stages, 2 * stages, 4 * stages}):
                 if batch % (dp * m):  # torch's stages fix the micro-batch shape
                     continue
-                for schedule, v in TORCH_SCHEDULES:
+                for schedule, v in schedules:
                     knobs = {"engine": "torch", "stages": stages, "dp": dp, "microbatches": m,
                              "schedule": schedule, "virtual_stages": v}  # fmt: skip
                     yield _config(spec, "pipeline", ranks, threads, p, **knobs)

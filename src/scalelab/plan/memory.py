@@ -8,6 +8,10 @@ backward) at the rank's share of the model and of the batch.
     pipeline, K stages                           1/K of parameters and activations
                                                  (every micro-batch of the step in flight)
     tensor, N ranks                              1/N of parameters and activations
+    a model of repeated blocks (a transformer)   pipeline: the parameters of the rank's
+                                                 stages as the torch engine cuts it; tensor:
+                                                 the blocks' parameters over N, embeddings,
+                                                 norms and head whole (predict/models/blocks)
     --dp D replicas of K stages or N tp ranks    1/K or 1/N of the parameters, B / D items
                                                  per replica shared as above
     fsdp, N ranks, --dp-replicate R (HSDP)       parameters, gradients, optimizer state
@@ -28,8 +32,11 @@ import dataclasses
 import math
 
 from scalelab.config import RunConfig
+from scalelab.errors import UsageError
 from scalelab.orchestration.fit import estimate_bytes
+from scalelab.planning.torch_schedule import stage_ids, virtual_stages
 from scalelab.precision import get_precision
+from scalelab.predict.models import blocks
 from scalelab.workloads import WORKLOADS
 
 STRATEGIES = ("ddp", "fsdp", "hsdp", "pipeline", "tensor")  # what `fit --find ranks` answers
@@ -43,12 +50,30 @@ def rank_share(cfg: RunConfig) -> tuple[float, float]:
         return 1 / max(1, n // cfg.dp_replicate), float(math.ceil(batch / n))
     if cfg.strategy in ("pipeline", "tensor"):
         inner = max(1, n // max(1, cfg.dp))  # stages or tp ranks of one replica
-        return 1 / inner, batch / n
+        return block_share(cfg, inner) or 1 / inner, batch / n
     if cfg.split == "spatial" and cfg.strategy in ("mpi", "mpi-gpu", "nccl"):
         return 1.0, batch / n
     if cfg.split == "broadcast" and cfg.strategy in ("mpi", "mpi-gpu", "nccl"):
         return 1.0, float(batch)
     return 1.0, float(math.ceil(batch / n))
+
+
+def block_share(cfg: RunConfig, inner: int) -> float | None:
+    """A block model's share of the parameters on its fullest rank under pipeline or tensor
+    (None: not a block model, or a cut the model refuses, which applies.py reports)."""
+    if not hasattr(WORKLOADS.get(cfg.workload), "blocks") or not blocks.is_block_model(cfg):
+        return None
+    whole = max(1, sum(r.params for r in blocks.block_rows(cfg)))
+    if cfg.strategy == "tensor":  # by heads (a --tp-plan of the user's: an even share)
+        return blocks.tp_params(cfg, inner) / whole if cfg.tp_plan is None else None
+    try:
+        v = virtual_stages(cfg.schedule, cfg.virtual_stages) if cfg.engine == "torch" else 1
+        counts, _ = blocks.stage_counts(cfg, inner * v)
+    except UsageError:
+        return None
+    params = blocks.stage_params(cfg, counts)
+    held = [sum(params[s] for s in stage_ids(cfg.schedule, r, inner, v)) for r in range(inner)]
+    return max(held) / whole
 
 
 def device_bytes(cfg: RunConfig) -> int:

@@ -41,6 +41,26 @@ def cut_counts(spec: str, paths: Sequence[str | None], stages: int) -> list[int]
     return [b - a for a, b in zip(edges, edges[1:])]
 
 
+def snap_counts(counts: list[int], layers: Sequence, cut_points: frozenset[str]) -> list[int]:
+    """The cut moved so each stage begins at a module torch's tracer can split before (a
+    layer, with its dotted `path`, whose module runs once: the block view's cut points): a
+    boundary elsewhere moves to the next such layer. The torch engine's cut of a block model,
+    and predict's."""
+    starts = []
+    for start, _ in bounds(counts)[1:]:
+        while start < len(layers) and layers[start].path not in cut_points:
+            start += 1
+        if start >= len(layers) or (starts and start <= starts[-1]):
+            points = ", ".join(x.path for x in layers if x.path in cut_points)
+            raise UsageError(
+                f"pipeline: cannot cut the model into {len(counts)} stages at module "
+                f"boundaries (cut points: {points})"
+            )
+        starts.append(start)
+    edges = [0, *starts, len(layers)]
+    return [b - a for a, b in zip(edges, edges[1:])]
+
+
 def given_counts(
     balance: str, cut: str | None, paths: Sequence[str | None], stages: int
 ) -> list[int] | None:

@@ -96,6 +96,21 @@ class Pool:
         runs = [m for m in self.multi(scenario) if host_calibrated(m.scenario.cfg)]
         return min(runs, key=lambda m: (anchor_key(m.scenario.cfg), m.source), default=None)
 
+    def dtensor_anchor(self, scenario: Scenario) -> MultiPoint | None:
+        """The measured DTensor run of the scenario's family (dtensor_calibrated) with the
+        fewest ranks, then the smallest batch; None when the pool holds none."""
+        runs = [m for m in self.multi(scenario) if dtensor_calibrated(m.scenario.cfg)]
+        key = lambda m: (m.scenario.ranks, m.scenario.cfg.batch, m.source)  # noqa: E731
+        return min(runs, key=key, default=None)
+
+
+def dtensor_calibrated(cfg: RunConfig) -> bool:
+    """Whether cfg is a measured DTensor run that calibrates its family's host cost per
+    all-reduce of a model of repeated blocks (predict/models/model_parallel.py): tensor
+    parallelism over torch on several ranks, one replica, the plan scalelab derives."""
+    return (cfg.strategy == "tensor" and cfg.engine == "torch" and cfg.ranks >= 2
+            and max(1, cfg.dp) == 1 and cfg.tp_plan is None)  # fmt: skip
+
 
 def host_calibrated(cfg: RunConfig) -> bool:
     """Whether cfg pays a host-side cost no ceiling measures, calibrated on one measured

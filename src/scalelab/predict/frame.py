@@ -19,6 +19,7 @@ LABELS = {
     "compute": "compute",
     "overhead": "host overhead",
     "ddp_host": "DDP host overhead",
+    "dtensor_host": "DTensor host overhead",
     "allreduce": "all-reduce",
     "halo": "halo exchange",
     "scatter": "scatter",
@@ -27,7 +28,7 @@ LABELS = {
     "bubble": "pipeline bubble",
     "p2p": "stage-to-stage sends",
 }
-HOST = frozenset({"overhead", "ddp_host"})
+HOST = frozenset({"overhead", "ddp_host", "dtensor_host"})
 ORDER = list(LABELS)
 
 

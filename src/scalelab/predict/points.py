@@ -19,7 +19,13 @@ from typing import Any
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
 from scalelab.planning.schedule import steady_step
-from scalelab.predict.calibration import CalPoint, MultiPoint, Pool, host_calibrated
+from scalelab.predict.calibration import (
+    CalPoint,
+    MultiPoint,
+    Pool,
+    dtensor_calibrated,
+    host_calibrated,
+)
 from scalelab.predict.hosts import Host
 from scalelab.predict.scenario import Scenario
 from scalelab.record_schema import FINISHED
@@ -141,7 +147,7 @@ def _run_record(found: Found, path: Path, where: str, rec: dict[str, Any]) -> No
     if ranks == 1:
         point = _cal_point(rec, scenario, seconds, phase_scale(rec), where)
         found.pool(path).singles.append(dataclasses.replace(point, warnings=warned))
-    elif host_calibrated(cfg):
+    elif host_calibrated(cfg) or dtensor_calibrated(cfg):
         found.pool(path).multis.append(MultiPoint(scenario, seconds, where, warned))
     if cfg.strategy not in MODELS:
         found.skipped[f"{cfg.strategy} runs (no model of that strategy)"] += 1

@@ -28,10 +28,10 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from scalelab.errors import UsageError
 from scalelab.strategies.tensor_heads import RENAMES, swap_attention
 from scalelab.workloads import model_spec
+from scalelab.workloads.blocks import attention_modules as _attention_modules
+from scalelab.workloads.blocks import head_attrs as _head_attrs
 from scalelab.workloads.blocks import repeated_blocks
 
-HEADS = ("heads", "n_heads", "num_heads", "n_head", "nhead", "num_attention_heads",
-         "n_kv_heads", "num_key_value_heads")  # fmt: skip
 OUT_NAMES = ("out_proj", "o_proj", "proj", "c_proj", "wo", "dense", "out")
 
 
@@ -102,17 +102,6 @@ def _plan_block(model: nn.Module, block: str, plan: HeadPlan) -> None:
     for name, _ in rest:
         style = RowwiseParallel() if name in down else ColwiseParallel()
         plan.styles[f"{block}.{name}"] = style
-
-
-def _attention_modules(model: nn.Module) -> list[str]:
-    """Modules with a head count attribute and Linear children of their own."""
-    return [n for n, m in model.named_modules()
-            if _head_attrs(m) and any(isinstance(c, nn.Linear) for c in m.children())]  # fmt: skip
-
-
-def _head_attrs(m: nn.Module) -> list[str]:
-    return [a for a in HEADS if isinstance(getattr(m, a, None), int)
-            and not isinstance(getattr(m, a), bool)]  # fmt: skip
 
 
 def _linears(model: nn.Module, name: str) -> list[tuple[str, nn.Linear]]:

@@ -3,12 +3,18 @@
 
 One small function with no knowledge of who uses it: the block view of a user model's layers
 (workloads/block_layers.py: one layer per block, for the pipeline's cut points and the cost
-table), and one FSDP unit per block.
+table), and one FSDP unit per block. The attention modules in it and their head counts
+(`attention_modules`, `head_attrs`): what the tensor-parallel plan shards by heads
+(strategies/tensor_plan.py) and what predict checks the ranks divide.
 """
 
 from __future__ import annotations
 
 from torch import nn
+
+# Attributes a module's head count goes by (the attention module of a block holds one).
+HEADS = ("heads", "n_heads", "num_heads", "n_head", "nhead", "num_attention_heads",
+         "n_kv_heads", "num_key_value_heads")  # fmt: skip
 
 
 def repeated_blocks(module: nn.Module) -> tuple[str, list[str]] | None:
@@ -56,3 +62,26 @@ def every_block(module: nn.Module) -> list[nn.Module]:
 
 def holds_parameters(m: nn.Module) -> bool:
     return any(True for _ in m.parameters())
+
+
+def attention_modules(model: nn.Module) -> list[str]:
+    """Modules with a head count attribute and Linear children of their own."""
+    return [n for n, m in model.named_modules()
+            if head_attrs(m) and any(isinstance(c, nn.Linear) for c in m.children())]  # fmt: skip
+
+
+def head_attrs(m: nn.Module) -> list[str]:
+    """The head count attributes m holds (ints, not bools)."""
+    return [a for a in HEADS if isinstance(getattr(m, a, None), int)
+            and not isinstance(getattr(m, a), bool)]  # fmt: skip
+
+
+def undivided_heads(model: nn.Module, n: int) -> str | None:
+    """The one line naming the first attention module whose heads n ranks do not divide."""
+    for name in attention_modules(model):
+        m = model.get_submodule(name)
+        for attr in head_attrs(m):
+            if getattr(m, attr) % n:
+                return (f"tensor: {name} has {attr}={getattr(m, attr)} heads, "
+                        f"which {n} ranks do not divide")  # fmt: skip
+    return None

@@ -34,6 +34,11 @@ from scalelab.workloads.base import WORKLOADS, Inputs, LayerCost, Workload
 from scalelab.workloads.layers import Layer
 
 DTYPES = {"float32": torch.float32, "int64": torch.int64}
+# Probes of the models this process has validated, by what builds them (the spec, its
+# arguments, one item's shape and dtype, the vocabulary, the seed): plan and predict make a
+# workload per candidate, and each would otherwise build and trace the same model again.
+_PROBES: dict[tuple, ml.Call] = {}
+_PROBES_KEPT = 8
 
 
 class TokenIds(nn.Module):
@@ -78,10 +83,18 @@ class UserModel(Workload):
         if (self.cfg.vocab is None) == (self.cfg.input_dtype == "int64"):
             raise UsageError("--vocab N goes with --input-dtype int64 (token ids in [0, N))")
         self.shape  # noqa: B018 (parses --input-shape)
+        key = (self.spec, tuple(self.cfg.model_arg or ()), self.shape, self.cfg.input_dtype,
+               self.cfg.vocab, self.cfg.seed)  # fmt: skip
+        if key in _PROBES:  # validated before in this process
+            self.__dict__["probe"] = _PROBES[key]
+            return
         self.probe  # noqa: B018 (builds the model and runs one item through it)
         if self.cfg.input_dtype == "int64":  # the largest id --vocab allows, before any work
             top = torch.full((1, *self.shape), self.cfg.vocab - 1)
             model_spec.check_vocab(self.spec, self.build_model(), self.prepare(top), self.cfg.vocab)
+        if len(_PROBES) >= _PROBES_KEPT:
+            _PROBES.pop(next(iter(_PROBES)))
+        _PROBES[key] = self.probe
 
     # --- the model -----------------------------------------------------------------------
     @cached_property

@@ -18,7 +18,7 @@ from scalelab.errors import UsageError
 from scalelab.outputs import check_dir
 
 GPU_FIRST = {"ddp", "fsdp", "mpi-gpu", "nccl", "pipeline"}  # --device defaults to cuda for these
-TRAINING = {"ddp", "fsdp", "mpi-dp", "tensor"}  # these strategies only train
+TRAINING = {"ddp", "fsdp", "mpi-dp", "tensor"}  # these strategies only train (DTensor: both)
 GPUS_PER_NODE = 8
 
 
@@ -135,7 +135,7 @@ def _scenario(args: argparse.Namespace, figures):
 
     gpu = args.device == "cuda" or (args.device is None and args.strategy in GPU_FIRST)
     overrides = {"workload": workload_name(args), "ranks": 1, "device": "cuda" if gpu else "cpu"}
-    if args.strategy in TRAINING:
+    if args.strategy in TRAINING and not (args.strategy == "tensor" and args.engine == "torch"):
         overrides["train"] = True
     cfg = workload_config(args, **overrides)
     cores = (figures.data.get("machine") or {}).get("cpu_cores") or 1

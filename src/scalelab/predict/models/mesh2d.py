@@ -16,8 +16,11 @@ from scalelab.predict.models.base import Context, param_layers, storage_bytes
 from scalelab.predict.scenario import Prediction, Scenario
 
 
-def replicated(ctx: Context, s: Scenario, inner_predict, backend: str) -> Prediction:
-    """s at D x inner ranks: inner_predict(ctx, inner scenario) plus the dp all-reduce."""
+def replicated(
+    ctx: Context, s: Scenario, inner_predict, backend: str, rank_params=None
+) -> Prediction:
+    """s at D x inner ranks: inner_predict(ctx, inner scenario) plus the dp all-reduce.
+    rank_params(inner ranks): the parameters one rank holds, when not an even share."""
     dp = max(1, s.cfg.dp)
     if dp == 1:
         return inner_predict(ctx, s)
@@ -26,6 +29,8 @@ def replicated(ctx: Context, s: Scenario, inner_predict, backend: str) -> Predic
     pred = inner_predict(ctx, dataclasses.replace(s, ranks=inner_ranks, cfg=cfg))
     phases = dict(pred.phases)
     nbytes = gradient_bytes(s, inner_ranks)
+    if rank_params is not None:
+        nbytes = rank_params(inner_ranks) * storage_bytes(s)
     if s.cfg.train:
         phases["dp_allreduce"] = ctx.fabric(s, backend).allreduce(nbytes, dp)
     out = dataclasses.replace(pred, scenario=s, phases=phases)

@@ -1,7 +1,9 @@
 """`tensor`: the MLP's hidden units split over N ranks (the pipeline model: pipeline.py).
 The same model serves `tensor --engine torch` on the mlp (DTensor shards fc1 column-wise and
-fc2 row-wise: the same hidden-unit split, its all-reduce over gloo); DTensor on other models
-shards only their Linear pairs and replicates the rest, which this model does not describe.
+fc2 row-wise: the same hidden-unit split, its all-reduce over gloo), and on a model of
+repeated blocks (a transformer, sharded by heads: blocks.py, `_predict_heads` below); DTensor
+on other models shards only their Linear pairs and replicates the rest, which this model does
+not describe.
 
 tensor, per step: one rank's compute, and one all-reduce of the (B, classes) partial logits
 (+1 value for the L2 term) over MPI; its backward sends nothing. A rank computes what one
@@ -22,6 +24,8 @@ import dataclasses
 
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
+from scalelab.precision import get_precision
+from scalelab.predict.models import blocks
 from scalelab.predict.models.base import (
     MODELS,
     Context,
@@ -40,9 +44,17 @@ class TensorModel(OverMPI):
         dp = max(1, scenario.cfg.dp)
         if scenario.ranks % dp:
             return f"{scenario.ranks} ranks do not split into --dp {dp} replicas"
+        if self._by_heads(scenario.cfg):
+            return blocks.undivided_heads(scenario.cfg, scenario.ranks // dp)
         if scenario.ranks // dp > scenario.cfg.hidden:
             return f"{scenario.ranks // dp} ranks but only {scenario.cfg.hidden} hidden units"
         return None
+
+    @staticmethod
+    def _by_heads(cfg: RunConfig) -> bool:
+        """DTensor over a model of repeated blocks: the heads plan (no --tp-plan of the user's,
+        whose sharding this model does not know)."""
+        return cfg.engine == "torch" and cfg.tp_plan is None and blocks.is_block_model(cfg)
 
     def calibrated_on(self, cfg: RunConfig) -> RunConfig:
         if cfg.workload != "mlp":
@@ -57,12 +69,74 @@ class TensorModel(OverMPI):
 
     def predict(self, ctx: Context, s: Scenario) -> Prediction:
         """--dp D: D replicas of the N-rank tensor group (mesh2d.py)."""
+        if self._by_heads(s.cfg):
+            grads = lambda inner: blocks.tp_params(s.cfg, inner)  # noqa: E731
+            return replicated(ctx, s, self._predict_heads, self.wire(s).backend, grads)
         if s.cfg.workload != "mlp":
             raise UsageError(
-                f"predict models tensor parallelism of the mlp only (its hidden units split); "
-                f"{s.cfg.workload} with its Linear pairs sharded, the rest replicated, has none yet"
+                f"predict models tensor parallelism of the mlp only (its hidden units split) "
+                f"and of models of repeated blocks (by heads); {s.cfg.workload} with its "
+                "Linear pairs sharded, the rest replicated, has none yet"
             )
         return replicated(ctx, s, self._predict_split, self.wire(s).backend)
+
+    def _predict_heads(self, ctx: Context, s: Scenario) -> Prediction:
+        """A block model over N ranks by heads (blocks.py), plus DTensor's host work per
+        all-reduce when a measured run of the family calibrates it (_dtensor_host)."""
+        pred = self._heads_bare(ctx, s)
+        n_reduce = int(pred.extra.pop("allreduces"))
+        if s.ranks > 1:
+            per, source, note = self._dtensor_host(ctx, s)
+            pred.phases["dtensor_host"] = per * n_reduce
+            pred.notes.append(note)
+            if source is not None:
+                pred.calibration[source] = "DTensor host cost"
+        return pred
+
+    def _heads_bare(self, ctx: Context, s: Scenario) -> Prediction:
+        """The blocks' share of the one-rank compute over N, the rest whole; the blocks'
+        all-reduces of their activations over the fabric."""
+        n, batch = s.ranks, s.cfg.batch
+        compute = ctx.compute(s)
+        rows = blocks.row_seconds(ctx, s, compute, batch)
+        split = blocks.sharded(s.cfg)
+        total = max(sum(rows), 1e-30)
+        share = sum(t for t, b in zip(rows, split) if b) / total  # of the compute, the blocks'
+        phases = compute.phases(batch)
+        phases["compute"] *= share / n + (1 - share)
+        sizes = blocks.tp_allreduces(s.cfg, batch, get_precision(s.precision).itemsize)
+        fabric = ctx.fabric(s, self.wire(s).backend)
+        phases["allreduce"] = sum(fabric.allreduce(b, n) for b in sizes) if n > 1 else 0.0
+        phases["overhead"] = compute.overhead_s
+        pred = Prediction(s, phases, frozenset({"allreduce"}), compute.sources, list(compute.notes))
+        per_block = 4 if s.cfg.train else 2
+        pred.notes.append(
+            f"tensor by heads: the blocks ({share:.0%} of the compute) over the ranks, the rest "
+            f"replicated; {per_block} all-reduces per block of its activation "
+            f"({sizes[0] / 1e6 if sizes else 0:.3g} MB), {len(sizes)} per step"
+        )
+        if compute.fixed_s > 0:
+            pred.notes.append("compute: the calibrated fixed cost per step kept whole")
+        pred.extra = {"allreduce_bytes": float(sum(sizes) if n > 1 else 0), "tp_share": share,
+                      "allreduces": float(len(sizes))}  # fmt: skip
+        return pred
+
+    def _dtensor_host(self, ctx: Context, s: Scenario) -> tuple[float, str | None, str]:
+        """(seconds per all-reduce, the run it comes from, a note): DTensor's own host work
+        (dispatching every sharded op, redistributing, launching each collective), which no
+        ceiling measures, calibrated like DDP's host cost: what one measured multi-rank run
+        of the family (Pool.dtensor_anchor) takes beyond the bare prediction of it, per
+        all-reduce of that run (the work grows with the blocks, as the all-reduces do)."""
+        m = ctx.pool.dtensor_anchor(s)
+        if m is None:
+            return 0.0, None, NO_DTENSOR_HOST
+        bare = ctx.once(("dtensor host", m.source), lambda: self._heads_bare(ctx, m.scenario))
+        per = max(0.0, m.seconds - bare.seconds) / max(1.0, bare.extra["allreduces"])
+        note = (
+            f"DTensor host cost {per * 1e3:.3g} ms per all-reduce, calibrated on {m.source} "
+            f"({m.scenario.ranks} ranks, batch {m.scenario.cfg.batch})"
+        )
+        return per, m.source, note
 
     def _predict_split(self, ctx: Context, s: Scenario) -> Prediction:
         wire = self.wire(s)
@@ -84,6 +158,14 @@ class TensorModel(OverMPI):
         phases["allreduce"] = reduce + (wire.stage(ctx.figures, nbytes) if s.ranks > 1 else 0.0)
         phases["overhead"] = compute.overhead_s
         return Prediction(s, phases, frozenset({"allreduce"}), compute.sources, list(compute.notes))
+
+
+NO_DTENSOR_HOST = (
+    "DTensor host cost not calibrated (no measured multi-rank tensor --engine torch run of "
+    "this family): each all-reduce costs the fabric's time alone, which leaves out DTensor's "
+    "own work per sharded op (pass --calibrate with such a run; plan --calibrate-missing "
+    "measures one)"
+)
 
 
 def shard_config(cfg: RunConfig, ranks: int) -> RunConfig:

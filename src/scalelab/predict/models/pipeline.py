@@ -46,7 +46,8 @@ from scalelab.planning.partition import (
 from scalelab.planning.schedule import SCHEDULES, simulate
 from scalelab.precision import get_precision
 from scalelab.predict.calibration import MultiPoint
-from scalelab.predict.compute_model import ComputeModel, build_workload, roofline_layers
+from scalelab.predict.compute_model import ComputeModel, build_workload
+from scalelab.predict.models import blocks
 from scalelab.predict.models.base import MODELS, Context, StrategyModel
 from scalelab.predict.models.mesh2d import replicated
 from scalelab.predict.scenario import Prediction, Scenario
@@ -95,6 +96,8 @@ def partition(
     k, n_layers = stages or scenario.ranks, len(layer_names(scenario))
     if scenario.balance is not None:
         return list(scenario.balance), "the run's partition"
+    if blocks.is_block_model(scenario.cfg):  # cut by torch's tracer at module boundaries
+        return blocks.stage_counts(scenario.cfg, k)
     spec, why = scenario.cfg.balance, "cut where the roofline times balance"
     if spec.strip() != "auto" and len(spec.split(",")) == k:
         return parse_balance(spec, n_layers, k), "--balance"
@@ -138,6 +141,12 @@ class PipelineModel(StrategyModel):
         stages = scenario.ranks // dp * held_stages(scenario.cfg)
         if stages > layers:
             return f"{stages} stages but the model has {layers} layers"
+        if blocks.is_block_model(scenario.cfg):
+            try:  # the workload's own refusal (--engine scalelab), then the tracer's cut
+                build_workload(scenario.cfg).check_strategy("pipeline", scenario.cfg)
+                blocks.stage_counts(scenario.cfg, stages)
+            except UsageError as exc:
+                return str(exc)
         return None
 
     def predict(self, ctx: Context, s: Scenario) -> Prediction:
@@ -168,7 +177,8 @@ class PipelineModel(StrategyModel):
         seconds = sum(lay.t_stage[st] for st in mine)
         where = self._stage_text(s, lay.counts, slow, mine, seconds)
         pred.where = {"compute": where, "bubble": where}
-        pred.extra = {"slowest_stage": slow, "slowest_stage_share": busy[slow] / sum(busy)}
+        pred.extra = {"slowest_stage": slow, "slowest_stage_share": busy[slow] / sum(busy),
+                      "cut_bytes": max(lay.cut_bytes, default=0.0)}  # fmt: skip
         return pred
 
     def _layout(self, ctx: Context, s: Scenario) -> _Layout:
@@ -177,7 +187,7 @@ class PipelineModel(StrategyModel):
         m = min(cfg.microbatches, cfg.batch)
         micro = cfg.batch / m
         compute = ctx.compute(_at_batch(s, micro))
-        rows = self._row_times(ctx, s, compute, micro)
+        rows = blocks.row_seconds(ctx, s, compute, micro)
         counts, cut_from = partition(s, rows, k * v)
         owner = row_stages(s, counts)
         t_stage = [sum(t for t, o in zip(rows, owner) if o == st) for st in range(k * v)]
@@ -206,9 +216,12 @@ class PipelineModel(StrategyModel):
                 return makespan, [busy[r] for r in range(k)]
 
             run = replay_torch
-        send = self._send(ctx, s, owner, micro, held) if k > 1 else 0.0
+        costs = build_workload(s.cfg).cost_table()
+        itemsize = get_precision(s.precision).itemsize
+        cuts = [micro * n * itemsize for n in self._cut_elems(s, owner, costs, len(held) - 1)]
+        send = self._send(ctx, s, cuts, held) if k > 1 else 0.0
         torch = cfg.engine == "torch"
-        return _Layout(compute, counts, cut_from, t_stage, held, send, run, torch)
+        return _Layout(compute, counts, cut_from, t_stage, held, send, run, torch, cuts)
 
     def _hop(self, ctx: Context, s: Scenario) -> tuple[float, str | None, str]:
         """(seconds, the run it comes from, a note): what one activation or gradient costs
@@ -242,33 +255,30 @@ class PipelineModel(StrategyModel):
             lo, hi = (mid, hi) if lay.replay(mid)[0] < target else (lo, mid)
         return (lo + hi) / 2
 
-    @staticmethod
-    def _row_times(ctx: Context, s: Scenario, compute: ComputeModel, micro: float) -> list[float]:
-        """Seconds of each cost-table row per micro-batch: the one-rank time t(m) split by the
-        calibration's measured layers when they are the cost table's, else by roofline."""
-        costs = build_workload(s.cfg).cost_table()
-        measured = compute.layer_times(micro)
-        if [name for name, _ in measured] == [c.name for c in costs]:
-            return [t for _, t in measured]
-        roof = [t for _, t in roofline_layers(s, ctx.figures, micro)]
-        scale = compute.seconds(micro) / max(sum(roof), 1e-30)
-        return [t * scale for t in roof]
-
-    def _send(
-        self, ctx: Context, s: Scenario, owner: list[int], micro: float, held: list[int]
-    ) -> float:
-        """One micro-batch's activations over the costliest cut (compute dtype); the same
-        bytes come back as gradients in training, on the same link. held: the rank of each
-        stage (a cut between stages on different nodes crosses the network)."""
-        costs = build_workload(s.cfg).cost_table()
-        itemsize = get_precision(s.precision).itemsize
+    def _send(self, ctx: Context, s: Scenario, cuts: list[float], held: list[int]) -> float:
+        """One micro-batch's activations over the costliest cut (cuts: bytes per cut, in the
+        compute dtype); the same bytes come back as gradients in training, on the same link.
+        held: the rank of each stage (a cut between stages on different nodes crosses the
+        network)."""
         fabric = ctx.fabric(s, self.wire(s).backend)
         worst = 0.0
         for st in range(len(held) - 1):
-            last = max(i for i, o in enumerate(owner) if o == st) if st in owner else 0
             crosses = held[st] // s.per_node != held[st + 1] // s.per_node
-            worst = max(worst, fabric.p2p(micro * costs[last].out_elems * itemsize, crosses))
+            worst = max(worst, fabric.p2p(cuts[st], crosses))
         return worst
+
+    @staticmethod
+    def _cut_elems(s: Scenario, owner: list[int], costs: list, n_cuts: int) -> list[int]:
+        """Values per item each cut sends: the output of the stage's last row, or for a block
+        model the input of the module the next stage begins at (the row before it may be the
+        root's own parameters, which output nothing themselves)."""
+        if blocks.is_block_model(s.cfg):
+            return [costs[owner.index(st + 1)].in_elems for st in range(n_cuts)]
+        out = []
+        for st in range(n_cuts):
+            last = max(i for i, o in enumerate(owner) if o == st) if st in owner else 0
+            out.append(costs[last].out_elems)
+        return out
 
     @staticmethod
     def _stage_text(
@@ -302,6 +312,7 @@ class _Layout:
     send: float  # the fabric's time for one micro-batch's activations over the worst cut
     replay: Callable[[float], tuple[float, list[float]]]  # send -> (makespan, busy per rank)
     torch: bool  # --engine torch: its runtime's send cost is calibrated (PipelineModel._hop)
+    cut_bytes: list[float]  # one micro-batch's activation across each cut
 
 
 def held_stages(cfg) -> int:

@@ -20,30 +20,12 @@ from torch import nn
 from torch.distributed.pipelining import SplitPoint, pipeline
 
 from scalelab.errors import UsageError
-from scalelab.planning.partition import LayerProfile, bounds
+from scalelab.planning.partition import LayerProfile, bounds, snap_counts
 from scalelab.workloads.layers import Layer
 
+__all__ = ["snap_counts"]  # planning/partition.py's, which predict reads too
+
 RATE = 1e10  # FLOP/s a layer profile from FLOPs assumes: only the ratios between layers count
-
-
-def snap_counts(
-    counts: list[int], layers: Sequence[Layer], cut_points: frozenset[str]
-) -> list[int]:
-    """The cut moved so each stage begins at a module the tracer can split before (a layer
-    whose module runs once): a boundary elsewhere moves to the next such layer."""
-    starts = []
-    for start, _ in bounds(counts)[1:]:
-        while start < len(layers) and layers[start].path not in cut_points:
-            start += 1
-        if start >= len(layers) or (starts and start <= starts[-1]):
-            points = ", ".join(x.path for x in layers if x.path in cut_points)
-            raise UsageError(
-                f"pipeline: cannot cut the model into {len(counts)} stages at module "
-                f"boundaries (cut points: {points})"
-            )
-        starts.append(start)
-    edges = [0, *starts, len(layers)]
-    return [b - a for a, b in zip(edges, edges[1:])]
 
 
 def check_cut(counts: list[int], layers: Sequence[Layer], cut_points: frozenset[str]) -> None:
