@@ -41,14 +41,17 @@ def find_rank(token: str, rank: int, timeout: float, marker: str = "SCALELAB_JOB
     pytest.fail(f"rank {rank} never started")
 
 
-def wait_past_setup(pid: int, timeout: float) -> None:
-    """Until the rank's status page (in its job folder) names a phase after setup: mid-run."""
+def wait_past_setup(pid: int, timeout: float, stop=None) -> bool:
+    """Until the rank's status page (in its job folder) names a phase after setup: mid-run
+    (True). False when `stop()`, given, says so first (the launch ended or went wrong)."""
     env = environ(pid) or {}
     rank = next((env[v.encode()] for v in RANK_VARS if v.encode() in env), b"0").decode()
     status = Path(env[b"SCALELAB_JOB_DIR"].decode()) / f"rank{rank}.status"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if status.exists() and status.read_bytes().split()[3:4] not in ([], [b"setup"]):
-            return
+            return True
+        if stop is not None and stop():
+            return False
         time.sleep(0.1)
     pytest.fail("the rank never entered a phase")

@@ -56,7 +56,7 @@ def test_srun_mpiexec_refused_and_a_killed_watcher_takes_its_rank(tmp_path):
     token, name = uuid.uuid4().hex, f"w{uuid.uuid4().hex[:8]}"
     args = [*ALEXNET[:-5], "--iters", "1000000", "--warmup", "0", "--quiet", "--out", str(out)]
     cmd = ["srun", "-J", name, "-N2", "-n2", "--ntasks-per-node=1", "--mpi=pmi2", PY, "-m"]
-    env = {**os.environ, "SCALELAB_TEST_TOKEN": token, "MPIR_CVAR_CH4_NETMOD": "ucx"}
+    env = {**os.environ, "SCALELAB_TEST_TOKEN": token}  # OFI, as scalelab takes under pmi2
     job = subprocess.Popen([*cmd, "scalelab", *args], cwd=tmp_path, env=env, text=True)
     try:
         rank = wait_until(
@@ -163,13 +163,14 @@ def _state(job: str, cwd) -> str:
 
 
 def _start_now(job: str, cwd) -> bool:
-    """True once the requeued job's step runs; until then its begin time is set to now, again
-    and again: Slurm puts it 2 minutes ahead (the credential lifetime) when the first attempt's
-    batch step has finished, which may come after an earlier update."""
+    """True once the requeued job's step runs; until then its start time is set to now
+    (`scontrol update` calls sbatch's --begin StartTime): Slurm puts it 2 minutes ahead (the
+    credential lifetime) once the first attempt's batch step has finished."""
     if _step_running(job, cwd):
         return True
     if _state(job, cwd) == "PENDING":
-        slurm(["scontrol", "update", f"JobId={job}", "BeginTime=now"], cwd)
+        done = slurm(["scontrol", "update", f"JobId={job}", "StartTime=now"], cwd)
+        assert done.returncode == 0, done.stderr
     time.sleep(1)
     return False
 

@@ -30,6 +30,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -74,6 +75,10 @@ def watch(argv: list[str], cfg: RunConfig, results: Path | None) -> tuple[int, d
     stopped: list[int] = []
     previous = {s: signal.signal(s, lambda n, _f: stopped.append(n)) for s in WATCHED}
     before = _lines(results)
+    # A failed record's slow parts (the environment, the git commit: subprocesses) made while
+    # the rank runs: a peer's MPICH may abort the step through PMI the moment this rank dies,
+    # and Slurm then SIGKILLs this task too; the record must be written by then.
+    threading.Thread(target=_prepare_record, daemon=True).start()
     try:
         # The child gets Slurm's signals itself (the step's processes are all signalled).
         cmd = [sys.executable, "-m", "scalelab", *argv]
@@ -202,6 +207,10 @@ def agent(
     stopped: list[int] = []
     previous = {s: signal.signal(s, lambda n, _f: stopped.append(n)) for s in WATCHED}
     before = _lines(results)
+    # A failed record's slow parts (the environment, the git commit: subprocesses) made while
+    # the rank runs: a peer's MPICH may abort the step through PMI the moment this rank dies,
+    # and Slurm then SIGKILLs this task too; the record must be written by then.
+    threading.Thread(target=_prepare_record, daemon=True).start()
     try:
         outcome = start()
         return _agent_outcome(outcome, stopped, cfg, results, before), outcome.record
@@ -237,6 +246,13 @@ def _agent_outcome(outcome, stopped, cfg, results, before: int) -> int:
 
 def _lines(path: Path | None) -> int:
     return len(path.read_bytes().splitlines()) if path is not None and path.exists() else 0
+
+
+def _prepare_record() -> None:
+    from scalelab import environment, record  # noqa: F401  (imported ahead, as the two below)
+
+    environment.collect()  # both cached for the record
+    environment.git_commit()
 
 
 def _record(cfg: RunConfig, results: Path, line: str) -> None:
