@@ -33,17 +33,25 @@ def test_a_curve_of_processes_of_several_threads_counts_them_against_the_cores()
 
 
 def test_measured_curve_is_sane_at_small_k():
-    # two curves one after another from one pool of workers (plan's repeated curves)
-    curves = C.measure_curves(2, 2, quick=True)
-    assert len(curves) == 2 and curves[0] is not curves[1]
-    for c in curves:
-        assert c["ranks"] == [1, 2] and c["slowdown"][0] == 1.0
-        assert all(math.isfinite(x) and x > 0 for x in c["seconds"])
-        # Two processes on a 2-core runner: not faster than one alone (within noise), and not
-        # slower than time-slicing both on one core would make them.
-        assert 0.7 < c["slowdown"][1] < 2.6
-        assert c["slowdown_max"][1] >= c["slowdown"][1]
-        assert "conv2d" in c["kernel"] and "same instant" in c["method"]
+    """Two processes on a 2-core runner: not faster than one alone (within noise), and not
+    slower than time-slicing both on one core would make them. The test run shares the host
+    with a second test process (README: `-n 2`), whose load can land on the k=2 measurement
+    and not the k=1 one (a slowdown of 6.6 seen once): a round whose curves all fall outside
+    is measured again, up to 3 rounds; a real error (every round outside) still fails."""
+    seen = []
+    for _ in range(3):
+        # two curves one after another from one pool of workers (plan's repeated curves)
+        curves = C.measure_curves(2, 2, quick=True)
+        assert len(curves) == 2 and curves[0] is not curves[1]
+        for c in curves:
+            assert c["ranks"] == [1, 2] and c["slowdown"][0] == 1.0
+            assert all(math.isfinite(x) and x > 0 for x in c["seconds"])
+            assert c["slowdown_max"][1] >= c["slowdown"][1]
+            assert "conv2d" in c["kernel"] and "same instant" in c["method"]
+        seen += [c["slowdown"][1] for c in curves]
+        if any(0.7 < c["slowdown"][1] < 2.6 for c in curves):
+            return
+    pytest.fail(f"k=2 slowdowns {seen}: none within (0.7, 2.6) in 3 rounds")
 
 
 def _mlp_step() -> C.StepKernel:
@@ -71,13 +79,19 @@ def test_processes_sharing_one_core_measure_as_slowed(kernel, alone_s):
         pool = C.Workers(2, kernel)
     finally:
         os.sched_setaffinity(0, before)
-    try:
-        alone, both = pool.run(1, 0.1), pool.run(2, 0.2)
+    seen = []
+    try:  # up to 3 rounds: the other test process's load may land on the core (see above)
+        for _ in range(3):
+            alone, both = pool.run(1, 0.1), pool.run(2, 0.2)
+            assert alone_s[0] < alone[0] < alone_s[1]
+            slowdown = C.curve([1, 2], [alone, both], "", "")["slowdown"]
+            assert slowdown[0] == 1.0
+            seen.append(slowdown[1])
+            if slowdown[1] > 1.4:
+                return
     finally:
         pool.close()
-    assert alone_s[0] < alone[0] < alone_s[1]
-    slowdown = C.curve([1, 2], [alone, both], "", "")["slowdown"]
-    assert slowdown[0] == 1.0 and slowdown[1] > 1.4
+    pytest.fail(f"pinned to one core, two processes measured {seen} times slower, not > 1.4")
 
 
 def test_a_step_kernel_says_what_it_times():
