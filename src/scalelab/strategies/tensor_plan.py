@@ -28,9 +28,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from scalelab.errors import UsageError
 from scalelab.strategies.tensor_heads import RENAMES, swap_attention
 from scalelab.workloads import model_spec
-from scalelab.workloads.blocks import attention_modules as _attention_modules
-from scalelab.workloads.blocks import head_attrs as _head_attrs
-from scalelab.workloads.blocks import repeated_blocks
+from scalelab.workloads.blocks import attention_modules, head_attrs, repeated_blocks
 
 OUT_NAMES = ("out_proj", "o_proj", "proj", "c_proj", "wo", "dense", "out")
 
@@ -53,13 +51,13 @@ def derive_plan(model: nn.Module, n: int, user: str | None = None) -> HeadPlan:
     if user is not None:
         styles = _user_styles(user, model)
         plan = HeadPlan(styles, swapped=swapped)
-        for name in _attention_modules(model):
+        for name in attention_modules(model):
             lins = _linears(model, name)
             sharded = {c: st for c, _ in lins for k, st in styles.items()
                        if _matches(k, f"{name}.{c}")}  # fmt: skip
             if not sharded:
                 continue
-            plan.heads[name] = _head_attrs(model.get_submodule(name))
+            plan.heads[name] = head_attrs(model.get_submodule(name))
             out = next((c for c, _ in lins if c in OUT_NAMES), lins[-1][0])
             width = dict(lins)[out].out_features
             for child, lin in lins:  # a fused qkv Linear column-wise: by heads, as derived
@@ -81,7 +79,7 @@ def derive_plan(model: nn.Module, n: int, user: str | None = None) -> HeadPlan:
 
 
 def _plan_block(model: nn.Module, block: str, plan: HeadPlan) -> None:
-    attn = [a for a in _attention_modules(model) if a.startswith(block + ".")]
+    attn = [a for a in attention_modules(model) if a.startswith(block + ".")]
     inside = set()
     for a in attn:
         lins = _linears(model, a)
@@ -92,7 +90,7 @@ def _plan_block(model: nn.Module, block: str, plan: HeadPlan) -> None:
             plan.styles[f"{a}.{child}"] = RowwiseParallel() if child == out else ColwiseParallel()
             if child != out and lin.out_features == 3 * width:
                 plan.fused[f"{a}.{child}"] = width
-        plan.heads[a] = _head_attrs(model.get_submodule(a))
+        plan.heads[a] = head_attrs(model.get_submodule(a))
     rest = [(n, m) for n, m in model.get_submodule(block).named_modules()
             if isinstance(m, nn.Linear) and f"{block}.{n}" not in inside]  # fmt: skip
     if len(rest) < 2:

@@ -129,7 +129,7 @@ class TorchPipeline(TorchDistStrategy):
         )
         counts = part.balance_auto(self.profile, self.n_stages, self._mem)
         if self.blocks is not None:
-            counts = tr.snap_counts(counts, self.layers, self.blocks.cut_points)
+            counts = part.snap_counts(counts, self.layers, self.blocks.cut_points)
         return counts
 
     def _place(self, counts: list[int]) -> None:

@@ -20,10 +20,8 @@ from torch import nn
 from torch.distributed.pipelining import SplitPoint, pipeline
 
 from scalelab.errors import UsageError
-from scalelab.planning.partition import LayerProfile, bounds, snap_counts
+from scalelab.planning.partition import LayerProfile, bounds
 from scalelab.workloads.layers import Layer
-
-__all__ = ["snap_counts"]  # planning/partition.py's, which predict reads too
 
 RATE = 1e10  # FLOP/s a layer profile from FLOPs assumes: only the ratios between layers count
 
