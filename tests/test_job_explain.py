@@ -154,3 +154,33 @@ def test_a_refusal_comes_before_a_killed_rank(tmp_path):
     ]
     out = explain(folder, captured, 9, ENDED, "mpi")
     assert (out.code, out.message) == (2, "scalelab run: error: --halo 9 is thicker than a slab")
+
+
+# MPICH over OFI/tcp when the allreduce's peer was SIGKILLed (seen under srun --mpi=pmi2):
+# mpi4py's text is cut at MPI_MAX_ERROR_STRING before any cause is named.
+MPI_CUT = (
+    "Exception: Other MPI error, error stack:\ninternal_Allreduce_c(342)......: "
+    "MPI_Allreduce_c(sendbuf=MPI_IN_PLACE, count=8192, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD) "
+    "failed\nMPID_Allreduce(483)......: \nMPIR_Allreduce_allcomm_auto(4817)......"
+)
+
+
+@pytest.mark.parametrize(
+    ("error", "launched", "left_to_launcher"),
+    [
+        (MPI_PEER_GONE, True, True),
+        (MPI_CUT, True, True),  # two records in one srun study before: the rank's and the watcher's
+        (MPI_CUT, False, False),  # no launcher or watcher to write it: the rank does
+        ("ValueError: shapes (4, 3) and (2, 3) do not match", True, False),
+    ],
+)
+def test_which_rank_failures_the_launching_side_records(
+    monkeypatch, tmp_path, error, launched, left_to_launcher
+):
+    from scalelab.comm.job_status import JOB_DIR_VAR, launcher_records
+
+    if launched:
+        monkeypatch.setenv(JOB_DIR_VAR, str(tmp_path))
+    else:
+        monkeypatch.delenv(JOB_DIR_VAR, raising=False)
+    assert launcher_records(error) is left_to_launcher

@@ -132,8 +132,9 @@ def test_a_rank_killed_under_srun_is_named_and_the_step_ends(slurm_conf, tmp_pat
     match = re.match(dead, said[0])
     assert match and match.group(1) != "setup", stderr
     assert proc.returncode != 0 and "Traceback" not in stderr and stdout == ""
-    (rec,) = read_records(out)
-    assert rec["status"] == "failed" and "rank 1 on n2 died (signal 9)" in rec["error"]
+    records = read_records(out)
+    assert len(records) == 1, [r.get("error") for r in records]
+    assert records[0]["status"] == "failed" and "rank 1 on n2 died (signal 9)" in records[0]["error"]
 
 
 STUDY = """

@@ -31,6 +31,10 @@ PEER_GONE = re.compile(
     r"|Communication error with rank|Socket closed",
     re.I,
 )
+# An MPI library's error (mpi4py's MPI.Exception: "Other MPI error, error stack: ..."): its
+# text is cut at MPI_MAX_ERROR_STRING, often before the cause (MPICH over OFI/tcp when the peer
+# of an allreduce was SIGKILLed), so it cannot tell a dead peer from its own fault.
+MPI_ERROR = re.compile(r"\bMPI error, error stack:")
 
 
 # --- the rank's side -----------------------------------------------------------------------
@@ -79,8 +83,12 @@ def is_check_failure(line: str) -> bool:
 
 def launcher_records(error: str) -> bool:
     """A failure a dead peer caused, in a job scalelab launched or watches: the launching
-    side names the dead rank and writes the one record of the job, not this rank."""
-    return bool(os.environ.get(JOB_DIR_VAR)) and PEER_GONE.search(error) is not None
+    side names the dead rank and writes the one record of the job, not this rank. An MPI
+    library's error is left to it too: its launcher or watcher names the dead rank if there is
+    one, and records this rank's line if not."""
+    if not os.environ.get(JOB_DIR_VAR):
+        return False
+    return PEER_GONE.search(error) is not None or MPI_ERROR.search(error) is not None
 
 
 def hand_over_record(record: dict) -> bool:
