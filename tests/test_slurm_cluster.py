@@ -134,7 +134,8 @@ def test_a_rank_killed_under_srun_is_named_and_the_step_ends(slurm_conf, tmp_pat
     assert proc.returncode != 0 and "Traceback" not in stderr and stdout == ""
     records = read_records(out)
     assert len(records) == 1, [r.get("error") for r in records]
-    assert records[0]["status"] == "failed" and "rank 1 on n2 died (signal 9)" in records[0]["error"]
+    (rec,) = records
+    assert rec["status"] == "failed" and "rank 1 on n2 died (signal 9)" in rec["error"]
 
 
 STUDY = """
