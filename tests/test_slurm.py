@@ -264,6 +264,8 @@ def test_submit_all_passes_its_options_and_chains_the_report(cli, tmp_path, stud
         (["--tasks-per-node", "0"], "--tasks-per-node must be >= 1, got 0"),
         (["--mem", "lots"], "--mem 'lots'"),
         (["--qos", "a;b"], "--qos 'a;b': unexpected characters"),
+        (["--nodes", "1,0"], "--nodes '1,0': expected a node count >= 1"),
+        (["--nodes", "two"], "--nodes 'two': expected a node count >= 1"),
     ],
 )
 def test_bad_options_one_line_exit_2(cli, tmp_path, study, args, needle):
@@ -333,14 +335,15 @@ def test_a_step_srun_fails_itself_leaves_a_failed_record(tmp_path, study):
 
 def test_the_early_time_warning_lets_the_point_run_on(tmp_path, study):
     """USR1 (--signal=B:USR1@120, ahead of a >= 10 min limit) no longer ends the job FAILED 143:
-    the point runs on and ends as it ends (here ok: no failed record). SIGTERM after it is the
-    time limit, and the failed record says so."""
+    the point runs on and ends as it ends (here ok: no failed record). SIGTERM after it asks
+    the point helper to record the stop, told that the warning came (its cause:
+    test_slurm_ends.test_a_stopped_jobs_cause_is_read_from_scontrol)."""
     import signal
     import time
 
     for srun, signals, code, reason in [
         ("sleep 2", [signal.SIGUSR1], 0, None),
-        ("sleep 30", [signal.SIGUSR1, signal.SIGTERM], 143, "(its time limit)"),
+        ("sleep 30", [signal.SIGUSR1, signal.SIGTERM], 143, ["stopped", "1"]),
     ]:
         for d in ("ownbin", "args"):
             shutil.rmtree(tmp_path / d, ignore_errors=True)
@@ -356,8 +359,9 @@ def test_the_early_time_warning_lets_the_point_run_on(tmp_path, study):
         finally:
             os.killpg(proc.pid, signal.SIGKILL)
         calls = _helper_calls(args_dir)
-        assert [c[0] for c in calls] == ["done"] + (["failed"] if reason else [])
-        assert reason is None or calls[1][1].endswith(reason), calls
+        assert [c[0] for c in calls] == ["done"] + (["stopped"] if reason else [])
+        assert reason is None or calls[1][:2] == reason, calls  # the warning came first
+        assert reason is None or calls[1][2:] == calls[0][1:]  # the same point
 
 
 def test_time_limits_as_slurm_reads_them(cli, tmp_path, study):
@@ -380,3 +384,35 @@ def test_gpus_per_task_counts_a_torchrun_tasks_ranks(cli, tmp_path):
     assert code == 0, err
     ddp = (tmp_path / "j" / "point_001.sbatch").read_text()
     assert "#SBATCH --gpus-per-task=2\n" in ddp and "--nnodes 2 " in ddp
+
+
+def test_a_node_list_writes_each_point_once_per_layout(cli, tmp_path, study):
+    """--nodes 1,2 (was refused): the 8-rank mpi and ddp points once on one node and once
+    spread over two, the one-process point once; each job asks for its nodes and launches
+    over them; the array form groups them the same way."""
+    out = tmp_path / "jobs"
+    code, _, err = cli("slurm", study, "--nodes", "1,2", "-o", out, "--python", "python3")
+    assert code == 0, err
+    names = sorted(p.name for p in out.glob("point_*"))
+    assert names == [f"point_00{i}_n{n}.sbatch" for i, n in
+                     [(1, 1), (2, 1), (2, 2), (3, 1), (3, 2)]]  # fmt: skip
+    for name in names:
+        text, nodes = (out / name).read_text(), name[-8]
+        assert f"#SBATCH --nodes={nodes}\n" in text and f"-n{nodes}\n" in text
+    assert (
+        "launch=(srun --nodes=2 --ntasks=8 --ntasks-per-node=4 --mpi="
+        in (out / "point_002_n2.sbatch").read_text()
+    )
+    assert (
+        "launch=(srun --nodes=2 --ntasks=2 --ntasks-per-node=1 "
+        in (out / "point_003_n2.sbatch").read_text()
+    )  # ddp: one torchrun per node
+    submit = (out / "submit_all.sh").read_text()
+    assert submit.count("sbatch --parsable") == 6  # five points and the report
+    for name in names:
+        assert str((out / name).resolve()) in submit
+    arrays = tmp_path / "arrays"
+    code, _, err = cli("slurm", study, "--nodes", "1,2", "--array", "-o", arrays)
+    assert code == 0, err
+    texts = [p.read_text() for p in sorted(arrays.glob("array_*"))]
+    assert sorted(t.split("--nodes=")[1][0] for t in texts) == ["1", "1", "1", "2", "2"]

@@ -175,6 +175,43 @@ def test_an_interactive_step_stopped_by_slurm_leaves_one_record(tmp_path, monkey
     assert not out.exists()
 
 
+# `scontrol show job -o` in the trap of a job being stopped (Slurm 22.05, two emulated nodes):
+# a time limit, then scancel; a requeued job's Restarts counts its attempts.
+SHOWN = "JobId=45685572 JobName=t.sh UserId=root(0) JobState=COMPLETING Reason={} Restarts={}"
+
+
+@pytest.mark.parametrize(
+    ("reason", "restarts", "attempt", "near", "cause"),
+    [
+        ("TimeLimit", 0, "0", False, "its time limit"),
+        ("None", 0, "0", False, "scancel"),
+        ("None", 0, "0", True, "scancel"),  # warned, then cancelled before the limit
+        ("None", 1, "0", False, "requeued: it runs again"),
+        ("TimeLimit", 1, "1", False, "its time limit"),  # the requeued attempt timed out
+        ("Prolog", 0, "0", False, "cancelled: Prolog"),
+        (None, 0, "0", True, "its time limit"),  # scontrol could not say; USR1 came
+        (None, 0, "0", False, "time limit or scancel"),
+    ],
+)
+def test_a_stopped_jobs_cause_is_read_from_scontrol(
+    tmp_path, monkeypatch, reason, restarts, attempt, near, cause
+):
+    """A job under 10 minutes gets no early warning: its record said "time limit or scancel".
+    Now scontrol's Reason tells them apart (and Restarts a requeue)."""
+    from scalelab.comm import slurm
+
+    stub = tmp_path / "scontrol"
+    text = "" if reason is None else SHOWN.format(reason, restarts)
+    stub.write_text(f'#!/bin/bash\n[ "$4" = 45685572 ] && echo "{text}"\n')
+    stub.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    info = slurm.job_info("45685572")
+    assert (info.get("Reason"), info.get("JobState")) == (
+        (reason, "COMPLETING") if reason else (None, None)
+    )
+    assert slurm.stop_cause(info, near, {"SLURM_RESTART_COUNT": attempt}) == cause
+
+
 def test_a_one_process_strategy_under_several_srun_tasks_is_refused(cli, tmp_path, monkeypatch):
     """`srun -n2 scalelab run alexnet` (a one-process strategy) wrote two identical records:
     refused, said once (by task 0), nothing written."""

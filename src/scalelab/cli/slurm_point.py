@@ -2,6 +2,8 @@
 
     done ARGS...            exit 0 when the results file has an ok record of this point
     failed REASON ARGS...   append a failed record for it, unless this job already wrote one
+    stopped NEAR ARGS...    the same for a job Slurm is stopping (its SIGTERM): why, from
+                            scontrol (NEAR: non-empty when the early time warning came)
 
 ARGS are the point's `scalelab` arguments (`run WORKLOAD ... --out RESULTS`), parsed by the
 `run` command itself, so the config compared and recorded is the one the run would have.
@@ -14,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from scalelab.comm import slurm
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
 from scalelab.orchestration.sweep import job_nodes, same_point
@@ -64,7 +67,15 @@ def main(argv: list[str]) -> int:
         cfg, results = point_config(argv[2:])
         record_failure(cfg, results, argv[1])
         return 0
-    sys.stderr.write("usage: python -m scalelab.cli.slurm_point done|failed REASON ARGS\n")
+    if argv[:1] == ["stopped"] and len(argv) > 2:
+        cfg, results = point_config(argv[2:])
+        job = os.environ.get("SLURM_JOB_ID", "")
+        cause = slurm.stop_cause(slurm.job_info(job), near_limit=bool(argv[1]))
+        record_failure(cfg, results, f"job {job} was stopped by Slurm ({cause})")
+        return 0
+    sys.stderr.write(
+        "usage: python -m scalelab.cli.slurm_point done|failed REASON|stopped NEAR ARGS\n"
+    )
     return 2
 
 

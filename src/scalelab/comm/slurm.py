@@ -132,3 +132,32 @@ def job_fields(env: Mapping[str, str] | None = None) -> dict[str, object] | None
         "cpus_per_task": cpus_per_task(env),
         "restart": int(env.get("SLURM_RESTART_COUNT") or 0),  # a requeued job's attempt
     }
+
+
+def job_info(job_id: str) -> dict[str, str]:
+    """`scontrol show job -o JOB` as fields (empty when scontrol cannot say)."""
+    try:
+        out = subprocess.run(
+            ["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=20
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return dict(re.findall(r"(\w+)=(\S*)", out))
+
+
+def stop_cause(
+    info: Mapping[str, str], near_limit: bool = False, env: Mapping[str, str] | None = None
+) -> str:
+    """Why Slurm is stopping this job, read in its SIGTERM (the job is COMPLETING by then):
+    requeued (Restarts past this attempt's), its time limit (Reason=TimeLimit), else a
+    cancel (scancel: Reason=None; preemption or a node's failure name their own reason).
+    Without scontrol's word: the early time warning (USR1) came, or it cannot be told."""
+    env = os.environ if env is None else env
+    if not info:
+        return "its time limit" if near_limit else "time limit or scancel"
+    if int(info.get("Restarts") or 0) > int(env.get("SLURM_RESTART_COUNT") or 0):
+        return "requeued: it runs again"
+    reason = info.get("Reason", "None")
+    if reason == "TimeLimit":
+        return "its time limit"
+    return "scancel" if reason == "None" else f"cancelled: {reason}"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import shlex
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 from scalelab.errors import UsageError
@@ -40,7 +41,7 @@ COMM_ENV = """\
 # check failed, a failure, a dead rank named by its watcher) or, when the step left none (srun
 # itself failed, a refusal, a signal), a failed record with the step's last scalelab or srun
 # line; `point_helper failed` writes nothing where this attempt has a record. A job stopped by
-# SIGTERM (time limit, scancel, requeue: Restarts grew past this attempt's) records that.
+# SIGTERM records why (`point_helper stopped` asks scontrol: its time limit, scancel, requeued).
 # USR1 (--signal ahead of the limit) only notes that the limit is near: the point runs on,
 # and may still finish. srun runs in the
 # background so the traps fire at once (bash runs traps only between foreground commands).
@@ -48,12 +49,7 @@ RUN_POINT = """\
 point_helper() { "$PY" -m scalelab.cli.slurm_point "$@"; }
 near_limit=""
 stopped() {
-  local why="time limit or scancel" restarts
-  [ -n "$near_limit" ] && why="its time limit"
-  restarts=$(scontrol show job -o "$SLURM_JOB_ID" 2>/dev/null | grep -o 'Restarts=[0-9]*' \\
-    | cut -d= -f2) || true
-  [ "${restarts:-0}" -gt "${SLURM_RESTART_COUNT:-0}" ] && why="requeued: it runs again"
-  point_helper failed "job $SLURM_JOB_ID was stopped by Slurm ($why)" "${args[@]}" || true
+  point_helper stopped "$near_limit" "${args[@]}" || true
   exit 143
 }
 warned() { near_limit=1; woken=1; }
@@ -121,11 +117,12 @@ def preamble(opts: SlurmOptions, lay: Layout) -> list[str]:
     return [*lines, RUN_POINT]
 
 
-def point_script(study: Study, point: Point, opts: SlurmOptions, plugin: str, logs: Path):
-    lay = layout(point, opts)
+def point_script(
+    study: Study, point: Point, lay: Layout, opts: SlurmOptions, plugin: str, logs: Path, tag=""
+):
     return "\n".join(
         [
-            *header(job_name(study, point.index), lay, opts, f"{logs}/%x-%j.out"),
+            *header(job_name(study, point.index) + tag, lay, opts, f"{logs}/%x-%j.out"),
             f"# scalelab study {study.name}, point {point.index}: {point.describe()}",
             *preamble(opts, lay),
             *point_lines(point, lay, opts, plugin, study.results),
@@ -196,11 +193,27 @@ def job_name(study: Study, index: int | None) -> str:
     return f"scalelab-{safe}" + (f"-{index}" if index is not None else "")
 
 
-def write_scripts(study: Study, opts: SlurmOptions, out_dir: Path, array: bool) -> list[Path]:
+def write_scripts(
+    study: Study, opts: SlurmOptions, out_dir: Path, array: bool, node_counts=None
+) -> list[Path]:
     """Write the job scripts, report.sbatch and submit_all.sh; returns the job scripts.
-    Every point's layout is checked before anything is written."""
-    pts = points(study)
-    lays = [layout(p, opts) for p in pts]
+    Every point's layout is checked before anything is written. node_counts (--nodes 1,2):
+    each point once per node count it spreads over differently (a 1-rank point once)."""
+    counts = sorted(set(node_counts or (opts.nodes,)))
+    jobs: list[tuple[Point, Layout, SlurmOptions]] = []
+    for n in counts:
+        per = replace(opts, nodes=n)
+        for p in points(study):
+            lay = layout(p, per)
+            if not any(q.index == p.index and have == lay for q, have, _ in jobs):
+                jobs.append((p, lay, per))
+    jobs.sort(key=lambda job: job[0].index)
+    return _write(study, jobs, out_dir, array, tagged=len(counts) > 1)
+
+
+def _write(study: Study, jobs, out_dir: Path, array: bool, tagged: bool) -> list[Path]:
+    opts = jobs[0][2]
+    lays = [lay for _, lay, _ in jobs]
     log_dir = out_dir.resolve() / "logs"
     if not SAFE_PATH.match(str(log_dir)):
         raise UsageError(f"{log_dir}: #SBATCH --output cannot take this path; pick a plainer -o")
@@ -211,20 +224,23 @@ def write_scripts(study: Study, opts: SlurmOptions, out_dir: Path, array: bool) 
     log_dir.mkdir(parents=True, exist_ok=True)
     texts: dict[str, str] = {}
     if array:
-        groups: dict[Layout, list[Point]] = defaultdict(list)
-        for p, lay in zip(pts, lays):
-            groups[lay].append(p)
+        groups: dict[Layout, list[tuple[Point, SlurmOptions]]] = defaultdict(list)
+        for p, lay, per in jobs:
+            groups[lay].append((p, per))
         for k, (lay, group) in enumerate(groups.items(), 1):
-            texts[f"array_{k:02d}.sbatch"] = array_script(study, lay, group, opts, plugin, log_dir)
+            pts, per = [p for p, _ in group], group[0][1]
+            texts[f"array_{k:02d}.sbatch"] = array_script(study, lay, pts, per, plugin, log_dir)
     else:
-        for p in pts:
-            texts[f"point_{p.index:03d}.sbatch"] = point_script(study, p, opts, plugin, log_dir)
-    jobs = [out_dir / name for name in texts]
-    for path, text in zip(jobs, texts.values()):
+        for p, lay, per in jobs:
+            tag = f"_n{lay.nodes}" if tagged else ""
+            text = point_script(study, p, lay, per, plugin, log_dir, tag.replace("_", "-"))
+            texts[f"point_{p.index:03d}{tag}.sbatch"] = text
+    scripts = [out_dir / name for name in texts]
+    for path, text in zip(scripts, texts.values()):
         path.write_text(text + "\n")
     report = out_dir / "report.sbatch"
     report.write_text(report_script(study, opts, log_dir, out_dir.resolve() / "report") + "\n")
     submit = out_dir / "submit_all.sh"
-    submit.write_text(submit_script(jobs, report) + "\n")
+    submit.write_text(submit_script(scripts, report) + "\n")
     submit.chmod(0o755)
-    return jobs
+    return scripts

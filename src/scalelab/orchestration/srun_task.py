@@ -157,7 +157,8 @@ def _stopped(
         return code
     if task0 and results is not None and _lines(results) == before:
         step = f"{os.environ.get('SLURM_JOB_ID')}.{os.environ.get('SLURM_STEP_ID')}"
-        _record(cfg, results, f"step {step} was stopped by Slurm (time limit or scancel)")
+        cause = slurm.stop_cause(slurm.job_info(os.environ.get("SLURM_JOB_ID", "")))
+        _record(cfg, results, f"step {step} was stopped by Slurm ({cause})")
     return code
 
 

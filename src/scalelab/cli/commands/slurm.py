@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from scalelab.cli.base import COMMANDS, Command
+from scalelab.errors import UsageError
 from scalelab.orchestration.slurm import SlurmOptions
 from scalelab.orchestration.slurm_scripts import write_scripts
 from scalelab.orchestration.sweep import load_study
@@ -26,7 +27,12 @@ SBATCH_PASSTHROUGH = {
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("study", help="study TOML (the same file `scalelab sweep` runs)")
-    p.add_argument("--nodes", type=int, default=1, help="nodes available per job (default 1)")
+    p.add_argument(
+        "--nodes",
+        default="1",
+        help="nodes available per job (default 1); a list (1,2) writes each point once per "
+        "node count it spreads over differently",
+    )
     p.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node (default 0)")
     p.add_argument("--tasks-per-node", type=int, default=None, help="ranks per node")
     p.add_argument(
@@ -70,8 +76,9 @@ def run(args: argparse.Namespace) -> int:
     passthrough = {
         f[2:].replace("-", "_"): getattr(args, f[2:].replace("-", "_")) for f in SBATCH_PASSTHROUGH
     }
+    counts = node_counts(args.nodes)
     opts = SlurmOptions(
-        nodes=args.nodes,
+        nodes=counts[0],
         gpus_per_node=args.gpus_per_node,
         tasks_per_node=args.tasks_per_node,
         cpus_per_task=args.cpus_per_task,
@@ -84,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
         **passthrough,
     )
     out_dir = check_dir(args.out_dir or Path("scalelab-results") / f"slurm-{study.name}", "-o")
-    scripts = write_scripts(study, opts, out_dir, args.array)
+    scripts = write_scripts(study, opts, out_dir, args.array, counts)
     if args.quiet:  # -q: warnings only
         return 0
     print(
@@ -93,6 +100,17 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"records will be appended to {study.results}; the report job writes {out_dir}/report")
     return 0
+
+
+def node_counts(text: str) -> tuple[int, ...]:
+    """--nodes N or N,M,...: node counts, each >= 1 (one line for anything else)."""
+    try:
+        counts = tuple(int(v) for v in str(text).split(","))
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < 1:
+        raise UsageError(f"--nodes {text!r}: expected a node count >= 1 or a list such as 1,2")
+    return counts
 
 
 COMMANDS.register("slurm", "sbatch scripts for a study (srun for MPI, torchrun for DDP)")(
