@@ -143,8 +143,8 @@ STUDY = """
 name = "cluster"
 [grid]
 strategy = ["mpi-dp", "ddp"]
-epochs = [1, 100000]
 [fixed]
+epochs = 1
 workload = "mlp"
 train = true
 ranks = 2
@@ -188,9 +188,8 @@ def test_study_as_arrays_on_two_nodes(slurm_conf, tmp_path, mnist_dir, cli):
     """A sweep submitted with submit_all.sh (one array per allocation): mpi-dp (srun
     --mpi=pmi2) and ddp (torchrun c10d), one rank on each of n1 and n2, train on MNIST to the
     losses of their one-node runs (mpi-dp: `scalelab run --ranks 2` in a batch script; ddp:
-    `srun -n 2`). The long mpi-dp point given a 1-minute limit and the cancelled ddp one end
-    failed; the report job runs after all points and shows them. Submitted again, a finished
-    point is skipped."""
+    `srun -n 2`); the report job runs after all points and shows them. Submitted again, a
+    finished point is skipped. (How jobs end otherwise: test_slurm_cluster_ends.)"""
     (tmp_path / "study.toml").write_text(STUDY.format(mnist=mnist_dir))
     res = tmp_path / "res" / "runs.jsonl"
     code, _, err = cli(
@@ -266,9 +265,6 @@ def test_study_as_arrays_on_two_nodes(slurm_conf, tmp_path, mnist_dir, cli):
     arrays, report = proc.stdout.split("submitted ")[1].split("; report job ")
     mpidp, ddp = arrays.split()
     report = report.split()[0]
-    running(f"{ddp}_4", tmp_path)
-    slurm(["scancel", f"{ddp}_4"], tmp_path)
-    slurm(["scontrol", "update", f"JobId={mpidp}_2", "TimeLimit=1"], tmp_path)
     wait_for([mpidp, ddp, report, *refs], tmp_path)
 
     got = by_point(read_records(res))
@@ -277,10 +273,8 @@ def test_study_as_arrays_on_two_nodes(slurm_conf, tmp_path, mnist_dir, cli):
         two, one = got[(strategy, 1)], ref[(strategy, 1)]
         assert two["status"] == "ok" and two["slurm"]["node_list"] == "n[1-2]"
         assert two["loss"] == pytest.approx(one["loss"], rel=1e-6), strategy
-    for key in (("mpi-dp", 100000), ("ddp", 100000)):
-        assert got[key]["status"] == "failed" and "stopped by Slurm" in got[key]["error"]
     page = (tmp_path / "jobs" / "report" / "index.html").read_text()
-    assert page.count("stopped by Slurm") >= 2  # the report ran after both had failed
+    assert f">{mpidp}_1<" in page and f">{ddp}_2<" in page  # it ran after both points
 
     before = len(read_records(res))
     again = slurm(

@@ -80,10 +80,10 @@ STUDY = """
 [study]
 name = "ends"
 [grid]
+strategy = ["mpi-dp", "ddp"]
 epochs = [1, 100000]
 [fixed]
 workload = "mlp"
-strategy = "ddp"
 train = true
 ranks = 2
 hidden = 16
@@ -95,31 +95,43 @@ data_dir = "{mnist}"
 
 
 @pytest.mark.usefixtures("slurm_conf")
-def test_ddp_jobs_end_with_one_line_and_one_record(tmp_path, mnist_dir, cli):
-    """Generated DDP jobs on n1+n2 (srun -> one scalelab per node -> torchrun -> ranks):
-    - a rank SIGKILLed: one line naming it, not torchrun's ChildFailedError, and one record;
-    - a requeued job: a record of its first attempt (requeued), its log kept; then the early
-      time warning (USR1, --time 00:10:00) while it runs: it runs on to ok;
+def test_a_mixed_study_ends_each_way_with_one_record_per_attempt(tmp_path, mnist_dir, cli):
+    """One study of mpi-dp (srun --mpi=pmi2) and ddp (srun -> one scalelab per node ->
+    torchrun) points on n1+n2, ended every way a job ends:
+    - mpi-dp, 1 epoch: ok;
+    - mpi-dp, long, its limit cut to 1 minute: "its time limit" (no early warning needed);
+    - the same point in a second job, scancelled: "scancel";
+    - ddp, 1 epoch, requeued: a record of its first attempt (requeued), its log kept; then
+      the early time warning (USR1, --time 00:10:00) while it runs: it runs on to ok;
+    - ddp, long, a rank SIGKILLed: one line naming it, not torchrun's ChildFailedError;
     - srun failing itself (a plugin it lacks): the step's srun line in a failed record;
-    each job one record per attempt, all in `report`, and no process left."""
+    one record per job and attempt, all in `report`, and no process left."""
     (tmp_path / "s.toml").write_text(STUDY.format(mnist=mnist_dir))
     res, jobs = tmp_path / "res.jsonl", tmp_path / "jobs"
     code, _, err = cli("slurm", tmp_path / "s.toml", "--nodes", "2", "--time", "00:10:00",
                        "-o", jobs, "--out", res)  # fmt: skip
     assert code == 0, err
-    short, long = jobs / "point_001.sbatch", jobs / "point_002.sbatch"
-    bogus = jobs / "bogus.sbatch"
-    bogus.write_text(long.read_text().replace("launch=(srun ", "launch=(srun --mpi=bogus "))
+    scripts = [jobs / f"point_00{i}.sbatch" for i in (1, 2, 3, 4)]
+    cancel, bogus = jobs / "cancel.sbatch", jobs / "bogus.sbatch"
+    cancel.write_text(scripts[1].read_text())  # the long mpi-dp point again
+    long_ddp = scripts[3].read_text()
+    bogus.write_text(long_ddp.replace("launch=(srun ", "launch=(srun --mpi=bogus "))
     token = uuid.uuid4().hex
     env = {"SCALELAB_TEST_TOKEN": token}
     ids = [slurm(["sbatch", "--parsable", str(s)], tmp_path, **env).stdout.strip() for s in
-           (short, long, bogus)]  # fmt: skip
-    ok_job, killed_job, bogus_job = ids
-    wait_until(lambda: _step_running(ok_job, tmp_path), 240, "the short point never ran")
-    slurm(["scontrol", "requeue", ok_job], tmp_path)  # attempt 0 stopped, attempt 1 runs
-    wait_until(lambda: _state(ok_job, tmp_path) == "PENDING", 120, "never requeued")
-    wait_until(lambda: _start_now(ok_job, tmp_path), 240, "the requeued point never ran")
-    slurm(["scancel", "--signal=USR1", "--batch", ok_job], tmp_path)
+           (*scripts, cancel, bogus)]  # fmt: skip
+    mpi_ok, timed_out, ddp_ok, killed_job, cancelled, bogus_job = ids
+    wait_until(lambda: _step_running(timed_out, tmp_path), 240, "the timed point never ran")
+    assert (
+        slurm(["scontrol", "update", f"JobId={timed_out}", "TimeLimit=1"], tmp_path).returncode == 0
+    )
+    wait_until(lambda: _step_running(cancelled, tmp_path), 240, "the cancelled one never ran")
+    slurm(["scancel", cancelled], tmp_path)
+    wait_until(lambda: _step_running(ddp_ok, tmp_path), 240, "the short ddp point never ran")
+    slurm(["scontrol", "requeue", ddp_ok], tmp_path)  # attempt 0 stopped, attempt 1 runs
+    wait_until(lambda: _state(ddp_ok, tmp_path) == "PENDING", 120, "never requeued")
+    wait_until(lambda: _start_now(ddp_ok, tmp_path), 240, "the requeued point never ran")
+    slurm(["scancel", "--signal=USR1", "--batch", ddp_ok], tmp_path)
     rank = wait_until(
         lambda: [p for p in processes_with(token, "RANK", "1") if _torchrun_worker(p, killed_job)],
         240,
@@ -132,13 +144,17 @@ def test_ddp_jobs_end_with_one_line_and_one_record(tmp_path, mnist_dir, cli):
 
     got = read_records(res)
     recs = {r["slurm"]["job_id"]: r for r in got}  # the last attempt's
-    assert len(got) == 4 and set(recs) == set(ids)  # one record per job and attempt
-    first = next(r for r in got if r["slurm"]["job_id"] == ok_job and r["slurm"]["restart"] == 0)
+    assert len(got) == 7 and set(recs) == set(ids), [r.get("error") for r in got]
+    assert recs[mpi_ok]["status"] == "ok" and recs[mpi_ok]["strategy"] == "mpi-dp"
+    for job, why in ((timed_out, "its time limit"), (cancelled, "scancel")):
+        assert recs[job]["status"] == "failed" and recs[job]["strategy"] == "mpi-dp"
+        assert recs[job]["error"] == f"job {job} was stopped by Slurm ({why})"
+    first = next(r for r in got if r["slurm"]["job_id"] == ddp_ok and r["slurm"]["restart"] == 0)
     assert first["status"] == "failed" and "(requeued: it runs again)" in first["error"]
-    assert recs[ok_job]["status"] == "ok" and recs[ok_job]["config"]["epochs"] == 1
-    assert recs[ok_job]["slurm"]["restart"] == 1  # and after USR1 it ran on to ok
-    assert "JobState=COMPLETED" in slurm(["scontrol", "show", "job", ok_job], tmp_path).stdout
-    assert "DUE TO JOB REQUEUE" in _log(jobs, ok_job)  # the first attempt's log is kept
+    assert recs[ddp_ok]["status"] == "ok" and recs[ddp_ok]["config"]["epochs"] == 1
+    assert recs[ddp_ok]["slurm"]["restart"] == 1  # and after USR1 it ran on to ok
+    assert "JobState=COMPLETED" in slurm(["scontrol", "show", "job", ddp_ok], tmp_path).stdout
+    assert "DUE TO JOB REQUEUE" in _log(jobs, ddp_ok)  # the first attempt's log is kept
     dead = rf"rank 1 on {node} died \(signal 9\) during \S+; job aborted after"
     assert recs[killed_job]["status"] == "failed" and re.match(dead, recs[killed_job]["error"])
     log = _log(jobs, killed_job)
@@ -151,6 +167,7 @@ def test_ddp_jobs_end_with_one_line_and_one_record(tmp_path, mnist_dir, cli):
     code, _, err = cli("report", res, "-o", tmp_path / "report")
     page = (tmp_path / "report" / "index.html").read_text()
     assert code == 0 and "died (signal 9)" in page and "srun: error" in page, err
+    assert "(its time limit)" in page and "(scancel)" in page and "requeued" in page
     assert all(f">{job}<" in page for job in ids)  # the Slurm job of each record
 
 
