@@ -3,6 +3,7 @@ per-rank table and record, bad topologies, and a rank killed mid-run."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -228,10 +229,13 @@ def test_a_killed_rank_ends_the_job_within_60_s(tmp_path):
             proc.kill()
         proc.communicate()
     (rec,) = read_records(out)
-    # Either the launcher recorded the lost job, or the root saw its peer vanish first (MPICH:
-    # "process_vm_readv failed" in a wait) and recorded that error itself: a race.
+    # The launcher records the lost job: hydra reported the kill (signal 9), or rank 0's MPI
+    # call failed on the vanished peer first ("process_vm_readv failed") and its abort ended
+    # mpiexec before hydra could (rank 1 died, signal unknown), or rank 0's MPI error did not
+    # say why (cut at MPI_MAX_ERROR_STRING): its line, as it said it. A race, each way once.
     assert rec["status"] == "failed"
-    assert "died (signal 9)" in rec["error"] or "MPI" in rec["error"], rec["error"]
+    named = re.match(r"rank 1 on \S+ died (\(signal 9\) )?during ", rec["error"])
+    assert named or "MPI" in rec["error"], rec["error"]
 
 
 # --- GPU (device machine, 2 GPUs) ----------------------------------------------------------------
