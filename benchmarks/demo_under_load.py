@@ -80,13 +80,21 @@ class Load:
 
 
 def run_demo(out_dir: Path, data_dir: str) -> tuple[int, float]:
-    """`scalelab demo` in its own process with this checkout's src first on the path."""
+    """`scalelab demo` in its own process with this checkout's src first on the path; its
+    output is shown and kept in OUT/demo.log (the audit reads it for 'nan')."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])}  # fmt: skip
     cmd = [sys.executable, "-m", "scalelab", "demo", "--data-dir", data_dir, "-o", str(out_dir)]
     print("$", " ".join(cmd), flush=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    code = subprocess.call(cmd, env=env)
+    with open(out_dir / "demo.log", "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)  # fmt: skip
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            log.write(line)
+        code = proc.wait()
     return code, time.perf_counter() - start
 
 
