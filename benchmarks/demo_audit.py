@@ -127,6 +127,24 @@ def _superlinear(records: list[dict[str, Any]]) -> list[str]:
             recs = [x for x in fams[r.family] if x.get("ranks", 1) in (r.ranks, base)]
             how = "warned" if all(_warned(x) for x in recs) else "unwarned"
             out.append(f"{r.family} {r.series} x{r.ranks}: E={r.efficiency:.2f} ({how})")
+    return out + _superlinear_versions(records)
+
+
+def _superlinear_versions(records: list[dict[str, Any]]) -> list[str]:
+    """The same inside one `versions` table: an N-rank strategy more than SUPERLINEAR x N
+    faster than the torch `local` run of the same dtype (issue 38: ddp x2 58x local)."""
+    out = []
+    for vid in {r.get("versions") for r in records if r.get("versions")}:
+        group = [r for r in ok_records(records) if r.get("versions") == vid]
+        local = {r.get("precision"): r for r in group if r.get("strategy") == "local"}
+        for r in group:
+            base = local.get(r.get("precision"))
+            n = int(r.get("ranks") or 1)
+            if base is None or n < 2 or base["wall_s"] <= SUPERLINEAR * n * r["wall_s"]:
+                continue
+            how = "warned" if _warned(r) or _warned(base) else "unwarned"
+            x = base["wall_s"] / r["wall_s"]
+            out.append(f"versions {r['strategy']} x{n}: {x:.2f}x local ({how})")
     return out
 
 

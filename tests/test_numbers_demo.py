@@ -116,3 +116,16 @@ def test_the_demo_audit_finds_an_unflagged_rank_skew_and_a_nan():
     assert audit.check_skew([rec])["status"] == audit.FLAGGED
     assert audit.check_nan("<td>fits, nan ms</td>", None)["status"] == audit.UNFLAGGED
     assert audit.check_nan("<td>fits, 1.2 ms</td>", "nanoseconds")["status"] == audit.ABSENT
+
+
+def test_the_two_copy_ceilings_name_their_working_sets():
+    """The demo's report showed 'memory copy (cpu, read + write) 22.6 GB/s' (torch, 16 MiB)
+    beside 'CPU memory copy, one core 38.77 GB/s' (NumPy, 8 MiB per thread: L3 on a 32 MiB
+    L3 host); each row now says the working set it measured."""
+    from scalelab.analysis.report_context import _ceiling_rows
+
+    data = _ceilings(1e11, 2.26e10)
+    data["cpu_mem_bw"] = {"one_core": 3.88e10, "all_cores": 4.88e10, "bytes_per_thread": 8 << 20}
+    labels = [label for label, _, _ in _ceiling_rows(data)]
+    assert "memory copy (cpu, read + write, 16 MiB)" in labels, labels
+    assert "CPU memory copy, one core, 8 MiB per thread" in labels, labels

@@ -68,7 +68,10 @@ def _ceiling_rows(c: dict[str, Any]) -> list[tuple[str, str, str]]:
         if isinstance(v, (int, float))
     ]
     if isinstance(c.get("mem_bw"), (int, float)):
-        rows.append((f"memory copy ({dev}, read + write)", f"{c['mem_bw'] / 1e9:.1f}", "GB/s"))
+        size = _mib(max((r.get("bytes", 0) for r in c.get("mem_bw_detail") or []), default=0))
+        rows.append(
+            (f"memory copy ({dev}, read + write{size})", f"{c['mem_bw'] / 1e9:.1f}", "GB/s")
+        )
     for way in ("h2d", "d2h"):
         for kind, v in (c.get(way) or {}).items():
             rows.append((f"{way} {kind}", f"{v / 1e9:.2f}", "GB/s"))
@@ -79,7 +82,8 @@ def _ceiling_rows(c: dict[str, Any]) -> list[tuple[str, str, str]]:
         for cores in ("one_core", "all_cores"):
             v = (c.get(key) or {}).get(cores)
             if isinstance(v, (int, float)):
-                rows.append((f"{what}, {cores.replace('_', ' ')}", f"{v / scale:.2f}", unit))
+                size = _mib((c.get(key) or {}).get("bytes_per_thread", 0), " per thread")
+                rows.append((f"{what}, {cores.replace('_', ' ')}{size}", f"{v / scale:.2f}", unit))
     for backend, ops in (c.get("comm") or {}).items():
         for op, fit in ops.items():
             if isinstance(fit, dict) and "alpha_s" in fit:
@@ -89,6 +93,12 @@ def _ceiling_rows(c: dict[str, Any]) -> list[tuple[str, str, str]]:
                 )
                 rows.append((f"{backend} {op} bandwidth", f"{fit['beta_Bps'] / 1e9:.2f}", "GB/s"))
     return rows
+
+
+def _mib(nbytes: Any, tail: str = "") -> str:
+    """', 16 MiB' (the working set of a copy ceiling: issue 38's demo showed torch's copy at
+    16 MiB, 22.6 GB/s, beside NumPy's at 8 MiB per thread, 38.8 GB/s: cache vs memory)."""
+    return f", {nbytes / (1 << 20):g} MiB{tail}" if isinstance(nbytes, int) and nbytes else ""
 
 
 def versions_section(records: list[dict[str, Any]]) -> Section:
