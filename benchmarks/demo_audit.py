@@ -87,7 +87,7 @@ def shown(page: str, text: str) -> bool:
 
 
 # --- 1. threads ----------------------------------------------------------------------------
-def check_threads(records: list[dict[str, Any]]) -> dict[str, str]:
+def check_threads(records: list[dict[str, Any]], page: str | None) -> dict[str, str]:
     """Every CPU run says how many threads it took and why; threads x ranks on the host fit
     its CPUs or the run is warned; a superlinear speedup is on warned runs only."""
     bad, kinds, worst = [], {}, 0.0
@@ -104,10 +104,11 @@ def check_threads(records: list[dict[str, Any]]) -> dict[str, str]:
         worst = max(worst, need / cpus)
         if need > cpus and not _warned(rec, "oversub"):
             bad.append(f"{rec['id']}: {need} threads on {cpus:g} CPUs, no warning")
-    over = _superlinear(records)
-    bad += [o for o in over if "unwarned" in o]
+    over = _superlinear(records, page)
+    bad += [o for o in over if "unwarned" in o or "unflagged" in o]
+    rest = "; ".join(b for b in bad if b not in over)
     evidence = (f"threads source {kinds}; most threads x ranks / CPUs {worst:.2f}; "
-                f"superlinear speedups: {over or 'none'}; " + "; ".join(bad))  # fmt: skip
+                f"superlinear speedups: {over or 'none'}; {rest}")  # fmt: skip
     return row("1 threads chosen and said why", verdict(over, bad), evidence)
 
 
@@ -115,7 +116,7 @@ def _warned(rec: dict[str, Any], word: str = "") -> bool:
     return any(word in w for w in rec.get("warnings") or [])
 
 
-def _superlinear(records: list[dict[str, Any]]) -> list[str]:
+def _superlinear(records: list[dict[str, Any]], page: str | None) -> list[str]:
     """Scaling points faster than SUPERLINEAR x linear, and whether their runs (the N-rank
     and the baseline's) carry warnings."""
     table = scaling.scaling_table(records, None)
@@ -127,10 +128,10 @@ def _superlinear(records: list[dict[str, Any]]) -> list[str]:
             recs = [x for x in fams[r.family] if x.get("ranks", 1) in (r.ranks, base)]
             how = "warned" if all(_warned(x) for x in recs) else "unwarned"
             out.append(f"{r.family} {r.series} x{r.ranks}: E={r.efficiency:.2f} ({how})")
-    return out + _superlinear_versions(records)
+    return out + _superlinear_versions(records, page)
 
 
-def _superlinear_versions(records: list[dict[str, Any]]) -> list[str]:
+def _superlinear_versions(records: list[dict[str, Any]], page: str | None) -> list[str]:
     """The same inside one `versions` table: an N-rank strategy more than SUPERLINEAR x N
     faster than the torch `local` run of the same dtype (issue 38: ddp x2 58x local)."""
     out = []
@@ -142,7 +143,8 @@ def _superlinear_versions(records: list[dict[str, Any]]) -> list[str]:
             n = int(r.get("ranks") or 1)
             if base is None or n < 2 or base["wall_s"] <= SUPERLINEAR * n * r["wall_s"]:
                 continue
-            how = "warned" if _warned(r) or _warned(base) else "unwarned"
+            flag = f"superlinear: {n} ranks"  # the versions table's own flag (report)
+            how = "flagged" if page is None or shown(page, flag) else "unflagged"
             x = base["wall_s"] / r["wall_s"]
             out.append(f"versions {r['strategy']} x{n}: {x:.2f}x local ({how})")
     return out
@@ -269,6 +271,11 @@ def check_ceilings(ceilings: dict[str, Any] | None, page: str | None) -> dict[st
         if spread > ceiling_checks.UNSTABLE:
             named = any(w.startswith(f"unstable ceiling: {what}") for w in warnings)
             (found if named else bad).append(f"{what} {rate:.3g} spread {spread:.0%}")
+    for m in ceilings.get("moved") or []:  # against the file it replaced (a demo re-run)
+        named = any(w.startswith(f"ceiling moved: {m['what']}") for w in warnings)
+        (found if named else bad).append(
+            f"{m['what']} moved {m['ratio']:.3g}x since {m['old_date']}"
+        )
     for w in warnings:
         if page is not None and not shown(page, w):
             bad.append(f"warning not on the report: {w[:60]}")
@@ -395,7 +402,7 @@ def audit(out: Path) -> list[dict[str, str]]:
     page = ppath.read_text() if ppath.exists() else None
     log = lpath.read_text(errors="replace") if lpath.exists() else None
     return [
-        check_threads(records),
+        check_threads(records, page),
         check_layers(records, ceilings, page),
         check_roofline(records, ceilings, page),
         check_skew(records),

@@ -129,3 +129,24 @@ def test_the_two_copy_ceilings_name_their_working_sets():
     labels = [label for label, _, _ in _ceiling_rows(data)]
     assert "memory copy (cpu, read + write, 16 MiB)" in labels, labels
     assert "CPU memory copy, one core, 8 MiB per thread" in labels, labels
+
+
+def test_a_superlinear_versions_row_is_flagged_in_its_table():
+    """The demo beside two busy processes per core: `mpi` on 2 ranks 4.53x faster than
+    `local` (one thread each), every row warned only 'host busy'. The versions table now
+    says it beside the speedup; a row within 1.5 x ranks says nothing."""
+    from scalelab.analysis.report_context import versions_section
+
+    def rec(strategy: str, ranks: int, wall_s: float, split: str | None = None) -> dict:
+        return {"id": strategy + str(wall_s), "status": "ok", "workload": "alexnet",
+                "strategy": strategy, "mode": "infer", "ranks": ranks, "precision": "fp32",
+                "wall_s": wall_s, "items": 4, "relerr": 1e-7, "check_passed": True,
+                "versions": "v1", "warnings": ["host busy: other processes kept 1.9 of 2"],
+                "config": {"device": "cpu", "split": split, "batch": 4, "image_size": 67},
+                }  # fmt: skip
+
+    records = [rec("local", 1, 0.0905), rec("mpi", 2, 0.0200, "batch"),
+               rec("mpi", 2, 0.0400, "spatial")]  # fmt: skip
+    _, _, body = versions_section(records)
+    assert body.count("superlinear: 2 ranks") == 1, body
+    assert "superlinear: 2 ranks 4.5x local" in body
