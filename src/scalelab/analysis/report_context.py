@@ -10,6 +10,8 @@ import pandas as pd
 from scalelab.analysis import html, roofline
 from scalelab.analysis.frame import ok_records
 
+# N ranks more than this x N faster than one `local` process: a contradiction to flag.
+SUPERLINEAR = 1.5
 Section = tuple[str, str, str]
 
 
@@ -68,7 +70,10 @@ def _ceiling_rows(c: dict[str, Any]) -> list[tuple[str, str, str]]:
         if isinstance(v, (int, float))
     ]
     if isinstance(c.get("mem_bw"), (int, float)):
-        rows.append((f"memory copy ({dev}, read + write)", f"{c['mem_bw'] / 1e9:.1f}", "GB/s"))
+        size = _mib(max((r.get("bytes", 0) for r in c.get("mem_bw_detail") or []), default=0))
+        rows.append(
+            (f"memory copy ({dev}, read + write{size})", f"{c['mem_bw'] / 1e9:.1f}", "GB/s")
+        )
     for way in ("h2d", "d2h"):
         for kind, v in (c.get(way) or {}).items():
             rows.append((f"{way} {kind}", f"{v / 1e9:.2f}", "GB/s"))
@@ -79,7 +84,8 @@ def _ceiling_rows(c: dict[str, Any]) -> list[tuple[str, str, str]]:
         for cores in ("one_core", "all_cores"):
             v = (c.get(key) or {}).get(cores)
             if isinstance(v, (int, float)):
-                rows.append((f"{what}, {cores.replace('_', ' ')}", f"{v / scale:.2f}", unit))
+                size = _mib((c.get(key) or {}).get("bytes_per_thread", 0), " per thread")
+                rows.append((f"{what}, {cores.replace('_', ' ')}{size}", f"{v / scale:.2f}", unit))
     for backend, ops in (c.get("comm") or {}).items():
         for op, fit in ops.items():
             if isinstance(fit, dict) and "alpha_s" in fit:
@@ -89,6 +95,12 @@ def _ceiling_rows(c: dict[str, Any]) -> list[tuple[str, str, str]]:
                 )
                 rows.append((f"{backend} {op} bandwidth", f"{fit['beta_Bps'] / 1e9:.2f}", "GB/s"))
     return rows
+
+
+def _mib(nbytes: Any, tail: str = "") -> str:
+    """', 16 MiB' (the working set of a copy ceiling: issue 38's demo showed torch's copy at
+    16 MiB, 22.6 GB/s, beside NumPy's at 8 MiB per thread, 38.8 GB/s: cache vs memory)."""
+    return f", {nbytes / (1 << 20):g} MiB{tail}" if isinstance(nbytes, int) and nbytes else ""
 
 
 def versions_section(records: list[dict[str, Any]]) -> Section:
@@ -146,6 +158,9 @@ def _versions_table(recs: list[dict[str, Any]]) -> str:
     serial = df.loc[df["strategy"] == "serial", "wall ms"]
     base = serial.iloc[-1] if len(serial) else df["wall ms"].max()
     df.insert(8, "speedup", base / df["wall ms"])
+    df["warnings"] = [
+        "; ".join(x for x in pair if x) for pair in zip(_superlinear(df), df["warnings"])
+    ]
     fmts = {"wall ms": ".2f", "CV": ".1%", "items/s": ".1f", "speedup": lambda v: f"{v:.1f}x",
             "relerr": ".1e"}  # fmt: skip
     bad = {
@@ -153,6 +168,26 @@ def _versions_table(recs: list[dict[str, Any]]) -> str:
         "warnings": lambda v: "warn" if v else "",
     }
     return html.table(df, fmts, classes=bad, text_cols={"digest"} | text_columns(df))
+
+
+def _superlinear(df: pd.DataFrame) -> list[str]:
+    """Per row: a note when N ranks ran more than SUPERLINEAR x N faster than the table's
+    torch `local` run of the same dtype and device. On a busy host N ranks get N shares of
+    the CPUs against local's one (issue 38: `ddp --ranks 2` 58x `local`; the demo beside two
+    busy processes per core: mpi x2 4.5x local, each row warned only 'host busy')."""
+    keys = list(zip(df["dtype"], df["device"]))
+    base = {
+        k: wall
+        for k, wall, strategy, n in zip(keys, df["wall ms"], df["strategy"], df["ranks"])
+        if strategy == "local" and n == 1
+    }
+    out = []
+    for k, wall, n in zip(keys, df["wall ms"], df["ranks"]):
+        x = base[k] / wall if k in base and n > 1 else 0.0
+        out.append(f"superlinear: {n} ranks {x:.1f}x local (over {SUPERLINEAR:g} x ranks: "
+                   "the ranks got more of the CPUs than local did; a busy host?)"
+                   if x > SUPERLINEAR * n else "")  # fmt: skip
+    return out
 
 
 def text_columns(df: pd.DataFrame) -> set[str]:

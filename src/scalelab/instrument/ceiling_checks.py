@@ -13,6 +13,11 @@ above their roof. These relations hold on any machine, so a violation means unde
 Each GEMM and copy figure is the best of repeated blocks; one whose blocks spread more than
 UNSTABLE (the median block that much slower than the best) is named in `warnings` too.
 
+Across runs: a GEMM or copy figure that moved from the file it replaces (same host, device
+and --quick) by more than its blocks' spread allows (and at least MOVED) is named in
+`warnings` and listed in `moved` (issue 38: two `ceilings --quick` runs minutes apart gave
+fp32 GEMM 194 vs 94.8 GF/s, memory copy 46.7 vs 6.41 GB/s, and neither said so).
+
 `scalelab ceilings` re-measures the sections a violation names (up to RETRIES more passes,
 keeping each figure's best over the passes: the best stable figure), and whatever still
 fails is written into the file's `warnings` and printed on stderr, never silently.
@@ -31,6 +36,8 @@ DATASHEET_SLACK = 1.05
 CORES_SLACK = 0.98
 # The median of a ceiling's timed blocks this much slower than its best: an unstable figure.
 UNSTABLE = 0.25
+# A figure this much (max / min - 1) away from the previous file's, or its spread if larger.
+MOVED = 0.25
 
 
 def violations(data: dict[str, Any]) -> list[tuple[str, str]]:
@@ -68,6 +75,60 @@ def unstable_notes(data: dict[str, Any]) -> list[str]:
     if best is not None and best.get("spread", 0.0) > UNSTABLE:
         out.append(_unstable("memory copy", best["Bps"], "B/s", best))
     return out
+
+
+def published(data: dict[str, Any]) -> dict[str, tuple[float, float]]:
+    """What the file publishes with a spread: {name: (figure, its best block's spread)}."""
+    out = {}
+    gemm = data.get("gemm_flops") or {}
+    for name, rows in (gemm.get("detail") or {}).items():
+        rows = [r for r in rows if isinstance(r, dict) and "flops" in r]
+        if rows and isinstance(gemm.get(name), (int, float)):
+            best = min(rows, key=lambda r: abs(r["flops"] - gemm[name]))  # the one published
+            out[f"{name} GEMM"] = (float(gemm[name]), float(best.get("spread", 0.0)))
+    rows = [r for r in data.get("mem_bw_detail") or [] if isinstance(r, dict) and "Bps" in r]
+    if rows and isinstance(data.get("mem_bw"), (int, float)):
+        best = min(rows, key=lambda r: abs(r["Bps"] - data["mem_bw"]))
+        out["memory copy"] = (float(data["mem_bw"]), float(best.get("spread", 0.0)))
+    return out
+
+
+def moved(new: dict[str, Any], old: dict[str, Any]) -> list[dict[str, Any]]:
+    """The figures of `new` that moved from `old` (the file it replaces: same host, device
+    and --quick, else nothing to compare) beyond max(MOVED, either file's spread)."""
+    if not old or _setup(new) != _setup(old):
+        return []
+    before, out = published(old), []
+    for what, (rate, spread) in published(new).items():
+        if what not in before or min(rate, before[what][0]) <= 0:
+            continue
+        ratio = max(rate, before[what][0]) / min(rate, before[what][0])
+        allowed = max(MOVED, spread, before[what][1])
+        if ratio - 1 > allowed:
+            out.append({"what": what, "new": rate, "old": before[what][0],
+                        "ratio": round(ratio, 3), "allowed": round(allowed, 3),
+                        "old_date": (old.get("machine") or {}).get("date")})  # fmt: skip
+    return out
+
+
+def _setup(data: dict[str, Any]) -> tuple[Any, ...]:
+    return (data.get("machine") or {}).get("hostname"), data.get("device"), data.get("quick")
+
+
+def moved_note(m: dict[str, Any]) -> str:
+    unit = "B/s" if m["what"] == "memory copy" else "FLOP/s"
+    return (f"ceiling moved: {m['what']} {m['new']:.3g} {unit} is {m['ratio']:.2f}x off the "
+            f"{m['old']:.3g} of the file it replaces ({m['old_date']}), beyond the "
+            f"{m['allowed']:.0%} its spread allows: the host changed between runs (busy?); "
+            "re-measure on a quiet host")  # fmt: skip
+
+
+def flag_moved(data: dict[str, Any], previous: dict[str, Any]) -> None:
+    """Name in data's `warnings` (and list in `moved`) what moved from `previous`."""
+    found = moved(data, previous)
+    if found:
+        data["moved"] = found
+        data["warnings"] = [*data.get("warnings", []), *map(moved_note, found)]
 
 
 def _unstable(what: str, rate: float, unit: str, row: dict[str, Any]) -> str:

@@ -40,7 +40,8 @@ def host_ceilings(plan: Plan) -> dict[str, Any]:
     copy = lambda threads: numpy_copy_bandwidth(plan.cpu_copy_bytes, threads, plan)  # noqa: E731
     return {
         "cpu_gemm_flops": {**_cores_pair(best, cores), "cores": cores, "dtype": "fp64"},
-        "cpu_mem_bw": _cores_pair(copy, cores),
+        # the working set says which cache or memory it measured (8 MiB: L3 on many hosts)
+        "cpu_mem_bw": {**_cores_pair(copy, cores), "bytes_per_thread": plan.cpu_copy_bytes},
     }
 
 

@@ -12,7 +12,9 @@ fewer than one per rank (a busy host: one per rank). The choice and why go in th
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -25,7 +27,7 @@ SAMPLE_S = 0.1  # how long the host is watched before a run: long enough for 10 
 @dataclass(frozen=True)
 class ThreadChoice:
     threads: int
-    source: str  # "--threads", "chosen", "torch default" (a GPU run)
+    source: str  # "--threads", "chosen", "torch default" (a GPU run), "BLAS default" (serial)
     why: str
 
     def as_record(self) -> dict[str, Any]:
@@ -64,8 +66,7 @@ def choose(allowed: float, limited_by: str, ranks_here: int, others: float | Non
 def pick(user: int | None, device: str, ranks_here: int, default: int) -> ThreadChoice:
     """The thread count for this rank: the user's, else (CPU) the free CPUs' share."""
     if user is not None:
-        why = "given (under srun without --threads: the CPUs Slurm gave each task)"
-        return ThreadChoice(threads=user, source="--threads", why=why)
+        return given(user)
     if device != "cpu":
         why = f"{device} run: host threads mostly wait for the device"
         return ThreadChoice(threads=default, source="torch default", why=why)
@@ -76,6 +77,27 @@ def pick(user: int | None, device: str, ranks_here: int, default: int) -> Thread
         return ThreadChoice(threads=1, source="chosen", why=why)
     others = others_busy(host_checks.affinity_cpus())
     return choose(allowed, limited_by, ranks_here, others, default)
+
+
+def given(user: int, env: dict[str, str] | None = None) -> ThreadChoice:
+    """The user's count; the srun clause only where srun started this task (the demo's
+    --threads 1 runs said "under srun" on a laptop: issue 38's 'say why' taken literally)."""
+    env = os.environ if env is None else env
+    why = "given by --threads"
+    if env.get("SLURM_STEP_ID") is not None:
+        why += " (under srun without --threads: the CPUs Slurm gave each task)"
+    return ThreadChoice(threads=user, source="--threads", why=why)
+
+
+def blas() -> ThreadChoice:
+    """The serial (NumPy float64) strategy's threads: NumPy's BLAS held to one thread where
+    threadpoolctl is installed, else the BLAS's own default (the whole host, busy or not)."""
+    if importlib.util.find_spec("threadpoolctl") is not None:
+        why = "the float64 reference: NumPy's BLAS held to one thread (threadpoolctl)"
+        return ThreadChoice(threads=1, source="chosen", why=why)
+    why = ("threadpoolctl is not installed: NumPy's BLAS takes its own default, up to every "
+           "core whatever the load (pip install threadpoolctl holds it to one)")  # fmt: skip
+    return ThreadChoice(threads=os.cpu_count() or 1, source="BLAS default", why=why)
 
 
 def summary_line(rec: dict[str, Any]) -> str | None:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from scalelab.errors import UsageError
+from scalelab.instrument import threads
 from scalelab.instrument.timer import PhaseTimer, timed_iterations
 from scalelab.precision import get_precision
 from scalelab.results import RunOutput
@@ -41,6 +42,7 @@ class SerialStrategy(Strategy):
         super().__init__(cfg)
         self.precision = get_precision("fp64")  # the oracle computes in float64, whatever asked
         self.timer = PhaseTimer()
+        self.thread_choice = threads.blas()  # the record's `threads`, like the torch runs'
 
     def validate(self, workload: Workload) -> None:
         if not workload.has_reference():

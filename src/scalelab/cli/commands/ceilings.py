@@ -23,7 +23,7 @@ from scalelab.cli.commands import ceilings_collectives as coll
 from scalelab.comm.launch import inside_launcher
 from scalelab.errors import UsageError
 from scalelab.instrument import ceilings as C
-from scalelab.instrument.ceiling_checks import self_check
+from scalelab.instrument.ceiling_checks import flag_moved, self_check
 from scalelab.instrument.collective_bench import measure_collectives
 from scalelab.instrument.comm_bench import measure_comm, message_sizes
 from scalelab.instrument.host_checks import HostProbe, load_warning
@@ -95,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         data = C.new_ceilings(C.measure_local(device, args.quick, args.quiet))
         checked_local(data, device, args.quick)
+        flag_moved(data, previous)  # against the file it replaces: same host, across runs
         data["comm"] = {k: v for k, v in previous.get("comm", {}).items() if k != args.backend}
     if args.ranks > 1:
         comm = default_mpi(args) if default_comm else launch_comm(args)
