@@ -210,6 +210,7 @@ def test_a_stopped_jobs_cause_is_read_from_scontrol(
         (reason, "COMPLETING") if reason else (None, None)
     )
     assert slurm.stop_cause(info, near, {"SLURM_RESTART_COUNT": attempt}) == cause
+    assert slurm.job_info("") == {}  # no job id: nobody's fields
 
 
 def test_a_one_process_strategy_under_several_srun_tasks_is_refused(cli, tmp_path, monkeypatch):

@@ -135,7 +135,10 @@ def job_fields(env: Mapping[str, str] | None = None) -> dict[str, object] | None
 
 
 def job_info(job_id: str) -> dict[str, str]:
-    """`scontrol show job -o JOB` as fields (empty when scontrol cannot say)."""
+    """`scontrol show job -o JOB` as fields (empty when scontrol cannot say; no id: not every
+    job's fields, as `scontrol show job ""` would print)."""
+    if not job_id.strip():
+        return {}
     try:
         out = subprocess.run(
             ["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=20
