@@ -120,9 +120,11 @@ def preamble(opts: SlurmOptions, lay: Layout) -> list[str]:
 def point_script(
     study: Study, point: Point, lay: Layout, opts: SlurmOptions, plugin: str, logs: Path, tag=""
 ):
+    """One point's job; tag (`n2`) names its node count where a study has several."""
+    name = job_name(study, point.index) + (f"-{tag}" if tag else "")
     return "\n".join(
         [
-            *header(job_name(study, point.index) + tag, lay, opts, f"{logs}/%x-%j.out"),
+            *header(name, lay, opts, f"{logs}/%x-%j.out"),
             f"# scalelab study {study.name}, point {point.index}: {point.describe()}",
             *preamble(opts, lay),
             *point_lines(point, lay, opts, plugin, study.results),
@@ -198,43 +200,35 @@ def write_scripts(
 ) -> list[Path]:
     """Write the job scripts, report.sbatch and submit_all.sh; returns the job scripts.
     Every point's layout is checked before anything is written. node_counts (--nodes 1,2):
-    each point once per node count it spreads over differently (a 1-rank point once)."""
+    each point once per node count it spreads over differently (a 1-rank point once); only
+    `layout` reads the node count, so the rest of the script takes `opts` as given."""
     counts = sorted(set(node_counts or (opts.nodes,)))
-    jobs: list[tuple[Point, Layout, SlurmOptions]] = []
-    for n in counts:
-        per = replace(opts, nodes=n)
-        for p in points(study):
-            lay = layout(p, per)
-            if not any(q.index == p.index and have == lay for q, have, _ in jobs):
-                jobs.append((p, lay, per))
-    jobs.sort(key=lambda job: job[0].index)
-    return _write(study, jobs, out_dir, array, tagged=len(counts) > 1)
-
-
-def _write(study: Study, jobs, out_dir: Path, array: bool, tagged: bool) -> list[Path]:
-    opts = jobs[0][2]
-    lays = [lay for _, lay, _ in jobs]
+    jobs: list[tuple[Point, Layout]] = []
+    for p in points(study):
+        for n in counts:
+            lay = layout(p, replace(opts, nodes=n))
+            if (p, lay) not in jobs:
+                jobs.append((p, lay))
     log_dir = out_dir.resolve() / "logs"
     if not SAFE_PATH.match(str(log_dir)):
         raise UsageError(f"{log_dir}: #SBATCH --output cannot take this path; pick a plainer -o")
-    needs_mpi = any(lay.launcher == "mpi" for lay in lays)
+    needs_mpi = any(lay.launcher == "mpi" for _, lay in jobs)
     plugin = opts.mpi_plugin or (default_mpi_plugin() if needs_mpi else "pmi2")
     if needs_mpi:
         check_plugin(plugin)
     log_dir.mkdir(parents=True, exist_ok=True)
     texts: dict[str, str] = {}
     if array:
-        groups: dict[Layout, list[tuple[Point, SlurmOptions]]] = defaultdict(list)
-        for p, lay, per in jobs:
-            groups[lay].append((p, per))
+        groups: dict[Layout, list[Point]] = defaultdict(list)
+        for p, lay in jobs:
+            groups[lay].append(p)
         for k, (lay, group) in enumerate(groups.items(), 1):
-            pts, per = [p for p, _ in group], group[0][1]
-            texts[f"array_{k:02d}.sbatch"] = array_script(study, lay, pts, per, plugin, log_dir)
+            texts[f"array_{k:02d}.sbatch"] = array_script(study, lay, group, opts, plugin, log_dir)
     else:
-        for p, lay, per in jobs:
-            tag = f"_n{lay.nodes}" if tagged else ""
-            text = point_script(study, p, lay, per, plugin, log_dir, tag.replace("_", "-"))
-            texts[f"point_{p.index:03d}{tag}.sbatch"] = text
+        for p, lay in jobs:
+            tag = f"n{lay.nodes}" if len(counts) > 1 else ""
+            name = f"point_{p.index:03d}{'_' + tag if tag else ''}.sbatch"
+            texts[name] = point_script(study, p, lay, opts, plugin, log_dir, tag)
     scripts = [out_dir / name for name in texts]
     for path, text in zip(scripts, texts.values()):
         path.write_text(text + "\n")

@@ -75,10 +75,7 @@ def watch(argv: list[str], cfg: RunConfig, results: Path | None) -> tuple[int, d
     stopped: list[int] = []
     previous = {s: signal.signal(s, lambda n, _f: stopped.append(n)) for s in WATCHED}
     before = _lines(results)
-    # A failed record's slow parts (the environment, the git commit: subprocesses) made while
-    # the rank runs: a peer's MPICH may abort the step through PMI the moment this rank dies,
-    # and Slurm then SIGKILLs this task too; the record must be written by then.
-    threading.Thread(target=_prepare_record, daemon=True).start()
+    _prepare_record()
     try:
         # The child gets Slurm's signals itself (the step's processes are all signalled).
         cmd = [sys.executable, "-m", "scalelab", *argv]
@@ -208,10 +205,7 @@ def agent(
     stopped: list[int] = []
     previous = {s: signal.signal(s, lambda n, _f: stopped.append(n)) for s in WATCHED}
     before = _lines(results)
-    # A failed record's slow parts (the environment, the git commit: subprocesses) made while
-    # the rank runs: a peer's MPICH may abort the step through PMI the moment this rank dies,
-    # and Slurm then SIGKILLs this task too; the record must be written by then.
-    threading.Thread(target=_prepare_record, daemon=True).start()
+    _prepare_record()
     try:
         outcome = start()
         return _agent_outcome(outcome, stopped, cfg, results, before), outcome.record
@@ -250,6 +244,13 @@ def _lines(path: Path | None) -> int:
 
 
 def _prepare_record() -> None:
+    """A failed record's slow parts (the environment, the git commit: subprocesses), made in
+    a thread while the rank runs: a peer's MPICH may abort the step through PMI the moment
+    this rank dies, and Slurm then SIGKILLs this task too; the record must be written by then."""
+    threading.Thread(target=_cache_record_parts, daemon=True).start()
+
+
+def _cache_record_parts() -> None:
     from scalelab import environment, record  # noqa: F401  (imported ahead, as the two below)
 
     environment.collect()  # both cached for the record
