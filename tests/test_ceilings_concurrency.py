@@ -72,7 +72,12 @@ def _mlp_step() -> C.StepKernel:
 )
 def test_processes_sharing_one_core_measure_as_slowed(kernel, alone_s):
     """Workers inherit the parent's affinity: pinned to one core, two time-slice it and each
-    call takes about twice as long; the measurement must see that contention."""
+    call takes about twice as long; the measurement must see that contention. Each worker
+    also says its CPU seconds per call, so a round tells its own disturbance apart: two on
+    one core get at most half of it each (wall >= ~2x CPU, whatever else runs), and the
+    slowdown over one alone is judged only where that one had its core (wall < 1.25x CPU).
+    The other test process's load can take the core from the one alone, while the kernel's
+    scheduler moves it off the core the two share (slowdowns of 0.98-1.27 seen in CI)."""
     before = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {min(before)})
     try:
@@ -80,18 +85,23 @@ def test_processes_sharing_one_core_measure_as_slowed(kernel, alone_s):
     finally:
         os.sched_setaffinity(0, before)
     seen = []
-    try:  # up to 3 rounds: the other test process's load may land on the core (see above)
-        for _ in range(3):
-            alone, both = pool.run(1, 0.1), pool.run(2, 0.2)
+    try:  # up to 4 rounds, until one alone had its core to itself
+        for _ in range(4):
+            alone = pool.run(1, 0.1)
+            alone_share = alone[0] / pool.cpu_seconds[0]
+            both = pool.run(2, 0.2)
             assert alone_s[0] < alone[0] < alone_s[1]
+            for wall, cpu in zip(both, pool.cpu_seconds, strict=True):
+                assert wall > 1.5 * cpu, f"two on one core, one had {cpu / wall:.0%} of it"
             slowdown = C.curve([1, 2], [alone, both], "", "")["slowdown"]
             assert slowdown[0] == 1.0
-            seen.append(slowdown[1])
-            if slowdown[1] > 1.4:
+            seen.append((round(slowdown[1], 2), round(alone_share, 2)))
+            if alone_share < 1.25:
+                assert slowdown[1] > 1.4, f"(slowdown, alone's wall/CPU) per round: {seen}"
                 return
     finally:
         pool.close()
-    pytest.fail(f"pinned to one core, two processes measured {seen} times slower, not > 1.4")
+    pytest.skip(f"the core was never free for one alone: (slowdown, wall/CPU) {seen}")
 
 
 def test_a_step_kernel_says_what_it_times():
