@@ -64,16 +64,52 @@ def worker(out: Path, runs: dict[str, dict]) -> None:
     for name, fields in runs.items():
         gc.collect()
         cuda = torch.cuda.is_available() and fields["device"] == "cuda"
+        explain = cuda and rank == 0
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
+        if explain:  # the allocator's own trace of this run: what was alive at its peak
+            torch.cuda.memory._record_memory_history(max_entries=400_000)
         execute(RunConfig(**fields), out / "runs.jsonl")
         peak = {"name": name, "rank": rank}
         if cuda:
             peak["peak_allocated"] = torch.cuda.max_memory_allocated()
             peak["peak_reserved"] = torch.cuda.max_memory_reserved()
+        if explain:
+            peak["at_peak"] = peak_account(torch.cuda.memory._snapshot())
+            torch.cuda.memory._record_memory_history(enabled=None)
         with open(out / f"peaks-rank{rank}.jsonl", "a") as f:
             f.write(json.dumps(peak) + "\n")
+
+
+def peak_account(snapshot: dict, top: int = 12) -> dict:
+    """Replays the allocator's trace (alloc / free_completed) to the moment the most bytes were
+    allocated; returns that moment's bytes and its live blocks grouped by where they were
+    allocated (the innermost frames), largest first: which copy made the peak."""
+    live: dict[int, tuple[int, str]] = {}
+    now = most = 0
+    at_most: dict[int, tuple[int, str]] = {}
+    for trace in snapshot.get("device_traces", []):
+        for ev in trace:
+            if ev["action"] == "alloc":
+                frames = [f"{Path(f['filename']).name}:{f['line']}:{f['name']}"
+                          for f in ev.get("frames", [])
+                          if not f["filename"].startswith("??")][:8]  # fmt: skip
+                live[ev["addr"]] = (ev["size"], " < ".join(frames))
+                now += ev["size"]
+                if now > most:
+                    most, at_most = now, dict(live)
+            elif ev["action"] == "free_completed" and ev["addr"] in live:
+                now -= live.pop(ev["addr"])[0]
+    sites: dict[str, list[int]] = {}
+    for size, where in at_most.values():
+        sites.setdefault(where, []).append(size)
+    ranked = sorted(sites.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return {
+        "traced_peak_bytes": most,
+        "blocks_at_peak": len(at_most),
+        "sites": [{"bytes": sum(v), "blocks": len(v), "where": k} for k, v in ranked],
+    }
 
 
 def predicted(fields: dict) -> dict:
@@ -110,6 +146,7 @@ def rows(out: Path, runs: dict[str, dict], gpus: int) -> tuple[list[dict], list[
             "predicted_bytes": pred["bytes"], "predicted": pred,
             "measured_over_predicted": None if top is None else top / pred["bytes"],
             "step_s": step_s, "steady_throughput": rec["steady_throughput"],
+            "at_peak_rank0": (peaks[name][0] or {}).get("at_peak"),
         })  # fmt: skip
     return table, records
 
@@ -148,6 +185,10 @@ def main() -> int:
             f"{row['predicted_bytes'] / 2**30:.2f} GiB  ratio "
             f"{'-' if ratio is None else f'{ratio:.3f}'}  step {row['step_s'] * 1e3:.1f} ms"
         )
+        for site in (row["at_peak_rank0"] or {}).get("sites", [])[:6]:
+            print(
+                f"    {site['bytes'] / 2**30:7.3f} GiB in {site['blocks']:4d}: {site['where'][:300]}"
+            )
     return 0
 
 

@@ -77,8 +77,12 @@ class Pool:
         self.multis += other.multis
 
     def candidates(self, scenario: Scenario, spatial: bool = False) -> list[CalPoint]:
-        """One-rank points of the scenario's family; spatial models prefer spatial records."""
-        fam = self._own([p for p in self.singles if p.family == scenario.family()])
+        """One-rank points of the scenario's family; spatial models prefer spatial records.
+        A one-rank fsdp run is not the bare step (FSDP's per-unit copies and hooks run even
+        on one rank): it calibrates FSDP's host cost (fsdp_single), and the compute only
+        when the family has no other one-rank point."""
+        mine = [p for p in self.singles if p.family == scenario.family()]
+        fam = self._own([p for p in mine if p.strategy != "fsdp"] or mine)
         if spatial:
             same = [p for p in fam if p.split == "spatial"]
             return same or fam
@@ -95,6 +99,14 @@ class Pool:
         host_calibrated), or None when the pool holds none."""
         runs = [m for m in self.multi(scenario) if host_calibrated(m.scenario.cfg)]
         return min(runs, key=lambda m: (anchor_key(m.scenario.cfg), m.source), default=None)
+
+    def fsdp_single(self, scenario: Scenario) -> CalPoint | None:
+        """The one-rank fsdp run of the scenario's family nearest its per-rank batch (FSDP's
+        host cost per step: that run's step less the bare step at its batch), or None."""
+        runs = [p for p in self.singles if p.family == scenario.family()]
+        runs = self._own([p for p in runs if p.strategy == "fsdp"])
+        target = max(scenario.rank_batch, 1e-9)
+        return min(runs, key=lambda p: (abs(math.log(p.batch / target)), p.source), default=None)
 
     def dtensor_anchor(self, scenario: Scenario) -> MultiPoint | None:
         """The measured DTensor run of the scenario's family (dtensor_calibrated) with the

@@ -16,8 +16,17 @@ gather goes before the current unit's reduce-scatter), a unit's compute waits fo
 gather; a reduce-scatter follows its unit's backward, and only what outlasts backward is
 exposed.
 Units are the layers with parameters (the cost table's rows): for a model sharded per
-repeated block the units are coarser than that, so fewer, larger collectives. FSDP's host
-cost per unit is not modelled (no calibrated run yet).
+repeated block the units are coarser than that, so fewer, larger collectives.
+
+    fsdp_host      what FSDP adds to a step on the host and in copies, none of which a
+                   ceiling measures: each unit's pre-forward and post-backward hooks, the
+                   copy of its shard into the gather buffer and out of it into the unsharded
+                   parameters, the gradients' copy into the reduce-scatter buffer, the
+                   optimizer over DTensors. Calibrated on one GPU: a one-rank fsdp run of the
+                   family (every hook and copy runs, the collectives are local) less the bare
+                   step at its batch, H = t_fsdp1(b) - t(b), taken as constant per step (the
+                   copies' bytes move from 1/1 to 1/S of the weights: an upper bound). Without
+                   such a run H = 0 and the prediction says it is a lower bound.
 """
 
 from __future__ import annotations
@@ -102,7 +111,20 @@ class FSDPModel(StrategyModel):
             extra = {k: v for k, v in times.items() if k.endswith("_busy")}
         pred = Prediction(s, phases, COMM, compute.sources, list(compute.notes))
         pred.extra = extra
-        pred.notes.append("fsdp: FSDP's host cost per unit not calibrated (a lower bound)")
+        single = ctx.pool.fsdp_single(s)
+        if single is None or compute.law is None or compute.law.point is single:
+            pred.notes.append(
+                "fsdp: FSDP's host cost not calibrated (no one-rank fsdp run of this "
+                "configuration beside a plain one): a lower bound"
+            )
+            return pred
+        host = max(0.0, single.compute_s - compute.seconds(single.batch))
+        pred.phases["fsdp_host"] = host
+        pred.calibration[single.source] = "FSDP host cost"
+        pred.notes.append(
+            f"fsdp: FSDP's host cost {host * 1e3:.3g} ms/step, calibrated on the one-rank "
+            f"fsdp run {single.source} (batch {single.batch})"
+        )
         return pred
 
     def comm_times(self, ctx: Context, s: Scenario, step: float) -> dict[str, float]:

@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# Session 16's 2-GPU round in one device call, each step bounded by what is left:
+#   1. the host's ceilings (GEMM, copies, NCCL all-reduce / p2p fits on 2 GPUs, quick);
+#   2. per model, calibration on ONE GPU only, then `scalelab predict --strategy fsdp` of its
+#      2-GPU steps from those records (OUT_DIR/predict-*), then the 2-GPU measurements:
+#      - the 1.0e9-parameter deepstack of fsdp_memory.py, plain and fsdp --ranks 1 at 32
+#        items; measured by benchmarks/fsdp_memory.py (ddp vs fsdp peak memory per GPU
+#        against fit's estimate, with the allocator's account of what was alive at each peak);
+#      - the example GPT (12 blocks, width 768, seq 512), plain at 8 and 16 items and fsdp
+#        --ranks 1 at 8; measured under fsdp (reshard on and off) and ddp at 16 items;
+#   3. predicted vs measured, one line per configuration (predict-vs-measured.txt).
+#
+#   benchmarks/gpu_round_s16.sh OUT_DIR SECONDS
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT_DIR=$1; LIMIT=${2:-540}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT_DIR"
+deadline=$(( $(date +%s) + LIMIT ))
+step() {  # step NAME CMD...: bounded by the time left, its log under OUT_DIR
+  local name=$1; shift
+  local left=$(( deadline - $(date +%s) ))
+  if (( left < 15 )); then echo "round: no time left for $name"; return; fi
+  local t0=$(date +%s)
+  timeout --signal=KILL "$left" "$@" >"$OUT_DIR/$name.out" 2>"$OUT_DIR/$name.err"
+  local code=$?
+  echo "round: $name exit $code after $(( $(date +%s) - t0 )) s ($(date -u +%T))"
+  tail -3 "$OUT_DIR/$name.err" | sed 's/^/    /'
+}
+{ date -u +"%F %T UTC"; git rev-parse --short HEAD; nvidia-smi -L; } | tee "$OUT_DIR/host.txt"
+CEIL="$OUT_DIR/ceilings.json"
+step ceilings $PY -m scalelab ceilings --quick --device cuda --no-comm -o "$CEIL"
+step ceilings-nccl $PY -m scalelab ceilings --quick --comm-only --ranks 2 --backend nccl -o "$CEIL"
+
+GPT=(--model examples/models/gpt.py:gpt --model-arg vocab=4096 --model-arg seq=512
+     --model-arg width=768 --model-arg heads=12 --model-arg depth=12 --input-shape 512
+     --input-dtype int64 --vocab 4096 --device cuda --train --lr 1e-3)
+DEEP=(deepstack --convs 1 --fcs 60 --image-size 32 --device cuda --train)
+gpt_run() {  # gpt_run NAME BATCH OUT RUN-ARGS...: 16 steps, one epoch
+  local name=$1 b=$2 out=$3; shift 3
+  step "$name" $PY -m scalelab run "${GPT[@]}" --batch "$b" --train-size $(( 16 * b )) \
+    --heldout-size 16 --epochs 1 --quiet --out "$out" "$@"
+}
+# The deepstack first (calibrate, predict, then measure with fsdp_memory.py), then the GPT.
+CAL="$OUT_DIR/calibration.jsonl"
+step cal-deep-local $PY -m scalelab run "${DEEP[@]}" --batch 32 --train-size 256 --heldout-size 32 \
+  --epochs 1 --lr 1e-3 --momentum 0.9 --quiet --out "$CAL"
+step cal-deep-fsdp1 $PY -m scalelab run "${DEEP[@]}" --batch 32 --train-size 256 --heldout-size 32 \
+  --epochs 1 --lr 1e-3 --momentum 0.9 --quiet --out "$CAL" --strategy fsdp --ranks 1
+PRED=(--ranks 1,2 --gpus-per-node 2 --ceilings "$CEIL" --calibrate "$CAL" --no-plots)
+step predict-deep-fsdp $PY -m scalelab predict "${DEEP[@]}" --strategy fsdp --batch 64 "${PRED[@]}" \
+  -o "$OUT_DIR/predict-deep-fsdp"
+step predict-deep-fsdp-off $PY -m scalelab predict "${DEEP[@]}" --strategy fsdp --batch 64 \
+  --reshard-after-forward off "${PRED[@]}" -o "$OUT_DIR/predict-deep-fsdp-off"
+step fsdp-memory $PY benchmarks/fsdp_memory.py "$OUT_DIR/fsdp_memory_2gpu.json"
+
+gpt_run cal-gpt-local8 8 "$CAL"
+gpt_run cal-gpt-local16 16 "$CAL"
+gpt_run cal-gpt-fsdp1 8 "$CAL" --strategy fsdp --ranks 1
+
+# Predictions from the one-GPU records and the ceilings, before any 2-GPU GPT step runs.
+step predict-gpt-fsdp $PY -m scalelab predict "${GPT[@]}" --strategy fsdp --batch 16 "${PRED[@]}" \
+  -o "$OUT_DIR/predict-gpt-fsdp"
+step predict-gpt-fsdp-off $PY -m scalelab predict "${GPT[@]}" --strategy fsdp --batch 16 \
+  --reshard-after-forward off "${PRED[@]}" -o "$OUT_DIR/predict-gpt-fsdp-off"
+
+MEAS="$OUT_DIR/measured.jsonl"
+gpt_run gpt-fsdp 16 "$MEAS" --strategy fsdp --ranks 2
+gpt_run gpt-fsdp-off 16 "$MEAS" --strategy fsdp --ranks 2 --reshard-after-forward off
+gpt_run gpt-ddp 16 "$MEAS" --strategy ddp --ranks 2
+
+$PY - "$OUT_DIR" <<'PYEOF' | tee "$OUT_DIR/predict-vs-measured.txt"
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+def predicted(name):
+    f = out / name / "predict.json"
+    if not f.exists():
+        return None
+    rows = json.loads(f.read_text())["rows"]
+    return next((r for r in rows if int(r["ranks"]) == 2), None)
+measured = []
+for f in (out / "measured.jsonl", out / "fsdp_memory_2gpu.runs" / "runs.jsonl"):
+    if f.exists():
+        measured += [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+def step_ms(rec):
+    return 1e3 * rec["global_batch"] / rec["steady_throughput"]
+print("configuration                 predicted_ms  measured_ms  error")
+for name, model, reshard in (("predict-gpt-fsdp", "gpt", "on"), ("predict-gpt-fsdp-off", "gpt", "off"),
+                             ("predict-deep-fsdp", "deepstack", "on"),
+                             ("predict-deep-fsdp-off", "deepstack", "off")):
+    p = predicted(name)
+    recs = [r for r in measured if r.get("strategy") == "fsdp" and r.get("status") == "ok"
+            and (model in str(r["config"].get("model") or "") or r["config"].get("workload") == model)
+            and r["config"].get("reshard_after_forward", "on") == reshard]
+    if p is None or not recs:
+        print(f"{name:28} {'-' if p is None else round(p['ms'], 2)}  (no measurement)")
+        continue
+    m = step_ms(recs[-1])
+    print(f"{name:28} {p['ms']:12.2f} {m:12.2f}  {100 * (p['ms'] / m - 1):+.1f}%")
+for r in measured:
+    if r.get("status") == "ok":
+        cfg = r["config"]
+        print(f"  {cfg.get('workload')} {r['strategy']} reshard={cfg.get('reshard_after_forward')} "
+              f"ranks={r['ranks']} step_ms={step_ms(r):.2f} comm={json.dumps(r.get('fsdp_comm'))[:200]}")
+PYEOF
