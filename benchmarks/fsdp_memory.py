@@ -186,9 +186,8 @@ def main() -> int:
             f"{'-' if ratio is None else f'{ratio:.3f}'}  step {row['step_s'] * 1e3:.1f} ms"
         )
         for site in (row["at_peak_rank0"] or {}).get("sites", [])[:6]:
-            print(
-                f"    {site['bytes'] / 2**30:7.3f} GiB in {site['blocks']:4d}: {site['where'][:300]}"
-            )
+            gib, where = site["bytes"] / 2**30, site["where"][:300]
+            print(f"    {gib:7.3f} GiB in {site['blocks']:4d} blocks: {where}")
     return 0
 
 
