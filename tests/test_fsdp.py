@@ -231,6 +231,22 @@ def test_memory_model_shards_state_and_counts_the_gathered_units():
     assert memory.breakdown(off)["gathered"] == weights
     hsdp = memory.as_strategy(cfg, "hsdp", 8)
     assert hsdp.dp_replicate == 2 and memory.breakdown(hsdp)["params"] == fsdp["params"]
+    # ddp's buckets, as large as the gradients, on 2+ ranks only (one rank trains the module)
+    assert ddp["buckets"] == weights and memory.breakdown(cfg)["buckets"] == 0
+    assert memory.device_bytes(memory.as_strategy(cfg, "ddp", 4)) == sum(ddp.values())
+    # fsdp's peak: the forward's end (gathered + activations, no gradients) or the
+    # backward's (every gradient shard, two units gathered), whichever is larger. A stack of
+    # 8 equal layers (fsdp_memory.py's model, small): resharded, the backward's end; not
+    # resharded, the forward's end (all 8 layers gathered).
+    deep = RunConfig(workload="deepstack", convs=1, fcs=8, image_size=32, train=True,
+                     batch=8, momentum=0.9, strategy="fsdp", ranks=2)  # fmt: skip
+    parts = memory.breakdown(deep)
+    shard, acts = parts["params"], parts["activations"]
+    assert memory.device_bytes(deep) == 3 * shard + parts["gathered"]
+    not_resharded = dataclasses.replace(deep, reshard_after_forward="off")
+    whole = memory.breakdown(not_resharded)["gathered"]
+    assert abs(whole - 2 * shard) <= 1 and whole > 2 * parts["gathered"]
+    assert memory.device_bytes(not_resharded) == 2 * shard + whole + acts
     # the smallest rank count that fits: ddp never (its state is whole on every rank)
     limit = 1.2 * memory.device_bytes(memory.as_strategy(cfg, "fsdp", 8))
     assert memory.smallest_ranks(cfg, "fsdp", limit) == 8

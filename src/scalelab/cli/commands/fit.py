@@ -161,8 +161,8 @@ def _find_ranks(cfg: RunConfig, args: argparse.Namespace) -> int:
     if limit is None:
         raise UsageError("--find ranks needs --memory-per-device (bytes per device, e.g. 80GB)")
     print(f"estimated, not run: bytes per rank for {cfg.workload} at global batch {cfg.batch}")
-    print(f"{'strategy':<9} {'ranks':>5} {'params':>10} {'grads':>10} {'optim':>10} "
-          f"{'gathered':>10} {'acts':>10} {'total':>10}")  # fmt: skip
+    heads = ("params", "grads", "buckets", "optim", "gathered", "acts", "peak")
+    print(f"{'strategy':<9} {'ranks':>5} " + " ".join(f"{h:>10}" for h in heads))
     for name in memory.STRATEGIES:
         n = memory.smallest_ranks(cfg, name, limit, args.most or 4096)
         if n is None:
