@@ -69,7 +69,7 @@ def worker(out: Path, runs: dict[str, dict]) -> None:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         if explain:  # the allocator's own trace of this run: what was alive at its peak
-            torch.cuda.memory._record_memory_history(max_entries=400_000)
+            torch.cuda.memory._record_memory_history(stacks="python", max_entries=400_000)
         execute(RunConfig(**fields), out / "runs.jsonl")
         peak = {"name": name, "rank": rank}
         if cuda:

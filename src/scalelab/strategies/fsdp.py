@@ -31,6 +31,7 @@ from torch import nn
 from scalelab.comm import even_counts
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
+from scalelab.instrument.spans import SPANS
 from scalelab.instrument.timer import EventTimer, PhaseTimer, timed_iterations
 from scalelab.results import RunOutput
 from scalelab.strategies import fsdp_units as units
@@ -100,7 +101,10 @@ class FSDPStrategy(DDPStrategy):
         fully_shard(module, **kw)
         self.n_units = len(found) + 1
         self.comm_timer = CommTimer(self.device)
-        self.comm_timer.install(module)
+        # On a GPU the timed collectives are an A/B of their own: installed only under
+        # --timeline/--trace, as DDP's bucket timer is (see fsdp_comm.py).
+        if self.device.type == "cpu" or SPANS.log is not None:
+            self.comm_timer.install(module)
         return module
 
     def full_model(self, workload: Workload, module: nn.Module) -> nn.Module | None:

@@ -12,7 +12,9 @@ hands each FSDP module an all-gather and a reduce-scatter that call torch's defa
 
 What this measures is each collective's own duration, not how much of it compute hid: the
 record's `fsdp_comm` totals are total communication time (exposed + overlapped together).
-Each call becomes a span on the timeline's `comm` lane.
+Each call becomes a span on the timeline's `comm` lane. On a GPU the timer is installed only
+under --timeline or --trace (like DDP's bucket timer): a custom collective is FSDP's other
+code path, and its step time is measured against the untimed one, not taken for it.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class CommTimer:
         }
         self._pending: list[tuple] = []  # CUDA: (kind, bytes, start, step, begin, end)
         self._lock = threading.Lock()
+        self.installed = False
 
     def install(self, model: nn.Module) -> bool:
         """Give every FSDP module of model the timed collectives; False where torch lacks them."""
@@ -56,6 +59,7 @@ class CommTimer:
             if isinstance(m, FSDPModule):
                 m.set_custom_all_gather(_TimedAllGather(self))
                 m.set_custom_reduce_scatter(_TimedReduceScatter(self))
+        self.installed = True
         return True
 
     def time(self, kind: str, nbytes: int, call: Any) -> Any:
@@ -89,6 +93,8 @@ class CommTimer:
         for kind, nbytes, start, step, begin, end in pending:
             end.synchronize()
             self._book(kind, nbytes, start, begin.elapsed_time(end) / 1e3, step)
+        if not self.installed:
+            return {"clock": "not timed (on a GPU only under --timeline or --trace)"}
         out: dict[str, Any] = {"clock": "cuda events" if self.cuda else "host"}
         for kind, t in self.totals.items():
             out.update({f"{kind}_s": t["s"], f"{kind}_calls": t["calls"],
