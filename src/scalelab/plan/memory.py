@@ -14,8 +14,9 @@ backward) at the rank's share of the model and of the batch.
                                                  norms and head whole (predict/models/blocks)
     --dp D replicas of K stages or N tp ranks    1/K or 1/N of the parameters, B / D items
                                                  per replica shared as above
-    ddp on 2+ ranks, training                    as data parallel, plus DDP's gradient
-                                                 buckets (the first step holds both)
+    ddp on 2+ ranks, training                    as data parallel, plus a second set of
+                                                 DDP's gradient buckets (rebuilt on the
+                                                 second step beside the first)
     fsdp, N ranks, --dp-replicate R (HSDP)       parameters, gradients, optimizer state
                                                  1/(N/R) each, plus the whole weights of the
                                                  largest layer twice (the gathered unit and
@@ -118,10 +119,12 @@ def breakdown(cfg: RunConfig) -> dict[str, int]:
     """Estimated bytes per rank by kind: parameters, gradients, DDP's gradient buckets,
     optimizer state (the rank's share), gathered (fsdp's whole units), activations.
 
-    DDP keeps all-reduce buckets as large as the gradients; from its second step the
-    gradients are views of them (gradient_as_bucket_view), but its first optimizer step still
-    holds autograd's own gradients beside them: measured on 2x H100, 1.0e9 parameters, fp32,
-    SGD with momentum, 15.37 GiB at that step = four copies of the weights."""
+    DDP keeps all-reduce buckets as large as the gradients (the gradients are views of them:
+    gradient_as_bucket_view), and on its second step's forward it rebuilds them in the order
+    the gradients arrived while the first set is still alive: the allocator's trace at the
+    peak (2x H200, 1.0e9 parameters, fp32, SGD with momentum: 15.37 GiB) holds the weights,
+    the buckets allocated when DDP wrapped the model, the rebuilt ones and the momentum,
+    four copies of the weights ("grads" and "buckets" here)."""
     params, acts = estimate_bytes(dataclasses.replace(cfg, batch=1))
     state = 2 + (1 if cfg.momentum else 0)  # weights, gradients (, momentum): estimate_bytes
     weights = params // state
