@@ -19,11 +19,12 @@ log="$OUT_DIR/gpu_suite_${gpus}gpu.log"
 {
   date -u +"%F %T UTC"; git rev-parse --short HEAD 2>/dev/null; nvidia-smi -L
   start=$(date +%s)
-  # Test files in parallel (pytest-xdist where the image has it; a file's tests stay in one
-  # worker, so Triton's autotuning cache and a file's fixtures are shared): on a fresh 2x H200
-  # the files one after another took over 420 s, the two 2-GPU ddp files alone ~160 s.
+  # Tests in parallel (pytest-xdist where the image has it), one by one rather than a file
+  # per worker: on a fresh 2x H200 the files one after another took over 420 s, and a file
+  # per worker 351 s, one worker running test_fast_gpu.py's ~30 kernel tests (each autotuning
+  # in its own process) while the others had finished.
   par=()
-  "$PYTHON" -c "import xdist" 2>/dev/null && par=(-n "${WORKERS:-4}" --dist loadfile)
+  "$PYTHON" -c "import xdist" 2>/dev/null && par=(-n "${WORKERS:-4}" --dist load)
   timeout --signal=KILL "$LIMIT" "$PYTHON" -m pytest -m gpu -p no:randomly -p no:cacheprovider \
     "${par[@]}" -rA -v --durations=15 "$@"
   code=$?
