@@ -22,9 +22,10 @@ log="$OUT_DIR/gpu_suite_${gpus}gpu.log"
   # Tests in parallel (pytest-xdist where the image has it), one by one rather than a file
   # per worker: on a fresh 2x H200 the files one after another took over 420 s, and a file
   # per worker 351 s, one worker running test_fast_gpu.py's ~30 kernel tests (each autotuning
-  # in its own process) while the others had finished.
+  # in its own process) while the others had finished; 4 workers one by one, 300 s with
+  # the three 2-GPU pipeline tests (94, 73, 62 s) still running at the end.
   par=()
-  "$PYTHON" -c "import xdist" 2>/dev/null && par=(-n "${WORKERS:-4}" --dist load)
+  "$PYTHON" -c "import xdist" 2>/dev/null && par=(-n "${WORKERS:-8}" --dist load)
   timeout --signal=KILL "$LIMIT" "$PYTHON" -m pytest -m gpu -p no:randomly -p no:cacheprovider \
     "${par[@]}" -rA -v --durations=15 "$@"
   code=$?
