@@ -281,3 +281,32 @@ def test_fsdp_step_model_overlaps_gathers_and_scatters():
     # nothing to hide behind: one link, so nearly all of the 12 s of collectives is exposed
     exposed = tight["allgather"] + tight["reducescatter"]
     assert 11.5 < exposed <= tight["allgather_busy"] + tight["reducescatter_busy"]
+
+
+def test_fsdp_host_cost_is_calibrated_on_a_one_rank_fsdp_run():
+    """A one-rank fsdp run of the family (10 ms plain + 4 ms of FSDP's hooks and copies at 8
+    items) sets fsdp's host cost to the difference, added to every fsdp step; it never
+    calibrates another strategy's compute, which stays on the plain run."""
+    from scalelab.predict.calibration import CalPoint, Pool
+    from scalelab.predict.figures import Figures
+    from scalelab.predict.frame import predict_one
+    from scalelab.predict.models import Context
+    from scalelab.predict.scenario import Scenario
+
+    ceilings = Path(__file__).parent / "fixtures" / "predict" / "ceilings_h200x2.json"
+    figures = Figures(json.loads(ceilings.read_text()), "c.json")
+    cfg = RunConfig(workload="mlp", train=True, device="cuda", batch=16, strategy="fsdp")
+    fam = Scenario(cfg, 1, 1).family()
+    plain = CalPoint(fam, "local", None, 8, 0.010, 0.0, "plain")
+    sharded = CalPoint(fam, "fsdp", None, 8, 0.014, 0.0, "fsdp1")
+    pool = Pool([plain, sharded])
+    pred = predict_one(Context(figures, None, pool), Scenario(cfg, 2, 2))
+    assert pred.phases["fsdp_host"] == pytest.approx(0.004)
+    assert pred.calibration == {"plain": "compute", "fsdp1": "FSDP host cost"}
+    ddp = predict_one(
+        Context(figures, None, pool), Scenario(dataclasses.replace(cfg, strategy="ddp"), 2, 2)
+    )
+    assert ddp.calibration.get("plain") == "compute" and "fsdp1" not in ddp.calibration
+    # without the one-rank fsdp run: no host cost, and the prediction says it is a bound
+    alone = predict_one(Context(figures, None, Pool([plain])), Scenario(cfg, 2, 2))
+    assert "fsdp_host" not in alone.phases and any("lower bound" in n for n in alone.notes)
