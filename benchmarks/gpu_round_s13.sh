@@ -11,22 +11,7 @@
 #   benchmarks/gpu_round_s13.sh OUT_DIR SECONDS
 set -u
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT_DIR=$1; LIMIT=${2:-500}
-PY=${PYTHON:-python3}
-mkdir -p "$OUT_DIR"
-deadline=$(( $(date +%s) + LIMIT ))
-step() {  # step NAME CMD...: bounded by the time left, its log under OUT_DIR
-  local name=$1; shift
-  local left=$(( deadline - $(date +%s) ))
-  if (( left < 15 )); then echo "round: no time left for $name"; return; fi
-  local t0=$(date +%s)
-  timeout --signal=KILL "$left" "$@" >"$OUT_DIR/$name.out" 2>"$OUT_DIR/$name.err"
-  local code=$?
-  echo "round: $name exit $code after $(( $(date +%s) - t0 )) s"
-  tail -4 "$OUT_DIR/$name.err" | sed 's/^/    /'
-}
+source benchmarks/round_steps.sh "$1" "${2:-500}"
 GPT=(--model examples/models/gpt.py:gpt --model-arg vocab=4096 --model-arg seq=512
      --model-arg width=768 --model-arg heads=12 --model-arg depth=12 --input-shape 512
      --input-dtype int64 --vocab 4096 --device cuda --nvml --out "$OUT_DIR/transformer_gpu.jsonl")

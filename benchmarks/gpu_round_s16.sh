@@ -15,22 +15,7 @@
 #   benchmarks/gpu_round_s16.sh OUT_DIR SECONDS
 set -u
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT_DIR=$1; LIMIT=${2:-540}
-PY=${PYTHON:-python3}
-mkdir -p "$OUT_DIR"
-deadline=$(( $(date +%s) + LIMIT ))
-step() {  # step NAME CMD...: bounded by the time left, its log under OUT_DIR
-  local name=$1; shift
-  local left=$(( deadline - $(date +%s) ))
-  if (( left < 15 )); then echo "round: no time left for $name"; return; fi
-  local t0=$(date +%s)
-  timeout --signal=KILL "$left" "$@" >"$OUT_DIR/$name.out" 2>"$OUT_DIR/$name.err"
-  local code=$?
-  echo "round: $name exit $code after $(( $(date +%s) - t0 )) s ($(date -u +%T))"
-  tail -3 "$OUT_DIR/$name.err" | sed 's/^/    /'
-}
+source benchmarks/round_steps.sh "$1" "${2:-540}"
 { date -u +"%F %T UTC"; git rev-parse --short HEAD; nvidia-smi -L; } | tee "$OUT_DIR/host.txt"
 CEIL="$OUT_DIR/ceilings.json"
 step ceilings $PY -m scalelab ceilings --quick --device cuda --no-comm -o "$CEIL"

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Sourced by the GPU round scripts (gpu_round_s13.sh, gpu_round_s16.sh): the environment of a
+# device call and `step`, which runs one bounded step of a round.
+#
+#   source benchmarks/round_steps.sh OUT_DIR SECONDS   (from the repository's root)
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT_DIR=$1; LIMIT=$2
+PY=${PYTHON:-python3}
+mkdir -p "$OUT_DIR"
+deadline=$(( $(date +%s) + LIMIT ))
+step() {  # step NAME CMD...: bounded by the time left, its log under OUT_DIR
+  local name=$1; shift
+  local left=$(( deadline - $(date +%s) ))
+  if (( left < 15 )); then echo "round: no time left for $name"; return; fi
+  local t0=$(date +%s)
+  timeout --signal=KILL "$left" "$@" >"$OUT_DIR/$name.out" 2>"$OUT_DIR/$name.err"
+  local code=$?
+  echo "round: $name exit $code after $(( $(date +%s) - t0 )) s ($(date -u +%T))"
+  tail -3 "$OUT_DIR/$name.err" | sed 's/^/    /'
+}
