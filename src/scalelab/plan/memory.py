@@ -88,9 +88,9 @@ def device_bytes(cfg: RunConfig) -> int:
         # Gradients are freed every step (zero_grad(set_to_none)): at the end of forward the
         # gathered weights and every activation are alive but no gradient; at the end of
         # backward every gradient shard is, while the activations are gone and only the
-        # units being reduced (and prefetched) are gathered. Measured on 2x H100, 1.0e9
-        # parameters: resharded 6.04 GiB (the backward end), not resharded 7.88 GiB (the
-        # forward end: the whole weights beside the shards and the momentum).
+        # units being reduced (and prefetched) are gathered. Measured on 2x H100 and 2x H200,
+        # 1.0e9 parameters: resharded 6.04 GiB (the backward end), not resharded 7.88 GiB
+        # (the forward end: the whole weights beside the shards and the momentum).
         forward = parts["params"] + parts["optimizer"] + parts["gathered"] + parts["activations"]
         backward = parts["params"] + parts["grads"] + parts["optimizer"] + _two_units(cfg)
         return max(forward, backward)

@@ -13,8 +13,9 @@ hands each FSDP module an all-gather and a reduce-scatter that call torch's defa
 What this measures is each collective's own duration, not how much of it compute hid: the
 record's `fsdp_comm` totals are total communication time (exposed + overlapped together).
 Each call becomes a span on the timeline's `comm` lane. On a GPU the timer is installed only
-under --timeline or --trace (like DDP's bucket timer): a custom collective is FSDP's other
-code path, and its step time is measured against the untimed one, not taken for it.
+under --timeline or --trace (like DDP's bucket timer): custom collectives take FSDP's other
+code path, which slowed a 1e9-parameter step on 2x H200 from 150.7 to 175.3 ms, so an
+ordinary run reports the untimed step.
 """
 
 from __future__ import annotations
