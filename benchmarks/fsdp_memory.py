@@ -19,8 +19,10 @@ CUDA allocator's peak statistics reset before each):
 Measured: torch.cuda.max_memory_allocated per rank (what the allocator handed out; the CUDA
 context and the allocator's cached slack are outside it; max_memory_reserved is recorded
 too), and on rank 0 the allocator's own trace replayed to the peak (`at_peak`: the blocks
-alive there, grouped by the Python stack that allocated them, largest first). Predicted: plan/memory.device_bytes (parameters, gradients and momentum at the rank's
-share, fsdp's gathered units, activations from the cost table). The issue's bar: within 10%.
+alive there, grouped by the Python stack that allocated them, largest first). Predicted:
+plan/memory.device_bytes (parameters, gradients and momentum at the rank's share, DDP's
+second set of buckets, fsdp's gathered units, activations from the cost table; fsdp's peak
+at the forward's or the backward's end). The issue's bar: within 10%.
 
 Writes OUT.json: {"rows": [one per strategy: measured per GPU, predicted, ratio, step time],
 "records": [the runs' scalelab records]}. --device cpu --fcs 2 runs the plumbing on gloo
