@@ -72,11 +72,12 @@ def _mlp_step() -> C.StepKernel:
 )
 def test_processes_sharing_one_core_measure_as_slowed(kernel, alone_s):
     """Workers inherit the parent's affinity: pinned to one core, two time-slice it and each
-    call takes about twice as long; the measurement must see that contention. Each worker
-    also says its CPU seconds per call, so a round tells its own disturbance apart: two on
-    one core get at most half of it each (wall >= ~2x CPU, whatever else runs), and the
-    slowdown over one alone is judged only where that one had its core (wall < 1.25x CPU).
-    The other test process's load can take the core from the one alone, while the kernel's
+    call takes about twice as long; the measurement must see that contention (a slowdown
+    over one alone above 1.4). Each worker also says its CPU seconds per call, so a round
+    tells its own disturbance apart: two on one core get at most half of it each (wall >=
+    ~2x CPU, whatever else runs: checked every round), and a round without the slowdown fails
+    only where the one alone had its core (wall < 1.25x CPU). Else it is measured again: the
+    other test process's load can take the core from the one alone while the kernel's
     scheduler moves it off the core the two share (slowdowns of 0.98-1.27 seen in CI)."""
     before = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {min(before)})
@@ -85,7 +86,7 @@ def test_processes_sharing_one_core_measure_as_slowed(kernel, alone_s):
     finally:
         os.sched_setaffinity(0, before)
     seen = []
-    try:  # up to 4 rounds, until one alone had its core to itself
+    try:  # up to 4 rounds
         for _ in range(4):
             alone = pool.run(1, 0.1)
             alone_share = alone[0] / pool.cpu_seconds[0]
@@ -96,9 +97,10 @@ def test_processes_sharing_one_core_measure_as_slowed(kernel, alone_s):
             slowdown = C.curve([1, 2], [alone, both], "", "")["slowdown"]
             assert slowdown[0] == 1.0
             seen.append((round(slowdown[1], 2), round(alone_share, 2)))
-            if alone_share < 1.25:
-                assert slowdown[1] > 1.4, f"(slowdown, alone's wall/CPU) per round: {seen}"
+            if slowdown[1] > 1.4:
                 return
+            # not slowed: a failure where the one alone had its core, else measured again
+            assert alone_share >= 1.25, f"(slowdown, alone's wall/CPU) per round: {seen}"
     finally:
         pool.close()
     pytest.skip(f"the core was never free for one alone: (slowdown, wall/CPU) {seen}")
