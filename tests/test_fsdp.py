@@ -303,6 +303,10 @@ def test_fsdp_host_cost_is_calibrated_on_a_one_rank_fsdp_run():
     pred = predict_one(Context(figures, None, pool), Scenario(cfg, 2, 2))
     assert pred.phases["fsdp_host"] == pytest.approx(0.004)
     assert pred.calibration == {"plain": "compute", "fsdp1": "FSDP host cost"}
+    assert not any("lower bound" in n for n in pred.notes)  # host 0.4x the 10 ms compute
+    heavy = CalPoint(fam, "fsdp", None, 8, 0.030, 0.0, "fsdp1")  # host 20 ms: 2x the compute
+    flagged = predict_one(Context(figures, None, Pool([plain, heavy])), Scenario(cfg, 2, 2))
+    assert any("likely a lower bound" in n for n in flagged.notes), flagged.notes
     ddp = predict_one(
         Context(figures, None, pool), Scenario(dataclasses.replace(cfg, strategy="ddp"), 2, 2)
     )
