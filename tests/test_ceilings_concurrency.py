@@ -4,6 +4,7 @@ sharing one core (time-sliced, so each runs about half as fast)."""
 
 import math
 import os
+import warnings
 
 import pytest
 
@@ -78,7 +79,8 @@ def test_processes_sharing_one_core_measure_as_slowed(kernel, alone_s):
     ~2x CPU, whatever else runs: checked every round), and a round without the slowdown fails
     only where the one alone had its core (wall < 1.25x CPU). Else it is measured again: the
     other test process's load can take the core from the one alone while the kernel's
-    scheduler moves it off the core the two share (slowdowns of 0.98-1.27 seen in CI)."""
+    scheduler moves it off the core the two share (slowdowns of 0.98-1.27 seen in CI). After
+    4 such rounds the test ends on the checks that held, with a warning."""
     before = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {min(before)})
     try:
@@ -103,7 +105,11 @@ def test_processes_sharing_one_core_measure_as_slowed(kernel, alone_s):
             assert alone_share >= 1.25, f"(slowdown, alone's wall/CPU) per round: {seen}"
     finally:
         pool.close()
-    pytest.skip(f"the core was never free for one alone: (slowdown, wall/CPU) {seen}")
+    # Every round's absolute check held (two on one core each had at most ~half of it); only
+    # the ratio to one alone went unjudged, its core never free: said, not skipped.
+    warnings.warn(
+        f"the core was never free for one alone: (slowdown, wall/CPU) {seen}", stacklevel=1
+    )
 
 
 def test_a_step_kernel_says_what_it_times():
