@@ -166,6 +166,7 @@ class Workers:
             self._send(p, {"kernel": kernel.spec(), "threads": threads})
         for p in self.procs:
             self._reply(p)  # "ready": imported, tensors built, one warm-up call done
+        self.cpu_seconds: list[float] = []  # of the last run(), per worker
 
     def run(self, k: int, window: float) -> list[float]:
         """Mean call seconds of each of the first k workers, all started together (their CPU

@@ -92,27 +92,25 @@ def device_bytes(cfg: RunConfig) -> int:
         # 1.0e9 parameters: resharded 6.04 GiB (the backward end), not resharded 7.88 GiB
         # (the forward end: the whole weights beside the shards and the momentum).
         forward = parts["params"] + parts["optimizer"] + parts["gathered"] + parts["activations"]
-        backward = parts["params"] + parts["grads"] + parts["optimizer"] + _two_units(cfg)
+        backward = parts["params"] + parts["grads"] + parts["optimizer"] + _unit_bytes(cfg)[1]
         return max(forward, backward)
     return sum(parts.values())
 
 
-def _two_units(cfg: RunConfig) -> int:
-    """Bytes of the largest unit's whole weights twice (gathered and prefetched), at most all
-    of them."""
+def _unit_bytes(cfg: RunConfig) -> tuple[int, int]:
+    """fsdp's gathered weights: (all of them, the largest unit's twice: gathered and
+    prefetched, at most all)."""
     rows = WORKLOADS.get(cfg.workload)(cfg).cost_table()
-    whole = sum(r.params for r in rows)
-    return get_precision(cfg.dtype).itemsize * min(whole, 2 * max(r.params for r in rows))
+    itemsize, whole = get_precision(cfg.dtype).itemsize, sum(r.params for r in rows)
+    return itemsize * whole, itemsize * min(whole, 2 * max(r.params for r in rows))
 
 
 def gathered_bytes(cfg: RunConfig) -> int:
     """fsdp: the whole weights a rank holds beside its shards while a unit computes."""
     if cfg.strategy != "fsdp":
         return 0
-    if cfg.reshard_after_forward == "off":
-        rows = WORKLOADS.get(cfg.workload)(cfg).cost_table()
-        return get_precision(cfg.dtype).itemsize * sum(r.params for r in rows)
-    return _two_units(cfg)
+    every, two = _unit_bytes(cfg)
+    return every if cfg.reshard_after_forward == "off" else two
 
 
 def breakdown(cfg: RunConfig) -> dict[str, int]:
