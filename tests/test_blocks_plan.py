@@ -151,7 +151,8 @@ def test_dtensor_host_cost_is_calibrated_on_a_one_rank_tensor_run(cli, tmp_path)
     sources = {plain.source: "compute", tensor.source: "DTensor host cost"}
     assert two.calibration == sources and two.phases["dtensor_host"] > 0
     assert two.phases["dtensor_host"] == pytest.approx(one.phases["dtensor_host"])  # 12 each
-    assert any("one-rank run runs.jsonl:2" in n and "real group" in n for n in two.notes)
+    assert any("one-rank run runs.jsonl:2" in n and "lower bound" in n for n in two.notes)
+    assert not any("lower bound" in n for n in one.notes)  # one rank: its own configuration
     # alone, the tensor run calibrates the compute and nothing is left for DTensor's cost
     alone = predict_one(Context(figures(), None, Pool([tensor])), two.scenario)
     assert alone.phases["dtensor_host"] == 0 and alone.calibration == {tensor.source: "compute"}
