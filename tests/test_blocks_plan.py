@@ -120,6 +120,68 @@ def test_dtensor_host_cost_is_calibrated_on_one_measured_run_of_the_family():
     assert not [c for c in missing(spec, have, cand.candidates(spec), 2) if c.ranks > 1]
 
 
+def test_dtensor_host_cost_is_calibrated_on_a_one_rank_tensor_run(cli, tmp_path):
+    """Issue 40's one-GPU calibration: a plain one-rank run and a one-rank `tensor --engine
+    torch` run (DTensor over a one-device mesh: every sharded op still dispatches, each
+    all-reduce over a group of one) of the same GPT at the same batch. The plain run stays
+    the compute calibration; the tensor run's step beyond it, per all-reduce, is DTensor's
+    host cost, which a 2-rank prediction then carries; a multi-rank run, when there is one,
+    still wins."""
+    from scalelab.predict.calibration import MultiPoint
+    from scalelab.predict.points import discover
+
+    results = tmp_path / "runs.jsonl"
+    model_args = [x for a in GPT["model_arg"] for x in ("--model-arg", a)]
+    args = ["--model", GPT["model"], "--input-shape", str(T), "--input-dtype", "int64",
+            "--vocab", "24", *model_args, "--dtype", "fp64", "--batch", str(B), "--train",
+            "--steps", "12", "--threads", "1", "--quiet", "--out", results]  # fmt: skip
+    for how in (["--strategy", "local"], ["--strategy", "tensor", "--engine", "torch"]):
+        code, _, err = cli("run", *args, *how, "--ranks", "1")
+        assert code == 0, err
+    found = discover(results)
+    pool = found.pool(results)
+    plain, tensor = pool.singles  # runs.jsonl:1, runs.jsonl:2
+    assert (plain.strategy, tensor.cfg.engine, tensor.bare) == ("local", "torch", False)
+    ctx = Context(figures(), None, pool)
+    one = predict_one(ctx, Scenario(tensor.cfg, 1, 2))
+    # the one-rank tensor step comes back: the plain step plus DTensor's measured excess
+    assert one.seconds == pytest.approx(tensor.compute_s, rel=0.03)
+    assert one.phases["dtensor_host"] == pytest.approx(tensor.compute_s - plain.compute_s)
+    two = predict_one(ctx, Scenario(dataclasses.replace(tensor.cfg, ranks=2, tp=2), 2, 2))
+    sources = {plain.source: "compute", tensor.source: "DTensor host cost"}
+    assert two.calibration == sources and two.phases["dtensor_host"] > 0
+    assert two.phases["dtensor_host"] == pytest.approx(one.phases["dtensor_host"])  # 12 each
+    assert any("one-rank run runs.jsonl:2" in n and "lower bound" in n for n in two.notes)
+    assert not any("lower bound" in n for n in one.notes)  # one rank: its own configuration
+    # alone, the tensor run calibrates the compute and nothing is left for DTensor's cost
+    alone = predict_one(Context(figures(), None, Pool([tensor])), two.scenario)
+    assert alone.phases["dtensor_host"] == 0 and alone.calibration == {tensor.source: "compute"}
+    # a measured 2-rank run of the family wins over the one-rank run
+    pool.multis.append(MultiPoint(two.scenario, two.seconds + 0.012, "tp.jsonl:0"))
+    multi = predict_one(ctx, two.scenario)
+    assert multi.calibration == {plain.source: "compute", "tp.jsonl:0": "DTensor host cost"}
+    assert multi.seconds == pytest.approx(two.seconds + 0.012, rel=1e-9)
+    # plan --calibrate-missing: the tensor run does not stand for the plain one-rank run (and
+    # a block model's is the plain run, not the hand-written split, which splits the mlp
+    # only); the 2-rank DTensor run is still asked for (it sees the real collectives)
+    from scalelab.plan import candidates as cand
+    from scalelab.plan.calibrate import missing
+    from scalelab.plan.space import PlanSpec
+
+    spec = PlanSpec(base=RunConfig(workload="model", **GPT, dtype="fp64", train=True),
+                    ranks_max=2, per_node=2, cores=2, global_batch=B, precisions=("fp64",),
+                    strategies=("tensor-torch",))  # fmt: skip
+
+    def asked(pool: Pool) -> set[tuple]:
+        return {
+            (c.strategy, c.engine, c.ranks) for c in missing(spec, pool, cand.candidates(spec), 2)
+        }
+
+    dtensor = ("tensor", "torch", 2)
+    assert asked(Pool([tensor])) == {("mpi-dp", "scalelab", 1), dtensor}
+    assert asked(Pool([plain, tensor])) == {dtensor}
+
+
 def test_pipeline_cuts_where_the_torch_engine_does_and_sends_a_blocks_activation():
     from scalelab.strategies.pipeline.torch_trace import flop_profile
 

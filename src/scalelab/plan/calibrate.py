@@ -16,8 +16,13 @@ a torch-engine pipeline candidate: its runtime's cost per transfer between ranks
 DTensor candidate of a model of repeated blocks: DTensor's host work per all-reduce. A candidate
 whose rank computes a smaller model is calibrated on that model (the strategy model's
 `calibrated_on`): a tensor rank of the mlp on `tensor --ranks 1` at its shard's ceil(H/N)
-units and its replica's batch. Each is run a few times in rounds and the median run kept
-(measure_medians).
+units and its replica's batch (the hand-written split: it splits the mlp only; a block
+model's tensor candidates are calibrated on the plain run). A one-rank fsdp or `tensor
+--engine torch` run in the pool does not stand for a family's plain run (it calibrates its
+strategy's host cost; Pool.candidates), and DTensor's multi-rank run is asked for even where
+a one-rank DTensor run could calibrate its host cost (predict prefers the multi-rank run: it
+sees the collectives on a real group). Each is run a few times in rounds and the median run
+kept (measure_medians).
 """
 
 from __future__ import annotations
@@ -63,7 +68,7 @@ def needed_batch(cfg: RunConfig) -> int:
 def one_rank(spec: PlanSpec, cfg: RunConfig, batch: int, split: str = "batch") -> RunConfig:
     """The one-rank run that calibrates cfg's family at `batch` items (cfg as `calibrated_on`
     gives it)."""
-    if cfg.strategy == "tensor":
+    if cfg.strategy == "tensor" and cfg.workload == "mlp":
         # One rank of the hand-written split at its shard's size: the shard's step with the
         # split's own per-step work (its L2 share, the logits' all-reduce), which a plain
         # mlp of that width does not do (on this 2-core host: 2.5 ms a step against 3.3 ms
@@ -90,7 +95,7 @@ def missing(spec: PlanSpec, pool: Pool, cfgs: list[RunConfig], per_node: int) ->
         fams.setdefault(Scenario(cfg, cfg.ranks, per_node).family(), []).append(cfg)
     todo: list[RunConfig] = []
     for fam, members in fams.items():
-        have = [p for p in pool.singles if p.family == fam]
+        have = [p for p in pool.singles if p.family == fam and p.bare]
         batches = sorted({needed_batch(c) for c in members})
         if not have:
             todo += [one_rank(spec, members[0], b) for b in sorted({batches[0], batches[-1]})]

@@ -40,6 +40,12 @@ class CalPoint:
     series: str | None = None
     layer_times: tuple[tuple[str, float], ...] | None = None  # (step name, seconds)
     warnings: tuple[str, ...] = ()  # the record's run warnings (busy host, unstable timing)
+    cfg: RunConfig | None = None  # the run's configuration, where a run record gave it
+
+    @property
+    def bare(self) -> bool:
+        """Whether the point is the bare step its compute law wants (see Pool.candidates)."""
+        return self.strategy != "fsdp" and not (self.cfg is not None and dtensor_run(self.cfg))
 
 
 @dataclass(frozen=True)
@@ -80,9 +86,15 @@ class Pool:
         """One-rank points of the scenario's family; spatial models prefer spatial records.
         A one-rank fsdp run is not the bare step (FSDP's per-unit copies and hooks run even
         on one rank): it calibrates FSDP's host cost (fsdp_single), and the compute only
-        when the family has no other one-rank point."""
+        when the family has no other one-rank point. Nor is a one-rank `tensor --engine
+        torch` run (DTensor over a one-device mesh: every sharded op still dispatches through
+        DTensor and each all-reduce is a collective over a group of one): it calibrates
+        DTensor's host cost (dtensor_single), the same way. The hand-written split's one-rank
+        run (`tensor`, engine scalelab) stays: it is the mlp's whole step plus one all-reduce
+        of the (B, classes) logits over one rank, and it is what calibrates a tensor rank's
+        compute at its shard's width (model_parallel.shard_config)."""
         mine = [p for p in self.singles if p.family == scenario.family()]
-        fam = self._own([p for p in mine if p.strategy != "fsdp"] or mine)
+        fam = self._own([p for p in mine if p.bare] or mine)
         if spatial:
             same = [p for p in fam if p.split == "spatial"]
             return same or fam
@@ -108,6 +120,14 @@ class Pool:
         target = max(scenario.rank_batch, 1e-9)
         return min(runs, key=lambda p: (abs(math.log(p.batch / target)), p.source), default=None)
 
+    def dtensor_single(self, scenario: Scenario) -> CalPoint | None:
+        """The one-rank DTensor run (dtensor_run) of the scenario's family nearest its batch
+        (one replica's: tensor ranks all compute the whole batch), or None."""
+        runs = [p for p in self.singles if p.family == scenario.family()]
+        runs = self._own([p for p in runs if p.cfg is not None and _planned_single(p.cfg)])
+        target = max(scenario.cfg.batch, 1)
+        return min(runs, key=lambda p: (abs(math.log(p.batch / target)), p.source), default=None)
+
     def dtensor_anchor(self, scenario: Scenario) -> MultiPoint | None:
         """The measured DTensor run of the scenario's family (dtensor_calibrated) with the
         fewest ranks, then the smallest batch; None when the pool holds none."""
@@ -116,12 +136,26 @@ class Pool:
         return min(runs, key=key, default=None)
 
 
+def dtensor_run(cfg: RunConfig) -> bool:
+    """Whether cfg runs DTensor's tensor parallelism (`tensor --engine torch`), on any ranks."""
+    return cfg.strategy == "tensor" and cfg.engine == "torch"
+
+
 def dtensor_calibrated(cfg: RunConfig) -> bool:
     """Whether cfg is a measured DTensor run that calibrates its family's host cost per
     all-reduce of a model of repeated blocks (predict/models/model_parallel.py): tensor
     parallelism over torch on several ranks, one replica, the plan scalelab derives."""
-    return (cfg.strategy == "tensor" and cfg.engine == "torch" and cfg.ranks >= 2
-            and max(1, cfg.dp) == 1 and cfg.tp_plan is None)  # fmt: skip
+    return dtensor_run(cfg) and cfg.ranks >= 2 and dtensor_planned(cfg)
+
+
+def _planned_single(cfg: RunConfig) -> bool:
+    return dtensor_run(cfg) and cfg.ranks == 1 and dtensor_planned(cfg)
+
+
+def dtensor_planned(cfg: RunConfig) -> bool:
+    """One replica (no --dp) sharded by the plan scalelab derives (no --tp-plan of the
+    user's, whose sharding the model does not know)."""
+    return max(1, cfg.dp) == 1 and cfg.tp_plan is None
 
 
 def host_calibrated(cfg: RunConfig) -> bool:

@@ -177,8 +177,9 @@ def _cal_point(rec: dict, s: Scenario, seconds: float, scale: float, where: str)
     """A one-rank record as a calibration point: a training step counts whole; an inference
     iteration counts its compute phase, and the host time outside every phase separately."""
     if s.cfg.train:
+        batch = round(s.rank_batch)
         return CalPoint(
-            s.family(), s.cfg.strategy, s.cfg.split, round(s.rank_batch), seconds, 0.0, where
+            s.family(), s.cfg.strategy, s.cfg.split, batch, seconds, 0.0, where, cfg=s.cfg
         )
     phases = {k: v * scale for k, v in (rec.get("phases") or {}).items()}
     compute = phases.get("compute", seconds)
