@@ -49,9 +49,12 @@ r18() {  # r18 NAME OUT RANKS
     --ranks "$3" --batch $(( R18_B * $3 )) --train-size $n --heldout-size 512 --epochs 3 --quiet \
     --out "$2"
 }
+# VGG-16: the plain and the compiled one-GPU peers are `ddp --ranks 1` (the bare model, bf16
+# autocast, channels_last; --compile: torch.compile of it); torch's pipelining reads --dtype.
+BF16=(--dtype bf16)
 vgg() {  # vgg NAME OUT RUN-ARGS...: training, 8 steps of the global batch
   local name=$1 out=$2; shift 2
-  step "$name" "${RUN[@]}" "${VGG[@]}" --train --device $DEV "${AMP[@]}" --momentum 0.9 --lr 0.01 \
+  step "$name" "${RUN[@]}" "${VGG[@]}" --train --device $DEV --momentum 0.9 --lr 0.01 \
     --batch $VGG_B --train-size $(( VGG_B * 8 )) --heldout-size 32 --epochs 1 --quiet \
     --out "$out" "$@"
 }
@@ -77,8 +80,8 @@ cal)
   CAL="$OUT_DIR/calibration.jsonl"
   export CUDA_VISIBLE_DEVICES=0  # one GPU: nothing below sees the second
   r18 cal-r18 "$CAL" 1
-  vgg cal-vgg-local "$CAL"
-  vgg cal-vgg-local-mb "$CAL" --batch $(( VGG_B / VGG_MB )) --train-size $(( VGG_B ))
+  vgg cal-vgg-local "$CAL" "${BF16[@]}"
+  vgg cal-vgg-local-mb "$CAL" "${BF16[@]}" --batch $(( VGG_B / VGG_MB )) --train-size $(( VGG_B ))
   gpt cal-gpt-local "$CAL" $GPT_B
   gpt cal-gpt-local-half "$CAL" $(( GPT_B / 2 ))
   gpt cal-gpt-fsdp1 "$CAL" $GPT_B --strategy fsdp --ranks 1
@@ -92,17 +95,28 @@ cal)
   ;;
 measure)
   MEAS="$OUT_DIR/measured.jsonl"
+  # VGG-16's one-GPU calibration (the cal part's failed on a flag), then its predictions here,
+  # before any VGG-16 step below runs (the other predictions were committed before this call).
+  CAL="$OUT_DIR/calibration.jsonl"
+  CUDA_VISIBLE_DEVICES=0 vgg cal-vgg-local "$CAL" "${BF16[@]}"
+  CUDA_VISIBLE_DEVICES=0 vgg cal-vgg-local-mb "$CAL" "${BF16[@]}" --batch $(( VGG_B / VGG_MB )) \
+    --train-size $(( VGG_B ))
+  cp "${CEIL_DIR:-benchmarks/results/gpu_s17/cal}"/ceilings_*.json "$OUT_DIR/"
+  ONLY=vgg step predict-vgg bash benchmarks/predict_s17.sh "$OUT_DIR" "$OUT_DIR/predictions"
   # The speed targets' peers first, in this call: one GPU plain (and compiled) beside 2 GPUs.
   CUDA_VISIBLE_DEVICES=0 r18 r18-x1 "$MEAS" 1
   r18 r18-x2 "$MEAS" 2
-  CUDA_VISIBLE_DEVICES=0 vgg vgg-x1 "$MEAS"
-  CUDA_VISIBLE_DEVICES=0 vgg vgg-x1-compile "$MEAS" --compile
+  CUDA_VISIBLE_DEVICES=0 vgg vgg-x1-local "$MEAS" "${BF16[@]}"
+  CUDA_VISIBLE_DEVICES=0 vgg vgg-x1 "$MEAS" --strategy ddp --ranks 1 "${AMP[@]}"
+  CUDA_VISIBLE_DEVICES=0 vgg vgg-x1-compile "$MEAS" --strategy ddp --ranks 1 "${AMP[@]}" --compile
   for sched in gpipe 1f1b; do
-    vgg vgg-pipe-$sched "$MEAS" --strategy pipeline --engine torch --ranks 2 \
+    vgg vgg-pipe-$sched "$MEAS" --strategy pipeline --engine torch --ranks 2 "${BF16[@]}" \
       --microbatches $VGG_MB --schedule $sched
   done
-  vgg vgg-pipe-interleaved "$MEAS" --strategy pipeline --engine torch --ranks 2 \
+  vgg vgg-pipe-interleaved "$MEAS" --strategy pipeline --engine torch --ranks 2 "${BF16[@]}" \
     --microbatches $VGG_MB --schedule interleaved-1f1b --virtual-stages 2
+  vgg vgg-pipe-scalelab "$MEAS" --strategy pipeline --ranks 2 "${AMP[@]}" --microbatches $VGG_MB \
+    --schedule 1f1b
   gpt gpt-tensor "$MEAS" $GPT_B --strategy tensor --engine torch --ranks 2
   gpt gpt-pipe "$MEAS" $GPT_B --strategy pipeline --engine torch --ranks 2 --microbatches 4 \
     --schedule 1f1b

@@ -2,7 +2,7 @@
 # The predictions of session 17's round (issue 40), made off the device from the `cal` part's
 # records alone (one GPU, 1-2 CPU ranks, the host's ceilings), before `measure` runs:
 #
-#   benchmarks/predict_s17.sh CAL_DIR OUT_DIR
+#   [ONLY=PREFIX] benchmarks/predict_s17.sh CAL_DIR OUT_DIR
 #
 # One `scalelab predict` per held-out configuration of gpu_round_s17.sh's `measure` part (the
 # same sizes: SMOKE=1 for its smoke sizes), each into OUT_DIR/<name>/ (predict.json, .csv).
@@ -29,8 +29,10 @@ else
        --model-arg width=768 --model-arg heads=12 --model-arg depth=12 --input-shape 512
        --input-dtype int64 --vocab 4096)
 fi
+ONLY=${ONLY:-}  # a name prefix: only those predictions (vgg: made on the device, see the round)
 predict() {  # predict NAME PREDICT-ARGS...
   local name=$1; shift
+  [[ -n $ONLY && $name != $ONLY* ]] && return
   if $PY -m scalelab predict "$@" --calibrate "$CAL" --no-plots -o "$OUT_DIR/$name" \
       >"$OUT_DIR/$name.out" 2>"$OUT_DIR/$name.err"; then
     echo "predict: $name"
@@ -41,10 +43,10 @@ predict() {  # predict NAME PREDICT-ARGS...
 GPU=(--ranks 1,2 --gpus-per-node 2 --ceilings "$CEIL" --device $DEV)
 predict r18-ddp "${R18[@]}" --strategy ddp --train --fast "${AMP[@]}" --per-rank-batch $R18_B "${GPU[@]}"
 for sched in gpipe 1f1b; do
-  predict vgg-pipe-$sched "${VGG[@]}" --strategy pipeline --engine torch --train "${AMP[@]}" \
+  predict vgg-pipe-$sched "${VGG[@]}" --strategy pipeline --engine torch --train --dtype bf16 \
     --batch $VGG_B --microbatches $VGG_MB --schedule $sched "${GPU[@]}"
 done
-predict vgg-pipe-interleaved "${VGG[@]}" --strategy pipeline --engine torch --train "${AMP[@]}" \
+predict vgg-pipe-interleaved "${VGG[@]}" --strategy pipeline --engine torch --train --dtype bf16 \
   --batch $VGG_B --microbatches $VGG_MB --schedule interleaved-1f1b --virtual-stages 2 "${GPU[@]}"
 predict gpt-tensor "${GPT[@]}" --strategy tensor --engine torch --train --batch $GPT_B "${GPU[@]}"
 predict gpt-pipe "${GPT[@]}" --strategy pipeline --engine torch --train --batch $GPT_B \

@@ -21,6 +21,7 @@ index copy and one graph launch.
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
@@ -128,6 +129,7 @@ class DDPStrategy(TorchDistStrategy):
         fast = self.fast_trainer(workload, net, plan)
         out = run_training(self, workload, net, plan, make_trainer=fast)
         out.notes.update(self.bucket_notes())
+        out.notes.update(self.replica_notes(module))
         return out
 
     def train_data(self, data: tuple[Inputs, Inputs] | None) -> tuple[Inputs, Inputs]:
@@ -232,6 +234,35 @@ class DDPStrategy(TorchDistStrategy):
         mine = self.buckets.notes() if self.buckets is not None else None
         ranks = self.comm.gather_object(mine)
         return {"ddp_comm": ranks} if ranks and ranks[0] is not None else {}
+
+    def replica_notes(self, module: nn.Module) -> dict:
+        """Whether every rank ended with rank 0's parameters (a gather: every rank calls it).
+        DDP applies one averaged gradient on every rank, so the replicas stay bitwise equal;
+        a difference means a step ran without its all-reduce (seen with a captured step)."""
+        if self.comm.size == 1:
+            return {}
+        with torch.no_grad():  # (2 per parameter,) its sum and sum of squares, in float64
+            mine = torch.stack(
+                [
+                    f
+                    for p in module.parameters()
+                    for f in (p.double().sum(), p.double().square().sum())
+                ]
+            ).cpu()
+        ranks = self.comm.gather_object(mine)
+        if ranks is None:
+            return {}
+        scale = ranks[0].abs().clamp_min(1e-30)
+        diff = max(float(((r - ranks[0]).abs() / scale).max()) for r in ranks)
+        if diff > 0:
+            print(
+                f"scalelab: warning: ddp replicas differ after training (largest relative "
+                f"difference {diff:.3g} from rank 0's parameters): a step ran without its "
+                "all-reduce",
+                file=sys.stderr,
+                flush=True,
+            )
+        return {"replica_max_rel_diff": diff}
 
     def notes(self, source: ResidentShards | LoaderShards) -> dict:
         return {

@@ -1,0 +1,102 @@
+"""Where a captured (--fast) DDP step departs from eager DDP: the weight update after a few
+steps of ResNet-18 on 2 GPUs, eager against captured, and captured with one DDP option
+changed at a time (the DDP constructor patched in the ranks, nothing else touched).
+
+    python benchmarks/fast_ddp_probe.py OUT_DIR [--cpu]
+
+Prints, per variant, the relative difference of its parameter update from eager's and the
+record's `replica_max_rel_diff` (rank 1's parameters against rank 0's after training), and
+writes OUT_DIR/fast_ddp_probe.json. --cpu: gloo ranks with the captured step run eagerly
+(CUDA graphs need a GPU), to check the script itself.
+
+Worker mode (started by torchrun): `fast_ddp_probe.py --worker VARIANT CPU ARGS...`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# variant -> DDP keyword arguments replaced in the ranks (None: eager ddp, no --fast)
+VARIANTS = {
+    "eager": None,
+    "fast": {},
+    "fast, gradient_as_bucket_view=False": {"gradient_as_bucket_view": False},
+    "fast, static_graph=False": {"static_graph": False},
+}
+
+
+def worker(variant: str, cpu: bool, args: list[str]) -> int:
+    import scalelab.strategies.ddp as ddp
+    from scalelab.cli.main import main
+
+    over = VARIANTS[variant] or {}
+    real = ddp.DistributedDataParallel
+    ddp.DistributedDataParallel = lambda *a, **kw: real(*a, **{**kw, **over})
+    if cpu:
+        import scalelab.fast.train as fast_train
+
+        fast_train.step_unsupported = lambda *a: None
+    return main(args)
+
+
+def update(w: dict, w0: dict):
+    import torch
+
+    keys = [k for k, v in w0.items() if v.is_floating_point() and "running_" not in k]
+    return torch.cat([(w[k].double() - w0[k].double()).flatten() for k in keys])
+
+
+def main() -> None:
+    import torch
+
+    out = Path(sys.argv[1])
+    cpu = "--cpu" in sys.argv
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "NCCL_NVLS_ENABLE": "0",
+           "SCALELAB_LAUNCHED": "1"}  # fmt: skip
+    common = ["resnet18", "--num-classes", "10", "--seed", "3", "--no-record"]
+    w0 = out / "w0.pt"
+    subprocess.run([sys.executable, "-m", "scalelab", "run", *common, "--batch", "2",
+                    "--save-weights", str(w0)], env=env, check=True, capture_output=True)  # fmt: skip
+    train = [
+        "run", *common, "--strategy", "ddp", "--train", "--device", "cpu" if cpu else "cuda",
+        "--batch", "32" if cpu else "128", "--train-size", "96" if cpu else "1100",
+        "--heldout-size", "16", "--steps", "3" if cpu else "6", "--lr", "0.05",
+        "--momentum", "0.5", "--ranks", "2", "--json",
+    ]  # fmt: skip
+    rows = {}
+    for variant, over in VARIANTS.items():
+        path = out / f"w_{len(rows)}.pt"
+        extra = [] if over is None else ["--fast"]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "2", __file__, "--worker", variant, str(int(cpu)),
+               *train, *extra, "--save-weights", str(path)]  # fmt: skip
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            rows[variant] = {"error": proc.stderr.strip().splitlines()[-1:]}
+            print(f"{variant}: FAILED {rows[variant]['error']}", flush=True)
+            continue
+        rec = json.loads(proc.stdout.strip().splitlines()[-1])
+        rows[variant] = {"replica_max_rel_diff": rec.get("replica_max_rel_diff"),
+                         "loss": rec.get("loss"), "weights": str(path)}  # fmt: skip
+    start = torch.load(w0)
+    base = update(torch.load(rows["eager"]["weights"]), start)
+    for variant, row in rows.items():
+        if "weights" in row:
+            u = update(torch.load(row["weights"]), start)
+            row["update_rel_diff"] = float((u - base).norm() / base.norm())
+        print(f"{variant:40} update off eager {row.get('update_rel_diff')}  replicas differ "
+              f"{row.get('replica_max_rel_diff')}  loss {row.get('loss')}", flush=True)  # fmt: skip
+    (out / "fast_ddp_probe.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        sys.exit(worker(sys.argv[2], sys.argv[3] == "1", sys.argv[4:]))
+    main()
