@@ -76,8 +76,14 @@ def test_a_cpu_only_machine_lists_every_gpu_variant_and_the_model_parallel_ones_
             else:
                 assert why is None, (v, why)
     got = {(v.strategy, v.engine, v.dp) for v in variants(2) if v.device == "cuda"}
-    assert {("pipeline", "scalelab", 1), ("pipeline", "torch", 1), ("tensor", "torch", 1),
-            ("fsdp", "scalelab", 1), ("tensor", "torch", 2), ("pipeline", "torch", 2)} <= got  # fmt: skip
+    assert {
+        ("pipeline", "scalelab", 1),
+        ("pipeline", "torch", 1),
+        ("tensor", "torch", 1),
+        ("fsdp", "scalelab", 1),
+        ("tensor", "torch", 2),
+        ("pipeline", "torch", 2),
+    } <= got
     trains = {v.strategy for v in variants(2, train=True)}
     assert trains == {"local", "ddp", "mpi-dp", "pipeline", "tensor", "fsdp"}
 
@@ -115,8 +121,17 @@ def _rebuilt(cfg):
 
 def test_cli_flags_rebuild_the_model_parallel_and_training_variants():
     base = RunConfig(workload="alexnet", image_size=67, batch=4, iters=2, seed=3)
-    train = RunConfig(workload="mlp", hidden=8, batch=4, train=True, steps=2, train_size=8,
-                      heldout_size=4, dtype="fp64", lr=0.05)  # fmt: skip
+    train = RunConfig(
+        workload="mlp",
+        hidden=8,
+        batch=4,
+        train=True,
+        steps=2,
+        train_size=8,
+        heldout_size=4,
+        dtype="fp64",
+        lr=0.05,
+    )
     for b in (base, train):
         for v in variants(2, train=b.train):
             cfg = variant_config(v, b)
@@ -145,15 +160,25 @@ def test_a_refusal_on_the_ranks_is_a_skipped_line_not_a_failed_row(monkeypatch, 
     assert rec == {"status": "refused", "error": line.removeprefix("scalelab run: error: ")}
     monkeypatch.setattr(versions, "launch_run", lambda cfg, results, timeout: (1, "boom"))
     assert versions.run_variant(v, RunConfig(workload="alexnet"), tmp_path, 10) == {
-        "status": "failed", "error": "exit 1: boom"}  # fmt: skip
+        "status": "failed",
+        "error": "exit 1: boom",
+    }
 
 
 def test_speedup_is_against_local_cuda_where_it_ran_else_serial():
     from scalelab.cli.commands.versions_table import baseline_line, format_table
 
     def rec(wall):
-        return {"status": "ok", "wall_s": wall, "ranks": 1, "throughput": 4 / wall,
-                "relerr": 0.0, "digest": "d", "reference_digest": "d", "phases": {}}  # fmt: skip
+        return {
+            "status": "ok",
+            "wall_s": wall,
+            "ranks": 1,
+            "throughput": 4 / wall,
+            "relerr": 0.0,
+            "digest": "d",
+            "reference_digest": "d",
+            "phases": {},
+        }
 
     by = _labels(variants(2))
     rows = [(by["serial (V1)"], rec(0.4)), (by["local cpu"], rec(0.2))]
@@ -169,20 +194,47 @@ def test_versions_train_all_checks_every_training_strategy_on_cpu_ranks(cli, tmp
     """ONE launch per strategy, a tiny fp64 mlp, the default few steps: every row trains the
     same batches as one float64 process and says so."""
     out = tmp_path / "v.jsonl"
-    code, stdout, err = cli("versions", "mlp", "--hidden", "8", "--dtype", "fp64", "--batch",
-                            "4", "--train", "--all", "--threads", "1", "--out", out)  # fmt: skip
+    code, stdout, err = cli(
+        "versions",
+        "mlp",
+        "--hidden",
+        "8",
+        "--dtype",
+        "fp64",
+        "--batch",
+        "4",
+        "--train",
+        "--all",
+        "--threads",
+        "1",
+        "--out",
+        out,
+    )
     assert code == 0, (stdout, err[-2000:])
     recs = read_records(out)
     got = {(r["strategy"], (r.get("config") or {}).get("engine")) for r in recs}
-    assert got == {("local", "scalelab"), ("ddp", "scalelab"), ("mpi-dp", "scalelab"),
-                   ("pipeline", "torch"), ("tensor", "torch"), ("fsdp", "scalelab")}  # fmt: skip
+    assert got == {
+        ("local", "scalelab"),
+        ("ddp", "scalelab"),
+        ("mpi-dp", "scalelab"),
+        ("pipeline", "torch"),
+        ("tensor", "torch"),
+        ("fsdp", "scalelab"),
+    }
     assert all(r["mode"] == "train" and r["steps"] == 3 and r["check_passed"] for r in recs)
-    assert all(r["relerr"] <= 1e-12 and r["ranks"] == (1 if r["strategy"] == "local" else 2)
-               for r in recs)  # fmt: skip
+    assert all(
+        r["relerr"] <= 1e-12 and r["ranks"] == (1 if r["strategy"] == "local" else 2) for r in recs
+    )
     assert "speedup vs local cpu" in stdout and "training 3 steps" in stdout
-    table = stdout[stdout.index("strategy"):stdout.index("skipped")]  # fmt: skip
-    for label in ("local cpu", "ddp cpu", "mpi-dp", "pipeline torch cpu", "tensor dtensor cpu",
-                  "fsdp cpu"):  # fmt: skip
+    table = stdout[stdout.index("strategy") : stdout.index("skipped")]
+    for label in (
+        "local cpu",
+        "ddp cpu",
+        "mpi-dp",
+        "pipeline torch cpu",
+        "tensor dtensor cpu",
+        "fsdp cpu",
+    ):
         row = next(line for line in table.splitlines() if line.startswith(label + " "))
         assert row.endswith("passed"), row
     assert "skipped pipeline cpu: pipeline: mlp's loss looks at the whole model" in stdout
@@ -195,13 +247,22 @@ def test_versions_train_all_checks_every_training_strategy_on_cpu_ranks(cli, tmp
 )
 def test_versions_on_two_gpus_runs_every_gpu_strategy(cli, tmp_path):
     out = tmp_path / "v.jsonl"
-    code, stdout, err = cli("versions", "alexnet", "--image-size", "67", "--batch", "8",
-                            "--out", out)  # fmt: skip
+    code, stdout, err = cli(
+        "versions", "alexnet", "--image-size", "67", "--batch", "8", "--out", out
+    )
     assert code == 0, (stdout, err[-2000:])
     assert "speedup vs local cuda (V3)" in stdout
-    table = stdout[stdout.index("strategy"):]  # fmt: skip
-    for label in ("local cuda (V3)", "mpi-gpu (V4)", "mpi-gpu --overlap", "nccl (V5)",
-                  "pipeline cuda", "pipeline torch cuda", "tensor dtensor cuda", "fsdp cuda"):  # fmt: skip
+    table = stdout[stdout.index("strategy") :]
+    for label in (
+        "local cuda (V3)",
+        "mpi-gpu (V4)",
+        "mpi-gpu --overlap",
+        "nccl (V5)",
+        "pipeline cuda",
+        "pipeline torch cuda",
+        "tensor dtensor cuda",
+        "fsdp cuda",
+    ):
         row = next(line for line in table.splitlines() if line.startswith(label + " "))
         assert "failed" not in row and "check-failed" not in row, row
     recs = [r for r in read_records(out) if r["config"]["device"] == "cuda"]
