@@ -246,24 +246,25 @@ def test_versions_train_all_checks_every_training_strategy_on_cpu_ranks(cli, tmp
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"
 )
 def test_versions_on_two_gpus_runs_every_gpu_strategy(cli, tmp_path):
+    """Every GPU row of a 2-GPU host ran and passed (mpi-gpu where MPI is installed); the
+    2-D meshes (4 ranks) are skipped with the reason."""
+    from scalelab.environment import mpi_problem
+
     out = tmp_path / "v.jsonl"
     code, stdout, err = cli(
         "versions", "alexnet", "--image-size", "67", "--batch", "8", "--out", out
     )
     assert code == 0, (stdout, err[-2000:])
     assert "speedup vs local cuda (V3)" in stdout
-    table = stdout[stdout.index("strategy") :]
-    for label in (
-        "local cuda (V3)",
-        "mpi-gpu (V4)",
-        "mpi-gpu --overlap",
-        "nccl (V5)",
-        "pipeline cuda",
-        "pipeline torch cuda",
-        "tensor dtensor cuda",
-        "fsdp cuda",
-    ):
-        row = next(line for line in table.splitlines() if line.startswith(label + " "))
-        assert "failed" not in row and "check-failed" not in row, row
+    table = stdout[stdout.index("strategy") : stdout.index("\nskipped")].splitlines()
+    labels = ["local cuda (V3)", "nccl (V5)", "pipeline cuda", "pipeline torch cuda",
+              "tensor dtensor cuda", "fsdp cuda"]  # fmt: skip
+    if mpi_problem() is None:
+        labels += ["mpi-gpu (V4)", "mpi-gpu --overlap"]
+    for label in labels:
+        row = next(line for line in table if line.startswith(label + " "))
+        assert "failed" not in row and "x " in row, row  # a speedup, not a status
     recs = [r for r in read_records(out) if r["config"]["device"] == "cuda"]
-    assert len(recs) >= 8 and all(r["check_passed"] for r in recs)
+    assert len(recs) == len(labels) and all(r["check_passed"] for r in recs)
+    if torch.cuda.device_count() < 4:
+        assert "skipped dp x tp cuda: needs 4 GPUs" in stdout
