@@ -152,7 +152,7 @@ def test_an_internal_error_is_exit_3(cli, monkeypatch):
         ("layers", ["--batch", "--hidden", "--image-size"], ["--lr", "--ranks", "--out"]),
         ("fit", ["--convs", "--microbatches", "--mem-limit"], ["--split", "--bucket-mb", "--tp"]),
         ("predict", ["--ranks", "--bucket-mb", "--stages"], ["--lr", "--seed", "--ckpt-dir"]),
-        ("versions", ["--batch", "--image-size", "--ranks"], ["--lr", "--stages", "--train"]),
+        ("versions", ["--batch", "--ranks", "--train", "--all"], ["--stages", "--tp", "--resume"]),
     ],
 )
 def test_help_shows_only_the_options_a_command_reads(cli, command, shown, hidden):

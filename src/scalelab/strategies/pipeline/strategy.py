@@ -37,6 +37,7 @@ from scalelab.instrument.timer import EventTimer, timed_iterations
 from scalelab.planning import profiling
 from scalelab.planning.preserve import kept_state
 from scalelab.planning.schedule import SCHEDULES
+from scalelab.precision import get_precision
 from scalelab.results import RunOutput
 from scalelab.strategies.base import STRATEGIES, Strategy
 from scalelab.strategies.pipeline import cut
@@ -66,6 +67,16 @@ class PipelineStrategy(TorchStrategy):
     def reads_for(cls, cfg: RunConfig) -> tuple[str, ...]:
         """The sections of the placement the config names."""
         return PLACEMENTS[placement_name(cfg)].load().reads
+
+    @classmethod
+    def preflight(cls, cfg: RunConfig) -> int:
+        """Before any rank starts: a training loss no stage of the scheduled engine holds
+        (the check validate makes on every rank, so no launcher starts for it)."""
+        if cfg.train and placement_name(cfg) == "scheduled":
+            from scalelab.workloads import WORKLOADS
+
+            _check_trainable(WORKLOADS.get(cfg.workload)(cfg), get_precision(cfg.dtype))
+        return cfg.batch
 
     @classmethod
     def describe(cls, cfg: RunConfig) -> str:
