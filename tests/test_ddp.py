@@ -46,6 +46,7 @@ def test_two_gloo_ranks_train_what_one_process_trains(tmp_path):
         assert rec["ranks"] == 2 and rec["steps"] == 14 and rec["global_batch"] == 32, name
         assert relerr(weights[name], oracle) < 1e-10, name
     assert recs["loader64"]["data_path"] == "loader"
+    assert all(r["replica_max_rel_diff"] == 0.0 for r in recs.values())  # replicas bitwise equal
     assert recs["dd64"]["data_path"] == "device-resident" and recs["dd64"]["backend"] == "gloo"
     assert relerr(weights["dd32"], torch.load(tmp_path / "local" / "l.pt")) < 1e-5
     np.testing.assert_allclose(recs["dd32"]["loss"], local["loss"], rtol=1e-5)
@@ -239,6 +240,8 @@ def test_fast_ddp_step_captured_with_its_all_reduce_follows_plain_ddp(tmp_path):
         weights[name] = torch.load(out)
     assert all(r["steps"] == 6 for r in recs.values())
     assert recs["compressed"]["grad_compress"] == "bf16"
+    # Rank 1 ends with rank 0's parameters in every variant: each step was all-reduced.
+    assert {n: r["replica_max_rel_diff"] for n, r in recs.items()} == dict.fromkeys(recs, 0.0)
     start = torch.load(w0)
 
     stats = ("running_mean", "running_var")
