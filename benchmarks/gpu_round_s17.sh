@@ -127,7 +127,7 @@ measure)
   step tl-run "${RUN[@]}" resnet18 --strategy ddp --train --device $DEV --ranks 2 --batch 256 \
     --train-size 2048 --heldout-size 64 --steps 4 --momentum 0.9 --quiet --trace "$TL/trace" \
     --out "$TL/runs.jsonl"
-  step tl-merge $PY -m scalelab timeline "$TL/runs.jsonl" -o "$TL/merged"
+  step tl-merge $PY -m scalelab timeline "$TL/runs.jsonl" -o "$TL/merged.json"
   ;;
 plan)
   step versions-alexnet $PY -m scalelab versions "${ALEX[@]}" --batch 64 --ranks 2 \
