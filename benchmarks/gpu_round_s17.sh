@@ -132,8 +132,6 @@ measure)
 plan)
   step versions-alexnet $PY -m scalelab versions "${ALEX[@]}" --batch 64 --ranks 2 \
     --out "$OUT_DIR/versions.jsonl"
-  step gpu-tests $PY -m pytest -m gpu -p no:randomly -p no:cacheprovider -rA -q \
-    tests/test_versions.py tests/test_ddp.py::test_fast_ddp_step_captured_with_its_all_reduce_follows_plain_ddp
   CEIL=${CEIL:-benchmarks/results/gpu_s17/cal/ceilings_gpu.json}  # the cal part's, committed
   PLAN=(--ranks-max 2 --gpus-per-node 2 --ceilings "$CEIL" --calibrate-missing --verify 2)
   step plan-r18 $PY -m scalelab plan "${R18[@]}" --train --device $DEV "${PLAN[@]}" \
