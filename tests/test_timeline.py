@@ -440,6 +440,9 @@ def _check_traced_work_placed(rec, tmp_path, runs):
     ).all()
     out = _scalelab(tmp_path, "timeline", runs, "-o", tmp_path / "merged.json").stdout
     assert "device time per traced step" in out and "exposed_comm ms" in out
+    # The collectives' busbw is printed where the trace gives their bytes (NCCL's kernels on
+    # a GPU; gloo's calls here carry none): benchmarks/results/gpu_s17/timeline.
+    assert ("busbw GB/s" in out) == (not collective_bandwidth(merged).empty)
     trace = json.loads((tmp_path / "merged.json").read_text())
     check_trace_schema(trace)
     assert {e["tid"] for e in trace["traceEvents"] if e["ph"] == "X"} >= {0, 1, 2, 3}

@@ -50,7 +50,7 @@ def _with_kernels(rec: dict) -> dict:
     """The record with its ranks' traced kernels, and the device-time table printed."""
     import sys
 
-    from scalelab.analysis.device_overlap import summary
+    from scalelab.analysis.device_overlap import collective_bandwidth, summary
     from scalelab.instrument.kernel_trace import with_kernels
 
     rec, notes = with_kernels(rec)
@@ -63,6 +63,23 @@ def _with_kernels(rec: dict) -> dict:
             ms[col.removesuffix("_s") + " ms"] = ms.pop(col) * 1e3
         print(f"device time per traced step (median), {rec.get('workload')} {rec.get('strategy')}:")
         print(ms.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    bw = collective_bandwidth(rec)
+    if not bw.empty:  # per rank and collective: medians over the traced steps' kernels
+        by = bw.groupby(["rank", "collective"])
+        table = by.agg(
+            calls=("bytes", "size"),
+            MB=("bytes", "median"),
+            transfer_ms=("transfer_s", "median"),
+            busbw=("busbw_Bps", "median"),
+        )
+        table["MB"] /= 1e6
+        table["transfer_ms"] *= 1e3
+        table["busbw GB/s"] = table.pop("busbw") / 1e9
+        print(
+            "collectives (median per kernel; busbw as nccl-tests, over the transfer less the "
+            "wait for the last rank):"
+        )
+        print(table.reset_index().to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     return rec
 
 

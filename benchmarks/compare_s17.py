@@ -1,0 +1,80 @@
+"""Session 17's predictions (made before the measurements, from one-GPU and 1-2 CPU-rank
+records) against what the `measure` part then measured: one row per held-out configuration.
+
+    python benchmarks/compare_s17.py [RESULTS_DIR]   (default benchmarks/results/gpu_s17)
+
+Reads RESULTS_DIR/predictions/<name>/predict.json (committed before `measure` ran) and
+RESULTS_DIR/measure/predictions/ (VGG-16's, made on the device before its steps), and
+RESULTS_DIR/measure/measured.jsonl. A step is a training step (global batch / steady
+throughput) or an inference iteration (the record's median wall). Prints a Markdown table and
+the median and worst absolute error.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+# prediction name -> (ranks, which measured record: workload, strategy, engine, schedule)
+CASES = {
+    "r18-ddp": (2, ("resnet18-cifar", "ddp", None, None)),
+    "vgg-pipe-gpipe": (2, ("vgg16", "pipeline", "torch", "gpipe")),
+    "vgg-pipe-1f1b": (2, ("vgg16", "pipeline", "torch", "1f1b")),
+    "vgg-pipe-interleaved": (2, ("vgg16", "pipeline", "torch", "interleaved-1f1b")),
+    "gpt-tensor": (2, ("model", "tensor", None, None)),
+    "gpt-pipe": (2, ("model", "pipeline", None, None)),
+    "gpt-fsdp": (2, ("model", "fsdp", None, None)),
+    "gpt-ddp": (2, ("model", "ddp", None, None)),
+    **{f"alex-batch@{n}": (n, ("alexnet", "mpi", None, None)) for n in (8, 16, 32)},
+}
+
+
+def step_ms(rec: dict) -> float:
+    if rec.get("mode") == "train":
+        return 1e3 * rec["global_batch"] / rec["steady_throughput"]
+    return 1e3 * rec["wall_s"]
+
+
+def matches(rec: dict, ranks: int, key: tuple) -> bool:
+    workload, strategy, engine, schedule = key
+    cfg = rec["config"]
+    return (rec["status"] == "ok" and rec["ranks"] == ranks and cfg["workload"] == workload
+            and rec["strategy"] == strategy and (engine is None or cfg.get("engine") == engine)
+            and (schedule is None or cfg.get("schedule") == schedule))  # fmt: skip
+
+
+def predicted(root: Path, name: str, ranks: int) -> float | None:
+    for folder in (root / "predictions", root / "measure" / "predictions"):
+        f = folder / name.split("@")[0] / "predict.json"
+        if f.exists():
+            rows = json.loads(f.read_text())["rows"]
+            return next((r["ms"] for r in rows if int(r["ranks"]) == ranks), None)
+    return None
+
+
+def main() -> None:
+    root = Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results/gpu_s17")
+    lines = (root / "measure" / "measured.jsonl").read_text().splitlines()
+    measured = [json.loads(line) for line in lines if line.strip()]
+    print("| configuration | ranks | predicted ms | measured ms | error |")
+    print("| --- | --- | --- | --- | --- |")
+    errors = []
+    for name, (ranks, key) in CASES.items():
+        recs = [r for r in measured if matches(r, ranks, key)]
+        p = predicted(root, name, ranks)
+        m = step_ms(recs[-1]) if recs else None
+        err = None if p is None or m is None else 100 * (p / m - 1)
+        if err is not None:
+            errors.append(abs(err))
+        cells = [f"{p:.2f}" if p else "not predicted", f"{m:.2f}" if m else "not measured",
+                 f"{err:+.1f}%" if err is not None else "-"]  # fmt: skip
+        print(f"| {name.split('@')[0]} | {ranks} | " + " | ".join(cells) + " |")
+    if errors:
+        print(f"\n{len(errors)} predictions: median |error| {statistics.median(errors):.1f}%, "
+              f"worst {max(errors):.1f}%")
+
+
+if __name__ == "__main__":
+    main()
