@@ -367,6 +367,19 @@ def test_cpu_ranks_compute_scales_by_the_measured_slowdown(split):
     assert not any("cpu_concurrency" in n for n in one.notes)
 
 
+def test_a_measured_speed_up_from_more_busy_processes_is_read_as_none():
+    """A noisy curve (a --quick one on a 32-core host read 0.79 at 8 processes): more busy
+    processes never make the slowest one faster, so compute is not scaled below 1."""
+    from scalelab.predict.frame import predict_one
+
+    curve = {"ranks": [1, 2, 8], "slowdown": [1.0, 1.1, 0.8], "slowdown_max": [1.0, 1.25, 0.79]}
+    cfg = RunConfig(workload="alexnet", strategy="mpi", split="batch", batch=32, threads=1)
+    s = Scenario(cfg, 1, 64).at(8)
+    plain, noisy = predict_one(_alexnet_ctx(), s), predict_one(_alexnet_ctx(curve), s)
+    assert noisy.phases["compute"] == pytest.approx(plain.phases["compute"])
+    assert any("below 1: read as 1" in n for n in noisy.notes)
+
+
 def test_ranks_of_several_threads_take_the_curve_measured_with_that_many():
     """2 ranks of 2 threads: the single-threaded curve says s(4) / s(2) = 1.5 / 1.2 = 1.25;
     a plan's curve of 2-thread processes (by_threads) says 1.7 at 2 of them, and wins."""

@@ -83,7 +83,7 @@ class ComputeModel:
         ranks = min(s.ranks, s.per_node)
         threaded = self.figures.cpu_slowdown(ranks, True, threads) if threads > 1 else None
         if threaded is not None:  # measured with processes of `threads` threads
-            self.contention = threaded
+            self.contention = max(1.0, threaded)
             self.notes.append(
                 f"compute x{threaded:.3g}: the slowest of {ranks} processes of {threads} "
                 f"threads busy per node runs slower than one (cpu_concurrency of "
@@ -99,11 +99,13 @@ class ComputeModel:
                 "measures it)"
             )
             return
-        self.contention = at / alone
+        # More busy processes never run a process faster: a ratio below 1 is the measurement's
+        # noise (a --quick curve read 0.79 at 8 processes on a 32-core host), so 1 stands.
+        self.contention = max(1.0, at / alone)
         self.notes.append(
             f"compute x{self.contention:.3g}: the slowest of {busy} single-threaded processes "
             f"busy per node runs slower than {threads} (cpu_concurrency of {self.figures.path}: "
-            f"{at:.3g} / {alone:.3g})"
+            f"{at:.3g} / {alone:.3g}{', below 1: read as 1' if at < alone else ''})"
         )
 
     @property
