@@ -5,6 +5,7 @@ has one, else the one-process CPU run (serial for inference, local for training)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from scalelab.cli.commands.versions_variants import Variant
@@ -46,6 +47,13 @@ def _failed(v: Variant, r: dict[str, Any]) -> str:
     return f"{v.label:<{WIDTH}}{v.ranks:>6}  {r.get('status')}: {r.get('error')}"
 
 
+def _lines(rows: Rows, head: str, line: Callable[[Variant, dict[str, Any]], str]) -> str:
+    """The header, a rule, and one line a variant (a failed run: its status and error)."""
+    lines = [head, "-" * len(head)]
+    lines += [line(v, r) if _ok(r) else _failed(v, r) for v, r in rows]
+    return "\n".join(lines)
+
+
 def format_table(rows: Rows) -> str:
     """Inference: one line a variant, speedup against baseline()."""
     base = baseline(rows)
@@ -53,19 +61,17 @@ def format_table(rows: Rows) -> str:
         f"{'strategy':<{WIDTH}}{'ranks':>6}{'wall ms':>11}{'items/s':>11}{'speedup':>9}"
         f"{'relerr':>10}  {'digest':<18}{'dominant phase'}"
     )
-    lines = [head, "-" * len(head)]
-    for v, r in rows:
-        if not _ok(r):
-            lines.append(_failed(v, r))
-            continue
+
+    def line(v: Variant, r: dict[str, Any]) -> str:
         speed = _times(base[1]["wall_s"] / r["wall_s"]) if base else "-"
         mark = "" if r["digest"] == r["reference_digest"] else " (!)"
-        lines.append(
+        return (
             f"{v.label:<{WIDTH}}{r['ranks']:>6}{r['wall_s'] * 1e3:>11.2f}{r['throughput']:>11.1f}"
             f"{speed:>9}{r['relerr']:>10.1e}  {r['digest'] + mark:<18}{dominant(r)}"
             + ("  check-failed" if r["status"] == "check-failed" else "")
         )
-    return "\n".join(lines)
+
+    return _lines(rows, head, line)
 
 
 def step_seconds(rec: dict[str, Any]) -> float:
@@ -87,22 +93,20 @@ def format_train_table(rows: Rows) -> str:
         f"{'strategy':<{WIDTH}}{'ranks':>6}{'step ms':>11}{'items/s':>11}{'speedup':>9}"
         f"{'relerr':>10}{'tolerance':>11}  check"
     )
-    lines = [head, "-" * len(head)]
-    for v, r in rows:
-        if not _ok(r):
-            lines.append(_failed(v, r))
-            continue
+
+    def line(v: Variant, r: dict[str, Any]) -> str:
         step = step_seconds(r)
         speed = _times(step_seconds(base[1]) / step) if base else "-"
         rate = r.get("steady_throughput") or r.get("throughput") or 0.0
         verdict = "passed" if r.get("check_passed") else "FAILED"
         cause = (r.get("train_check") or {}).get("cause")
-        lines.append(
+        return (
             f"{v.label:<{WIDTH}}{r['ranks']:>6}{step * 1e3:>11.2f}{rate:>11.1f}{speed:>9}"
             f"{r.get('relerr', float('nan')):>10.1e}{r.get('tolerance', float('nan')):>11.0e}"
             f"  {verdict}" + (f" ({cause})" if cause and not r.get("check_passed") else "")
         )
-    return "\n".join(lines)
+
+    return _lines(rows, head, line)
 
 
 def _times(ratio: float) -> str:
