@@ -6,7 +6,7 @@ records) against what the `measure` part then measured: one row per held-out con
 Reads RESULTS_DIR/predictions/<name>/predict.json (committed before `measure` ran) and
 RESULTS_DIR/measure/predictions/ (VGG-16's, made on the device before its steps; where that
 failed, RESULTS_DIR/measure/predictions_redone/, made afterwards from the same records), and
-RESULTS_DIR/measure/measured.jsonl. A step is a training step (global batch / steady
+RESULTS_DIR/measure/s17_measured.jsonl. A step is a training step (global batch / steady
 throughput) or an inference iteration (the record's median wall). Prints a Markdown table and
 the median and worst absolute error.
 """
@@ -62,7 +62,7 @@ def predicted(root: Path, name: str, ranks: int) -> tuple[float | None, str]:
 
 def main() -> None:
     root = Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results/gpu_s17")
-    lines = (root / "measure" / "measured.jsonl").read_text().splitlines()
+    lines = (root / "measure" / "s17_measured.jsonl").read_text().splitlines()
     measured = [json.loads(line) for line in lines if line.strip()]
     print("| configuration | ranks | predicted ms | measured ms | error |")
     print("| --- | --- | --- | --- | --- |")

@@ -12,7 +12,7 @@ CAL_DIR=$1; OUT_DIR=$2
 mkdir -p "$OUT_DIR"
 PY=${PYTHON:-python3}
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-CAL="$CAL_DIR/calibration.jsonl"
+CAL=$(ls "$CAL_DIR"/*calibration.jsonl | head -1)  # the round writes calibration.jsonl; committed: s17_*
 CEIL="$CAL_DIR/ceilings_gpu.json"; CCPU="$CAL_DIR/ceilings_cpu.json"
 DEV=cuda; AMP=(--amp bf16 --channels-last)
 if [[ ${SMOKE:-0} == 1 ]]; then
