@@ -668,3 +668,14 @@ def test_spatial_tail_prediction_gathers_the_maps_and_sums_nothing():
     assert pred.phases["allreduce"] == 0.0  # no dense head, no LayerNorm
     fabric = ctx.fabric(s, "mpi")
     assert pred.phases["gather"] == pytest.approx(fabric.scatter(tail_bytes(s, trunk_of(s)), 2))
+
+
+def test_profiled_runs_calibrate_nothing():
+    """A --trace run's times carry torch.profiler's overhead (issue 40's traced 2-GPU resnet18
+    step read as 70 ms of DDP host cost per step): such records are skipped, and said."""
+    from scalelab.predict.points import discover
+
+    traced = RESULTS / "gpu_s17" / "timeline" / "s17_timeline_runs.jsonl"
+    found = discover(traced)
+    assert not any(p.singles or p.multis for p in found.pools.values())
+    assert any(k.startswith("profiled runs (--trace") for k in found.skipped)

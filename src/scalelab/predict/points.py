@@ -127,6 +127,10 @@ def _run_record(found: Found, path: Path, where: str, rec: dict[str, Any]) -> No
     if cfg.device == "cpu" and cores and ranks * (cfg.threads or 1) > cores:
         found.skipped["CPU runs with more threads than cores (time-sliced: not modelled)"] += 1
         return
+    if (rec.get("config") or {}).get("trace"):  # torch.profiler recorded every op: the times
+        # carry its overhead (a traced 2-GPU resnet18 step read 70 ms of "DDP host cost")
+        found.skipped["profiled runs (--trace: the profiler's overhead is in their times)"] += 1
+        return
     pipe = rec.get("pipeline") or {}
     hand = cfg.engine != "torch"  # torch's engine: every rank loads its own batch
     if pipe and hand and cfg.train and ranks > 1 and not pipe.get("host_prefetch"):
