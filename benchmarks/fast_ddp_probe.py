@@ -14,7 +14,6 @@ Worker mode (started by torchrun): `fast_ddp_probe.py --worker VARIANT CPU ARGS.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import subprocess
@@ -62,8 +61,8 @@ def main() -> None:
            "SCALELAB_LAUNCHED": "1"}  # fmt: skip
     common = ["resnet18", "--num-classes", "10", "--seed", "3", "--no-record"]
     w0 = out / "w0.pt"
-    subprocess.run([sys.executable, "-m", "scalelab", "run", *common, "--batch", "2",
-                    "--save-weights", str(w0)], env=env, check=True, capture_output=True)  # fmt: skip
+    first = [sys.executable, "-m", "scalelab", "run", *common, "--batch", "2", "--save-weights"]
+    subprocess.run([*first, str(w0)], env=env, check=True, capture_output=True)
     train = [
         "run", *common, "--strategy", "ddp", "--train", "--device", "cpu" if cpu else "cuda",
         "--batch", "32" if cpu else "128", "--train-size", "96" if cpu else "1100",
