@@ -16,9 +16,10 @@ import torch
 Forward = Callable[[torch.Tensor], torch.Tensor]
 
 
-def warm_up(fn: Callable[[], object], steps: int) -> None:
-    """Run fn on a side stream, as graph capture requires of everything it will record."""
-    side = torch.cuda.Stream()
+def warm_up(fn: Callable[[], object], steps: int, stream: torch.cuda.Stream | None = None) -> None:
+    """Run fn on a side stream (`stream`, else a new one), as graph capture requires of
+    everything it will record."""
+    side = stream if stream is not None else torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(steps):

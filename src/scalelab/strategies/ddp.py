@@ -104,6 +104,7 @@ class DDPStrategy(TorchDistStrategy):
             self.timer = EventTimer(self.device)
         self.per_rank = per_rank_batch(cfg, self.comm.size)
         self.buckets: BucketTimer | None = None  # the comm hook timing DDP's all-reduces
+        self.graph_stream: torch.cuda.Stream | None = None  # --fast on GPUs: DDP's, wrap()'s
 
     @classmethod
     def preflight(cls, cfg: RunConfig) -> int:
@@ -183,6 +184,7 @@ class DDPStrategy(TorchDistStrategy):
             what="step (with DDP all-reduce)",
             warmup=DDP_GRAPH_WARMUP if self.comm.size > 1 else 3,
             convert_layout=False,  # wrap() chose the layout before DDP took the parameters
+            stream=self.graph_stream,  # the one DDP was built on (its AccumulateGrad nodes')
         )
 
     def source(self, workload: Workload, train: Inputs) -> ResidentShards | LoaderShards:
@@ -201,7 +203,9 @@ class DDPStrategy(TorchDistStrategy):
             net = ChannelsLast(net)
         if self.comm.size > 1:
             # A step captured as a CUDA graph (--fast) needs DDP built on a side stream.
+            # The same stream then warms up and captures the step (fast/train.GraphStep).
             side = torch.cuda.Stream() if cfg.fast and self.device.type == "cuda" else None
+            self.graph_stream = side
             if side is not None:
                 side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side) if side is not None else nullcontext():
