@@ -37,7 +37,9 @@ def fit_alpha_beta(points: list[tuple[float, float]] | list[list[float]]) -> tup
 
     Residuals are relative (each row divided by its t), so an 8-byte latency point weighs as
     much as a 64 MiB bandwidth point; exact data is recovered exactly. A negative alpha (noise
-    on a latency-free link) is clamped to 0 and the slope refitted through the origin.
+    on a latency-free link) is clamped to 0 and the slope refitted through the origin; a slope
+    that is not positive (times that do not grow with the size, on a busy host) becomes the
+    best rate seen, so beta stays finite.
     """
     n = np.array([p[0] for p in points], dtype=np.float64)
     t = np.array([p[1] for p in points], dtype=np.float64)
@@ -49,7 +51,10 @@ def fit_alpha_beta(points: list[tuple[float, float]] | list[list[float]]) -> tup
         alpha = 0.0
         w = n / t
         slope = float(np.sum(w) / np.sum(w * w))
-    return float(alpha), (1.0 / slope if slope > 0 else float("inf"))
+    if slope <= 0:  # times that do not grow with the size (a busy host): no bandwidth term fits;
+        # the best rate seen stands for it, finite (a ceilings file with beta = inf is refused)
+        slope = float(np.min(t / np.maximum(n, 1.0)))
+    return float(alpha), 1.0 / slope
 
 
 class CommBench:
