@@ -136,7 +136,8 @@ def test_versions_report_and_the_schema_read_check_failed():
     """A failed check is a finished run (its timings stand) that says check-failed."""
     pytest.importorskip("pandas")
     from scalelab.analysis.frame import ok_records, records_frame
-    from scalelab.cli.commands.versions import Variant, format_table
+    from scalelab.cli.commands.versions_table import format_table
+    from scalelab.cli.commands.versions_variants import Variant
     from scalelab.record_schema import problem
 
     rec = _run(**MLP)

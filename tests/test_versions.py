@@ -5,7 +5,12 @@ import re
 import pytest
 import torch
 
-from scalelab.cli.commands.versions import cli_flags, unavailable, variant_config, variants
+from scalelab.cli.commands.versions_variants import (
+    cli_flags,
+    unavailable,
+    variant_config,
+    variants,
+)
 from scalelab.config import RunConfig
 from scalelab.record import read_records
 
@@ -245,3 +250,14 @@ def test_versions_on_two_gpus_runs_every_gpu_strategy(cli, tmp_path):
     assert len(recs) == len(labels) and all(r["check_passed"] for r in recs)
     if torch.cuda.device_count() < 4:
         assert "skipped dp x tp cuda: needs 4 GPUs" in stdout
+
+
+def test_sync_bn_reaches_the_per_rank_normalising_strategies_only():
+    """`versions --train --sync-bn` (a BatchNorm model): ddp and mpi-dp normalise over the
+    whole batch with it; local, pipeline, tensor and fsdp already do and would refuse it."""
+    base = RunConfig(workload="resnet18", batch=4, train=True, sync_bn=True)
+    got = {v.label: variant_config(v, base).sync_bn for v in variants(2, train=True)}
+    per_rank = ("ddp cpu", "mpi-dp", "ddp cuda")
+    assert all(got[label] for label in per_rank)
+    assert not any(on for label, on in got.items() if label not in per_rank)
+    assert unavailable(_labels(variants(2, train=True))["local cpu"], base) is None

@@ -6,7 +6,6 @@ stage fitting its device's memory (`--balance auto`), and re-cutting from timed 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -181,8 +180,9 @@ def _pack(
             acc.add(profiles[j])
             seconds += profiles[j].seconds
             over = mem.capacity is not None and mem.total(acc, s) > mem.capacity
-            # A relative slack: the bound may be an exact sum of these floats, which their
-            # running sum can round above (0.1 + 0.1 + 0.1 > 0.3).
+            # A relative slack: the bound may be a compensated sum of these floats (Python
+            # 3.12's sum()), which their running sum can round above (2.45 against
+            # 2.4499999999999997 for [0.7, 0.7, 0.05, 0.7, 0.2, 0.1]).
             if (seconds > most_s * (1 + 1e-12) or over) and j > i:
                 break
             if over:  # one layer alone does not fit
@@ -212,11 +212,8 @@ def balance_auto(profiles: Sequence[LayerProfile], stages: int, mem: MemoryModel
     n = len(profiles)
     if n < stages:
         raise UsageError(f"pipeline: {stages} stages but the model has only {n} layers")
-    # hi is the exact sum (math.fsum; Python 3.12's sum() is compensated too): _pack's running
-    # sum of the same floats can round above it, so whether any split fits memory is asked
-    # with no time bound (a 1-stage split of [0.1, 0.1, 0.1] once failed on Python 3.12).
-    lo, hi = max(p.seconds for p in profiles), math.fsum(p.seconds for p in profiles)
-    best = _pack(profiles, stages, mem, math.inf)
+    lo, hi = max(p.seconds for p in profiles), sum(p.seconds for p in profiles)
+    best = _pack(profiles, stages, mem, hi)
     if best is None:
         cap = mem.capacity / 2**30 if mem.capacity else float("inf")
         raise UsageError(

@@ -21,7 +21,6 @@ index copy and one graph launch.
 from __future__ import annotations
 
 import inspect
-import sys
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
@@ -35,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 from scalelab.comm import even_counts
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
+from scalelab.instrument import host_checks
 from scalelab.instrument.spans import SPANS
 from scalelab.instrument.timer import EventTimer
 from scalelab.precision import get_precision
@@ -259,13 +259,9 @@ class DDPStrategy(TorchDistStrategy):
         scale = ranks[0].abs().clamp_min(1e-30)
         diff = max(float(((r - ranks[0]).abs() / scale).max()) for r in ranks)
         if diff > 0:
-            print(
-                f"scalelab: warning: ddp replicas differ after training (largest relative "
-                f"difference {diff:.3g} from rank 0's parameters): a step ran without its "
-                "all-reduce",
-                file=sys.stderr,
-                flush=True,
-            )
+            host_checks.emit([f"ddp replicas differ after training (largest relative difference "
+                              f"{diff:.3g} from rank 0's parameters): a step ran without its "
+                              "all-reduce"])  # fmt: skip
         return {"replica_max_rel_diff": diff}
 
     def notes(self, source: ResidentShards | LoaderShards) -> dict:

@@ -28,7 +28,6 @@ from scalelab.cli.base import COMMANDS, Command
 from scalelab.cli.commands.versions_table import (
     Rows,
     baseline_line,
-    dominant,
     format_table,
     format_train_table,
 )
@@ -51,15 +50,6 @@ from scalelab.record import DEFAULT_RESULTS, append_record, read_records
 from scalelab.record_schema import FINISHED
 from scalelab.runner import execute
 
-__all__ = [
-    "Variant",
-    "cli_flags",
-    "dominant",
-    "format_table",
-    "unavailable",
-    "variant_config",
-    "variants",
-]  # fmt: skip  (re-exported: tests and older callers import them here)
 REFUSED = "refused"  # a strategy refused the variant on its ranks (exit 2): listed as skipped
 
 # Flags versions sets itself for every variant.

@@ -18,6 +18,7 @@ import torch
 
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
+from scalelab.run.train_check import SYNC_BN
 
 # Model-parallel or sharded: on CPU ranks they run only under --all.
 HEAVY = ("pipeline", "tensor", "fsdp")
@@ -136,10 +137,13 @@ def variant_config(v: Variant, base: RunConfig) -> RunConfig:
     """base as v runs it: v's strategy, ranks, device and engine; a pipeline has one stage a
     rank of each replica; checked, quiet."""
     stages = v.ranks // v.dp if v.strategy == "pipeline" else RunConfig.stages
+    # --sync-bn is for the strategies whose ranks each normalise their share; the others
+    # normalise the whole batch already (run/train_check.SYNC_BN)
+    sync_bn = base.sync_bn and v.strategy in SYNC_BN
     return dataclasses.replace(
         base, strategy=v.strategy, ranks=v.ranks, device=v.device, split=v.split,
         overlap=v.overlap, engine=v.engine, dp=v.dp, stages=stages, train=v.train,
-        check=True, quiet=True,
+        sync_bn=sync_bn, check=True, quiet=True,
     )  # fmt: skip
 
 
