@@ -10,7 +10,11 @@ import torch
 from torch import nn
 
 from scalelab.planning.torch_schedule import replay, simulated_bubble, torch_order
-from scalelab.strategies.pipeline.torch_stages import OwnedOutput, whole_backward_stages
+from scalelab.strategies.pipeline.torch_stages import (
+    ChannelsLast,
+    OwnedOutput,
+    whole_backward_stages,
+)
 from torchpp_helpers import check_training, torchrun
 
 
@@ -23,9 +27,9 @@ def test_every_schedule_trains_like_one_process():
     The mlp in 4 stages and VGG-16 under zbv start with a parameter-free stage: the next
     stage trains only through torch_stages.whole_backward_stages; deepstack's split-backward
     cuts end stage 1 at a view (flatten), which only torch_stages.OwnedOutput lets torch
-    detach."""
+    detach. VGG-16 under 1f1b also runs its stages in channels_last (ChannelsLast)."""
     results = torchrun(2, "pp")
-    assert len(results) == 23
+    assert len(results) == 24
     assert not [r for r in results if "refused" in r]
     for r in results:
         if not r["train"]:
@@ -59,6 +63,20 @@ def test_a_stage_output_is_never_a_view():
     assert torch.equal(x.grad, torch.ones_like(x))
     y = torch.randn(2, 3)
     assert OwnedOutput(nn.Identity())(y) is y  # no copy when the output is its own
+
+
+def test_a_channels_last_stage_runs_nhwc_and_hands_on_nchw():
+    seen = []
+    conv = nn.Conv2d(3, 4, 3, padding=1, dtype=torch.float64)
+    conv.register_forward_pre_hook(lambda m, a: seen.append(a[0]))
+    x = torch.randn(2, 3, 5, 5, dtype=torch.float64, requires_grad=True)
+    out = ChannelsLast(conv.to(memory_format=torch.channels_last))(x)
+    assert seen[0].is_contiguous(memory_format=torch.channels_last)
+    assert not seen[0].is_contiguous() and out.is_contiguous()
+    ref = nn.functional.conv2d(x, conv.weight, conv.bias, padding=1)
+    assert torch.allclose(out, ref, rtol=1e-12, atol=1e-12)
+    out.sum().backward()
+    assert x.grad.shape == x.shape and x.grad.is_contiguous()
 
 
 def test_replay_of_equal_stages_gives_the_textbook_bubble():

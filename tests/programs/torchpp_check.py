@@ -67,6 +67,8 @@ def scenarios(suite: str, world: int) -> list[tuple[str, dict]]:
                 v = 2 if sched in ("interleaved-1f1b", "looped-bfs", "zero-bubble") else 1
                 out.append((name, {"schedule": sched, "virtual_stages": v, **TRAIN,
                                    "balance": balance(name, sched, world)}))  # fmt: skip
+        # VGG-16's stages in NHWC (ChannelsLast), boundaries NCHW
+        out.append(("vgg16", {"schedule": "1f1b", **TRAIN, "channels_last": True}))
         out.append(("deepstack", {"schedule": "interleaved-1f1b", "virtual_stages": 2}))
         out.append(("deepstack", {"schedule": "zbv"}))  # inference through a training schedule
         return [(n, {"balance": "auto", **kw, "strategy": "pipeline", "stages": world,

@@ -61,12 +61,29 @@ class BatchSource(ABC):
         """The epoch's steps from step `skip` on (skip > 0 when resuming mid-epoch)."""
 
 
+RESIDENT_SHARE = 0.25  # at most this share of the GPU's free memory holds the training set
+
+
+def on_device(train: Inputs, device: torch.device) -> Inputs:
+    """The training set moved to a CUDA device when it takes at most RESIDENT_SHARE of the
+    free memory (else as it was, on the host). A step is then one gather by index on the GPU,
+    as ddp's ResidentShards does, instead of a gather on the host and a pinned copy each step
+    (a launched rank runs one host thread: VGG-16's 256 x 3 x 224 x 224 pixels are 38.5 MB)."""
+    if device.type != "cuda":
+        return train
+    size = train.x.nbytes + (0 if train.y is None else train.y.nbytes)
+    if size > RESIDENT_SHARE * torch.cuda.mem_get_info(device)[0]:
+        return train
+    return Inputs(train.x.to(device), None if train.y is None else train.y.to(device))
+
+
 class GlobalBatches(BatchSource):
     """The one-process order (batch_order, batch_slices); each rank keeps strategy.shard(batch).
-    Needs the training set on every rank that calls it."""
+    Needs the training set on every rank that calls it; on a GPU it lives there (on_device)."""
 
     def __init__(self, strategy: TrainHost, train: Inputs, batch: int, seed: int) -> None:
-        self.strategy, self.train, self.global_batch, self.seed = strategy, train, batch, seed
+        self.strategy, self.global_batch, self.seed = strategy, batch, seed
+        self.train = on_device(train, strategy.device)
 
     def steps_per_epoch(self) -> int:
         return len(batch_slices(len(self.train), self.global_batch))
@@ -74,6 +91,6 @@ class GlobalBatches(BatchSource):
     def epoch(self, epoch: int, skip: int) -> Iterator[Step]:
         order = batch_order(len(self.train), epoch, self.seed)
         for part in batch_slices(len(self.train), self.global_batch)[skip:]:
-            idx = order[part]
+            idx = order[part].to(self.train.x.device)
             local = self.strategy.shard(Inputs(self.train.x[idx], self.train.y[idx]))
             yield Step(local, len(idx), len(local) / len(idx))

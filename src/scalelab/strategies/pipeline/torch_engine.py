@@ -60,7 +60,7 @@ from scalelab.workloads.base import Inputs, Workload
 
 class TorchPipeline(TorchDistStrategy):
     name = "pipeline"
-    reads = ("pipeline", "engine", "mesh", "interleave", "checkpoint")
+    reads = ("pipeline", "engine", "mesh", "interleave", "layout", "checkpoint")
     needs_data_everywhere = True
 
     def __init__(self, cfg) -> None:
@@ -121,7 +121,8 @@ class TorchPipeline(TorchDistStrategy):
         else:
             x = self.workload.prepare(sample[:n].to(self.device)).to(self.precision.storage)
             self.profile = profiling.profile_layers(
-                self.layers, x, self.device, self.precision.storage, cfg.train, self.autocast
+                self.layers, x, self.device, self.precision.storage, cfg.train, self.autocast,
+                channels_last=cfg.channels_last,
             )
         capacity = profiling.device_capacity(self.device, profiling.env_mem_limit())
         self._mem = part.memory_model(
@@ -215,9 +216,13 @@ class TorchPipeline(TorchDistStrategy):
             micro = micro_for(n_local, self.cfg.microbatches)
             loss = self._loss if key[1] else None
             pieces = self._pieces_for(n_local // micro, self.cfg.train)
+            if self.cfg.channels_last:  # the weights NHWC; the stages' boundaries stay NCHW
+                for piece in pieces.values():
+                    piece.to(memory_format=torch.channels_last)
             self.passes[key] = build_pass(
                 self.cfg.schedule, pieces, self.n_stages, self.device,
                 self.groups.inner_group, micro, loss, self.clock, self.whole_backward,
+                channels_last=self.cfg.channels_last,
             )  # fmt: skip
         return self.passes[key]
 

@@ -70,6 +70,42 @@ class OwnedOutput(nn.Module):
         return out.clone() if isinstance(out, torch.Tensor) and out._is_view() else out
 
 
+class _ToNHWC(torch.autograd.Function):
+    """x (N, C, H, W) laid out NHWC; its gradient handed back NCHW (the autograd of
+    `contiguous(memory_format=...)` passes the NHWC gradient through, and the previous stage
+    sizes its gradient buffer from it: torch raised "input tensor has to be contiguous")."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.contiguous(memory_format=torch.channels_last)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+class ChannelsLast(nn.Module):
+    """A stage piece run in channels_last (NHWC) memory order, its boundaries in NCHW.
+
+    cuDNN runs bf16 convolutions much faster in NHWC, but torch's PipelineStage sizes its
+    buffers (activations and their gradients) from the strides of the first micro-batch's
+    tensors and sends them as they are, so what crosses a boundary stays NCHW: 4-D inputs are
+    laid out NHWC on entry (their gradients NCHW on the way back) and the output is made
+    contiguous on exit, one copy of the activation the stage sends anyway. The piece's 4-D
+    weights are converted by the caller (they are the model's own)."""
+
+    def __init__(self, piece: nn.Module) -> None:
+        super().__init__()
+        self.piece = piece
+
+    def forward(self, *args: Any) -> Any:
+        args = tuple(
+            _ToNHWC.apply(a) if isinstance(a, torch.Tensor) and a.dim() == 4 else a for a in args
+        )
+        out = self.piece(*args)
+        return out.contiguous() if isinstance(out, torch.Tensor) else out
+
+
 def micro_for(n: int, micro: int) -> int:
     """The micro-batch count for n items: `micro`, or the largest count below it dividing n."""
     return max(d for d in range(1, min(micro, n) + 1) if n % d == 0)
@@ -142,13 +178,17 @@ def build_pass(
     loss_fn: Callable | None,
     clock: Clock,
     whole_backward: frozenset[int] = frozenset(),
+    channels_last: bool = False,
 ) -> Pass:
     """Fresh PipelineStages over the pieces (shapes are learnt per size) and the schedule;
     torch's refusals (a micro-batch count a schedule cannot take) become one-line errors.
     The stages in `whole_backward` run their whole backward in one action
     (whole_backward_stages says why); under the split backward every stage but the last
-    hands on an output of its own (OwnedOutput says why)."""
+    hands on an output of its own (OwnedOutput says why); channels_last: each piece runs in
+    NHWC (ChannelsLast says how)."""
     split = name in SPLIT_BACKWARD
+    if channels_last:
+        pieces = {i: ChannelsLast(mod) for i, mod in pieces.items()}
     stages = [
         PipelineStage(OwnedOutput(mod) if split and i < n_stages - 1 else mod, i, n_stages,
                       device, group=group,
