@@ -27,16 +27,44 @@ VARIANTS = {
     "fast": {},
     "fast, gradient_as_bucket_view=False": {"gradient_as_bucket_view": False},
     "fast, static_graph=False": {"static_graph": False},
+    # session 18: is the all-reduce ordered after the copies into its bucket, and the update
+    # after the all-reduce? A hook whose all-reduce the hook's stream waits for (async_op off)
+    "fast, all-reduce waited for in the hook": {"hook": "sync"},
+    "fast, one bucket": {"bucket_cap_mb": 4096},
+    "fast, TORCH_NCCL_ASYNC_ERROR_HANDLING=0": {"env": {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}},
 }
+
+
+def sync_allreduce_hook(state, bucket):
+    """DDP comm hook: the bucket averaged by a blocking all_reduce (the current stream waits
+    for NCCL's), returned as a completed future (torch's documented no-op hook's form)."""
+    import torch
+    import torch.distributed as dist
+
+    buf = bucket.buffer()
+    buf.div_(dist.get_world_size())
+    dist.all_reduce(buf)
+    fut = torch.futures.Future()
+    fut.set_result(buf)
+    return fut
 
 
 def worker(variant: str, cpu: bool, args: list[str]) -> int:
     import scalelab.strategies.ddp as ddp
     from scalelab.cli.main import main
 
-    over = VARIANTS[variant] or {}
+    over = dict(VARIANTS[variant] or {})
+    os.environ.update(over.pop("env", {}))
+    hook = over.pop("hook", None)
     real = ddp.DistributedDataParallel
-    ddp.DistributedDataParallel = lambda *a, **kw: real(*a, **{**kw, **over})
+
+    def build(*a, **kw):
+        net = real(*a, **{**kw, **over})
+        if hook == "sync":
+            net.register_comm_hook(None, sync_allreduce_hook)
+        return net
+
+    ddp.DistributedDataParallel = build
     if cpu:
         import scalelab.fast.train as fast_train
 

@@ -5,11 +5,15 @@
 #       the captured-DDP test after the one-stream fix; VGG-16's pipeline against its one-GPU
 #       peers (plain and compiled) in the same call: session 17's configurations again (their
 #       predictions were committed then) after the data path moved onto the GPU, and the
-#       stages in channels_last with bf16 autocast (new this session); ResNet-18-CIFAR weak
-#       scaling with the fixed captured step; a traced pipeline step merged by `timeline`;
+#       stages in channels_last with bf16 weights (new this session); ResNet-18-CIFAR weak
+#       scaling with the captured step.
+#       (--amp is ddp's: the pipeline reads --dtype; the first call's --amp runs were refused.)
+#   benchmarks/gpu_round_s18.sh diag   OUT_DIR SECONDS     (a 2-GPU host)
+#       benchmarks/fast_ddp_probe.py (which change makes the captured DDP step eager's),
+#       a traced pipelined VGG-16 step merged by `timeline`, `plan --verify` for
+#       resnet18-cifar training.
+#   benchmarks/gpu_round_s18.sh gpt    OUT_DIR SECONDS     (a 2-GPU host)
 #       `plan --verify` for the example GPT.
-#   benchmarks/gpu_round_s18.sh plan   OUT_DIR SECONDS     (a 2-GPU host)
-#       the GPU suite, then `plan --verify` for resnet18-cifar training.
 #   benchmarks/gpu_round_s18.sh suite  OUT_DIR SECONDS     (a 1-GPU host)
 #       the GPU suite.
 #
@@ -69,36 +73,33 @@ speed)
   done
   vgg vgg-pipe-interleaved "$MEAS" "${PIPE[@]}" "${BF16[@]}" --microbatches $VGG_MB \
     --schedule interleaved-1f1b --virtual-stages 2
-  # the stages in NHWC: bf16 weights (issue 6's configuration), and the peer's bf16 autocast
+  # the stages in NHWC (ChannelsLast, new this session), bf16 weights: issue 6's configuration
   vgg vgg-pipe-1f1b-bf16-nhwc "$MEAS" "${PIPE[@]}" "${BF16[@]}" --channels-last \
     --microbatches $VGG_MB --schedule 1f1b
-  for m in $VGG_MB $(( VGG_MB * 2 )); do
-    vgg vgg-pipe-1f1b-amp-m$m "$MEAS" "${PIPE[@]}" "${AMP[@]}" --microbatches $m --schedule 1f1b
-  done
-  vgg vgg-pipe-gpipe-amp-m$VGG_MB "$MEAS" "${PIPE[@]}" "${AMP[@]}" --microbatches $VGG_MB \
-    --schedule gpipe
   vgg vgg-scalelab-1f1b-bf16-nhwc "$MEAS" --strategy pipeline --ranks 2 "${BF16[@]}" \
     --channels-last --microbatches $VGG_MB --schedule 1f1b
   CUDA_VISIBLE_DEVICES=0 r18 r18-x1 "$MEAS" 1
   r18 r18-x2 "$MEAS" 2
+  ;;
+diag)
+  step fast-ddp-probe $PY benchmarks/fast_ddp_probe.py "$OUT_DIR/probe" $([[ $SMOKE == 1 ]] && echo --cpu)
   # the timeline of a pipelined step: GPU kernels and NCCL sends under the schedule's phases
   TL="$OUT_DIR/timeline"; mkdir -p "$TL"
-  step tl-run "${RUN[@]}" "${VGG[@]}" --train --device $DEV "${PIPE[@]}" "${AMP[@]}" \
+  step tl-run "${RUN[@]}" "${VGG[@]}" --train --device $DEV "${PIPE[@]}" "${BF16[@]}" --channels-last \
     --microbatches $VGG_MB --schedule 1f1b --batch $VGG_B --train-size $(( VGG_B * 6 )) \
     --heldout-size 32 --steps 6 --quiet --trace "$TL/trace" --out "$TL/runs.jsonl"
   step tl-merge $PY -m scalelab timeline "$TL/runs.jsonl" -o "$TL/merged.json"
-  step plan-gpt $PY -m scalelab plan "${GPT[@]}" --train --device $DEV "${PLAN[@]}" \
-    --ceilings benchmarks/results/gpu_s17/cal/ceilings_gpu.json --batch $GPT_B \
-    --train-size $(( GPT_B * 8 )) -o "$OUT_DIR/plan-gpt"
-  ;;
-plan)
-  [[ $SMOKE != 1 ]] && step suite bash benchmarks/gpu_suite.sh "$OUT_DIR" 290
   step plan-r18 $PY -m scalelab plan "${R18[@]}" --train --device $DEV "${PLAN[@]}" \
     --ceilings benchmarks/results/gpu_s17/cal/ceilings_gpu.json --batch $(( R18_B * 2 )) \
     --train-size $(( R18_B * 2 * 16 )) -o "$OUT_DIR/plan-r18"
   ;;
+gpt)
+  step plan-gpt $PY -m scalelab plan "${GPT[@]}" --train --device $DEV "${PLAN[@]}" \
+    --ceilings benchmarks/results/gpu_s17/cal/ceilings_gpu.json --batch $GPT_B \
+    --train-size $(( GPT_B * 8 )) -o "$OUT_DIR/plan-gpt"
+  ;;
 suite)
   step suite bash benchmarks/gpu_suite.sh "$OUT_DIR" 300
   ;;
-*) echo "unknown part $PART (speed, plan, suite)"; exit 2 ;;
+*) echo "unknown part $PART (speed, diag, gpt, suite)"; exit 2 ;;
 esac
