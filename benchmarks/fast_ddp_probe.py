@@ -2,12 +2,14 @@
 steps of ResNet-18 on 2 GPUs, eager against captured, and captured with one DDP option
 changed at a time (the DDP constructor patched in the ranks, nothing else touched).
 
-    python benchmarks/fast_ddp_probe.py OUT_DIR [--cpu]
+    python benchmarks/fast_ddp_probe.py OUT_DIR [--cpu] [--determinism]
 
 Prints, per variant, the relative difference of its parameter update from eager's and the
 record's `replica_max_rel_diff` (rank 1's parameters against rank 0's after training), and
 writes OUT_DIR/fast_ddp_probe.json. --cpu: gloo ranks with the captured step run eagerly
-(CUDA graphs need a GPU), to check the script itself.
+(CUDA graphs need a GPU), to check the script itself. --determinism: only eager DDP twice
+(does it repeat itself?); the GPU test compares the captured step with eager under
+SCALELAB_DETERMINISTIC=1, and so can the variants named for it here.
 
 Worker mode (started by torchrun): `fast_ddp_probe.py --worker VARIANT CPU ARGS...`.
 """
@@ -21,9 +23,11 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# variant -> DDP keyword arguments replaced in the ranks (None: eager ddp, no --fast)
+# variant -> DDP keyword arguments replaced in the ranks ("fast": False: eager ddp, no --fast;
+# "env": set in the ranks; "hook": a comm hook registered)
+DET = {"env": {"SCALELAB_DETERMINISTIC": "1"}}
 VARIANTS = {
-    "eager": None,
+    "eager": {"fast": False},
     "fast": {},
     "fast, gradient_as_bucket_view=False": {"gradient_as_bucket_view": False},
     "fast, static_graph=False": {"static_graph": False},
@@ -32,7 +36,19 @@ VARIANTS = {
     "fast, all-reduce waited for in the hook": {"hook": "sync"},
     "fast, one bucket": {"bucket_cap_mb": 4096},
     "fast, TORCH_NCCL_ASYNC_ERROR_HANDLING=0": {"env": {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}},
+    # none of the above is eager's: is eager itself repeatable? (--determinism runs these)
+    "eager, again": {"fast": False},
+    "eager, SCALELAB_DETERMINISTIC=1": {"fast": False, **DET},
+    "eager, SCALELAB_DETERMINISTIC=1, again": {"fast": False, **DET},
+    "fast, SCALELAB_DETERMINISTIC=1": DET,
 }
+DETERMINISM = [
+    "eager",
+    "eager, again",
+    "eager, SCALELAB_DETERMINISTIC=1",
+    "eager, SCALELAB_DETERMINISTIC=1, again",
+    "fast, SCALELAB_DETERMINISTIC=1",
+]
 
 
 def sync_allreduce_hook(state, bucket):
@@ -53,7 +69,8 @@ def worker(variant: str, cpu: bool, args: list[str]) -> int:
     import scalelab.strategies.ddp as ddp
     from scalelab.cli.main import main
 
-    over = dict(VARIANTS[variant] or {})
+    over = dict(VARIANTS[variant])
+    over.pop("fast", None)
     os.environ.update(over.pop("env", {}))
     hook = over.pop("hook", None)
     real = ddp.DistributedDataParallel
@@ -98,9 +115,10 @@ def main() -> None:
         "--momentum", "0.5", "--ranks", "2", "--json",
     ]  # fmt: skip
     rows = {}
-    for variant, over in VARIANTS.items():
+    names = DETERMINISM if "--determinism" in sys.argv else list(VARIANTS)
+    for variant in names:
         path = out / f"w_{len(rows)}.pt"
-        extra = [] if over is None else ["--fast"]
+        extra = ["--fast"] if VARIANTS[variant].get("fast", True) else []
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node", "2", __file__, "--worker", variant, str(int(cpu)),
                *train, *extra, "--save-weights", str(path)]  # fmt: skip
@@ -113,13 +131,17 @@ def main() -> None:
         rows[variant] = {"replica_max_rel_diff": rec.get("replica_max_rel_diff"),
                          "loss": rec.get("loss"), "weights": str(path)}  # fmt: skip
     start = torch.load(w0)
-    base = update(torch.load(rows["eager"]["weights"]), start)
+    det = "eager, SCALELAB_DETERMINISTIC=1"
     for variant, row in rows.items():
-        if "weights" in row:
+        ref = det if "DETERMINISTIC" in variant and variant != det else "eager"
+        if "weights" in row and "weights" in rows.get(ref, {}):
+            base = update(torch.load(rows[ref]["weights"]), start)
             u = update(torch.load(row["weights"]), start)
             row["update_rel_diff"] = float((u - base).norm() / base.norm())
-        print(f"{variant:40} update off eager {row.get('update_rel_diff')}  replicas differ "
-              f"{row.get('replica_max_rel_diff')}  loss {row.get('loss')}", flush=True)  # fmt: skip
+            row["against"] = ref
+        print(f"{variant:40} update off {row.get('against')}'s {row.get('update_rel_diff')}  "
+              f"replicas differ {row.get('replica_max_rel_diff')}  loss {row.get('loss')}",
+              flush=True)  # fmt: skip
     (out / "fast_ddp_probe.json").write_text(json.dumps(rows, indent=1))
 
 

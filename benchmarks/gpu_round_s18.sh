@@ -16,6 +16,9 @@
 #       `plan --verify` for the example GPT.
 #   benchmarks/gpu_round_s18.sh suite  OUT_DIR SECONDS     (a 1-GPU host)
 #       the GPU suite.
+#   benchmarks/gpu_round_s18.sh final  OUT_DIR SECONDS     (a 2-GPU host)
+#       the GPU suite on both GPUs, eager DDP run twice (fast_ddp_probe.py --determinism),
+#       the GPU suite with one GPU visible and fresh compile caches.
 #
 # SMOKE=1 shrinks every model and uses the CPU, to check the commands here.
 set -u
@@ -101,5 +104,13 @@ gpt)
 suite)
   step suite bash benchmarks/gpu_suite.sh "$OUT_DIR" 300
   ;;
-*) echo "unknown part $PART (speed, diag, gpt, suite)"; exit 2 ;;
+final)  # the last device time: the 2-GPU suite, eager DDP twice, the 1-GPU suite
+  step suite-2gpu bash benchmarks/gpu_suite.sh "$OUT_DIR" 290
+  step eager-twice $PY benchmarks/fast_ddp_probe.py "$OUT_DIR/eager_twice" --determinism
+  # one GPU visible and fresh Triton / tuning caches: the suite as a fresh 1-GPU host runs it
+  fresh=$(mktemp -d)
+  CUDA_VISIBLE_DEVICES=0 TRITON_CACHE_DIR=$fresh/triton XDG_CACHE_HOME=$fresh \
+    step suite-1gpu bash benchmarks/gpu_suite.sh "$OUT_DIR" 200
+  ;;
+*) echo "unknown part $PART (speed, diag, gpt, suite, final)"; exit 2 ;;
 esac

@@ -14,7 +14,8 @@ OUT_DIR=$1; shift
 LIMIT=${1:-300}; shift || true
 PYTHON=${PYTHON:-python3}
 mkdir -p "$OUT_DIR"
-gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+# the GPUs the tests see (CUDA_VISIBLE_DEVICES=0 on a 2-GPU host runs the 1-GPU suite)
+gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 log="$OUT_DIR/gpu_suite_${gpus}gpu.log"
 {
   date -u +"%F %T UTC"; git rev-parse --short HEAD 2>/dev/null; nvidia-smi -L

@@ -198,18 +198,19 @@ def test_two_gpus_bf16_follow_the_one_gpu_loss_curve(workload, lr, rtol, atol, t
 
 @pytest.mark.gpu
 @two_gpus
-def test_fast_ddp_step_captured_with_its_all_reduce_follows_plain_ddp(tmp_path):
+def test_fast_ddp_step_captured_with_its_all_reduce_follows_plain_ddp(tmp_path, monkeypatch):
     """--fast on 2 GPUs: forward, backward with DDP's all-reduces and SGD replayed from one
     CUDA graph per rank takes the steps eager ddp takes: the weight update after 6 steps
-    matches eager's, in fp32 closely and with bf16 autocast and bf16-compressed gradients (a
-    comm hook inside the captured graph) within bf16's rounding.
+    matches eager's, in fp32 and with bf16 autocast and bf16-compressed gradients (a comm hook
+    inside the captured graph), each against eager DDP with the same options.
 
-    The update (trained weights less the initial ones), not a loss curve: the 4-epoch curve
-    this test once compared memorises 1,100 images in bf16 and amplifies any rounding (two
-    eager runs differed by 3.5% of the initial loss, the captured run's epoch 3 by 6%). A real
-    fault in the captured step
-    moves the update by O(1): a doubled learning rate by 1.0, the warm-up's 11 steps left in
-    by far more, gradients not averaged over the ranks by ~0.5."""
+    Every run is deterministic (SCALELAB_DETERMINISTIC=1): without it two EAGER runs of this
+    training ended a third of their update apart on 2x H200 (cuDNN's timed algorithm choice
+    and atomics round differently run to run, and 6 steps of SGD at this rate amplify that),
+    which this test once read as a fault of the captured step. A real fault moves the update
+    by O(1): a doubled learning rate by 1.0, the warm-up's 11 steps left in by far more,
+    gradients not averaged over the ranks by ~0.5."""
+    monkeypatch.setenv("SCALELAB_DETERMINISTIC", "1")
     w0 = tmp_path / "w0.pt"
     common = [
         "resnet18", "--num-classes", "10", "--seed", "3", "--no-record",
@@ -223,10 +224,12 @@ def test_fast_ddp_step_captured_with_its_all_reduce_follows_plain_ddp(tmp_path):
         "--batch", "128", "--train-size", "1100", "--heldout-size", "128", "--steps", "6",
         "--lr", "0.05", "--momentum", "0.5", "--ranks", "2", "--json",
     ]  # fmt: skip
+    bf16 = ("--amp", "bf16", "--grad-compress", "bf16")
     variants = {
         "plain": (),
         "fast": ("--fast",),
-        "compressed": ("--fast", "--amp", "bf16", "--grad-compress", "bf16"),
+        "plain compressed": bf16,
+        "compressed": ("--fast", *bf16),
     }
     recs, weights = {}, {}
     for name, extra in variants.items():
@@ -234,12 +237,12 @@ def test_fast_ddp_step_captured_with_its_all_reduce_follows_plain_ddp(tmp_path):
         proc = run([sys.executable, "-m", "scalelab", *train, *extra, "--save-weights", str(out)],
                    timeout=600)  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-3000:]
-        if name != "plain":
+        if "--fast" in extra:
             assert "step (with DDP all-reduce) captured as a CUDA graph" in proc.stderr
         recs[name] = json.loads(proc.stdout.strip().splitlines()[-1])
         weights[name] = torch.load(out)
     assert all(r["steps"] == 6 for r in recs.values())
-    assert recs["compressed"]["grad_compress"] == "bf16"
+    assert {recs[n]["grad_compress"] for n in ("compressed", "plain compressed")} == {"bf16"}
     # Rank 1 ends with rank 0's parameters in every variant: each step was all-reduced.
     assert {n: r["replica_max_rel_diff"] for n, r in recs.items()} == dict.fromkeys(recs, 0.0)
     start = torch.load(w0)
@@ -255,9 +258,9 @@ def test_fast_ddp_step_captured_with_its_all_reduce_follows_plain_ddp(tmp_path):
         def update(w, keys=keys):  # (n,) the group's trained values less the initial ones
             return torch.cat([(w[k].double() - start[k].double()).flatten() for k in keys])
 
-        plain = update(weights["plain"])
-        assert plain.norm() > 0
-        for name, bound in (("fast", 1e-4), ("compressed", 0.1)):
+        for name, ref, bound in (("fast", "plain", 1e-3), ("compressed", "plain compressed", 1e-2)):
+            plain = update(weights[ref])
+            assert plain.norm() > 0
             err = ((update(weights[name]) - plain).norm() / plain.norm()).item()
             print(f"{name} {group}: update {err:.3g} off eager's")  # the GPU suite's log
             assert err <= bound, f"{name} {group}: update {err:.3g} off eager ddp's (<= {bound})"
