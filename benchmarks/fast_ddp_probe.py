@@ -7,9 +7,9 @@ changed at a time (the DDP constructor patched in the ranks, nothing else touche
 Prints, per variant, the relative difference of its parameter update from eager's and the
 record's `replica_max_rel_diff` (rank 1's parameters against rank 0's after training), and
 writes OUT_DIR/fast_ddp_probe.json. --cpu: gloo ranks with the captured step run eagerly
-(CUDA graphs need a GPU), to check the script itself. --determinism: only eager DDP twice
-(does it repeat itself?); the GPU test compares the captured step with eager under
-SCALELAB_DETERMINISTIC=1, and so can the variants named for it here.
+(CUDA graphs need a GPU), to check the script itself. --determinism: eager DDP twice (does it
+repeat itself?), twice under SCALELAB_DETERMINISTIC=1, and the captured step under it against
+that (session 18 on 2x H200: 0.354 apart; 0.0; 0.0).
 
 Worker mode (started by torchrun): `fast_ddp_probe.py --worker VARIANT CPU ARGS...`.
 """

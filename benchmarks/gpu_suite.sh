@@ -27,6 +27,13 @@ log="$OUT_DIR/gpu_suite_${gpus}gpu.log"
   # the three 2-GPU pipeline tests (94, 73, 62 s) still running at the end.
   par=()
   "$PYTHON" -c "import xdist" 2>/dev/null && par=(-n "${WORKERS:-8}" --dist load)
+  # The longest tests first (pytest keeps the order of the files it is given), so none
+  # starts last: session 18's 2-GPU run ended at 290 s with test_versions' 2-GPU table,
+  # started at 71%, still running.
+  first=(tests/test_versions.py tests/test_pipeline.py tests/test_ddp.py tests/test_fast_gpu.py)
+  rest=()
+  for f in tests/test_*.py; do [[ " ${first[*]} " == *" $f "* ]] || rest+=("$f"); done
+  (( $# )) || set -- "${first[@]}" "${rest[@]}"
   timeout --signal=KILL "$LIMIT" "$PYTHON" -m pytest -m gpu -p no:randomly -p no:cacheprovider \
     "${par[@]}" -rA -v --durations=15 "$@"
   code=$?

@@ -121,7 +121,12 @@ class TorchPipeline(TorchDistStrategy):
         else:
             x = self.workload.prepare(sample[:n].to(self.device)).to(self.precision.storage)
             self.profile = profiling.profile_layers(
-                self.layers, x, self.device, self.precision.storage, cfg.train, self.autocast,
+                self.layers,
+                x,
+                self.device,
+                self.precision.storage,
+                cfg.train,
+                self.autocast,
                 channels_last=cfg.channels_last,
             )
         capacity = profiling.device_capacity(self.device, profiling.env_mem_limit())
