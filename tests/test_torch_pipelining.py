@@ -5,10 +5,14 @@ schedule's own lists, the replayed bubble against closed forms, and the one-line
 
 from __future__ import annotations
 
+import json
+import sys
+
 import pytest
 import torch
 from torch import nn
 
+from programs.train_helpers import run
 from scalelab.planning.torch_schedule import replay, simulated_bubble, torch_order
 from scalelab.strategies.pipeline.torch_stages import (
     ChannelsLast,
@@ -154,3 +158,26 @@ def test_bad_torch_pipeline_options_one_line_exit_2(cli, tmp_path, args, needle)
 def test_torch_only_flags_need_the_torch_engine(cli, tmp_path):
     code, _, err = cli("run", "mlp", "--strategy", "pipeline", "--dp", "2", "--no-record")
     assert code == 2 and "--dp needs --engine torch" in err
+
+
+@pytest.mark.mpi
+def test_a_traced_user_model_with_batchnorm_trains_like_one_process(tmp_path):
+    """examples/models/rescnn.py (residual blocks with BatchNorm, cut by torch's tracer) on 2
+    ranks, one micro-batch per step, stages in NHWC: weights AND buffers after 2 fp64 steps
+    equal one float64 process's (`run --train --check`). The held-out passes once ran the
+    training-mode trace (BatchNorm's batch statistics and running-stat updates are baked into
+    the traced graph): 250 evaluation passes moved the running statistics (relerr 0.51) and
+    the batch count (252 != 2)."""
+    out = tmp_path / "r.jsonl"
+    proc = run(
+        [sys.executable, "-m", "scalelab", "run", "--model", "examples/models/rescnn.py:rescnn",
+         "--input-shape", "3,16,16", "--strategy", "pipeline", "--engine", "torch", "--ranks", "2",
+         "--microbatches", "1", "--schedule", "gpipe", "--channels-last", "--batch", "8",
+         "--train", "--steps", "2", "--train-size", "16", "--heldout-size", "64", "--dtype",
+         "fp64", "--check", "--quiet", "--out", str(out)],
+        timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rec = json.loads(out.read_text().splitlines()[-1])
+    check = rec["train_check"]
+    assert rec["check_passed"] and check["relerr"] < 1e-12 and not check["counts_differ"], check

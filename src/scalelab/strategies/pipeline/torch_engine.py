@@ -185,7 +185,10 @@ class TorchPipeline(TorchDistStrategy):
                 for pieces in self.traced.values():
                     for piece in pieces.values():
                         piece.to(self.device)
-            self.pieces = self.traced[(size, train)]
+            if train == self.cfg.train:  # the run's own mode: what it owns and exports
+                # (an eval-mode trace leaves out buffers its graph does not read, such as
+                # BatchNorm's batch count, and torch_state reads ownership from self.pieces)
+                self.pieces = self.traced[(size, train)]
         return self.traced[(size, train)]
 
     def _rebalance(self, sample: torch.Tensor) -> None:
@@ -216,11 +219,14 @@ class TorchPipeline(TorchDistStrategy):
 
     # --- one pass ---------------------------------------------------------------------------
     def _pass_for(self, n_local: int, train: bool) -> Pass:
-        key = (n_local, train or self.cfg.schedule in NO_EVAL)
+        key = (n_local, train)
         if key not in self.passes:
             micro = micro_for(n_local, self.cfg.microbatches)
-            loss = self._loss if key[1] else None
-            pieces = self._pieces_for(n_local // micro, self.cfg.train)
+            loss = self._loss if train or self.cfg.schedule in NO_EVAL else None
+            # a traced model's pieces carry the mode they were traced in (BatchNorm's batch
+            # statistics and running-stat updates are baked into the graph): the held-out
+            # passes of a training run need the eval-mode trace
+            pieces = self._pieces_for(n_local // micro, train)
             if self.cfg.channels_last:  # the weights NHWC; the stages' boundaries stay NCHW
                 for piece in pieces.values():
                     piece.to(memory_format=torch.channels_last)
