@@ -67,8 +67,9 @@ class GraphStep:
         self.warmup = warmup
         # The stream warm-up and capture run on. DDP's: autograd runs each parameter's
         # AccumulateGrad node (and DDP's hook on it, which copies the gradient into its bucket)
-        # on the stream current when DDP made the node; on another stream that work is left
-        # out of the captured graph (measured: the update 0.35-0.85 off eager DDP's).
+        # on the stream current when DDP made the node, and a capture on another stream can
+        # fail on it (NVIDIA/Megatron-LM#6021). Under SCALELAB_DETERMINISTIC=1 the captured
+        # DDP step equals eager DDP's bitwise (2x H200, benchmarks/results/gpu_s18/final).
         self.stream = stream
         with torch.no_grad():
             self.x_all = prepare(data[0])  # (n, ...) model inputs

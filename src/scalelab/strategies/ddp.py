@@ -242,7 +242,7 @@ class DDPStrategy(TorchDistStrategy):
     def replica_notes(self, module: nn.Module) -> dict:
         """Whether every rank ended with rank 0's parameters (a gather: every rank calls it).
         DDP applies one averaged gradient on every rank, so the replicas stay bitwise equal;
-        a difference means a step ran without its all-reduce (seen with a captured step)."""
+        a difference means a step ran without its all-reduce."""
         if self.comm.size == 1:
             return {}
         with torch.no_grad():  # (2 per parameter,) its sum and sum of squares, in float64

@@ -89,8 +89,9 @@ class GlobalBatches(BatchSource):
         return len(batch_slices(len(self.train), self.global_batch))
 
     def epoch(self, epoch: int, skip: int) -> Iterator[Step]:
-        order = batch_order(len(self.train), epoch, self.seed)
+        # one copy of the order per epoch onto the set's device, not one per step
+        order = batch_order(len(self.train), epoch, self.seed).to(self.train.x.device)
         for part in batch_slices(len(self.train), self.global_batch)[skip:]:
-            idx = order[part].to(self.train.x.device)
+            idx = order[part]
             local = self.strategy.shard(Inputs(self.train.x[idx], self.train.y[idx]))
             yield Step(local, len(idx), len(local) / len(idx))
