@@ -181,3 +181,23 @@ def test_a_traced_user_model_with_batchnorm_trains_like_one_process(tmp_path):
     rec = json.loads(out.read_text().splitlines()[-1])
     check = rec["train_check"]
     assert rec["check_passed"] and check["relerr"] < 1e-12 and not check["counts_differ"], check
+
+
+def test_a_recut_of_a_traced_model_starts_its_stages_where_the_tracer_splits():
+    """--rebalance's timed re-cut may put a stage boundary at a root op (path None); the
+    tracer then raised on one run in four (rescnn, zbv). The re-cut moves to the next module
+    the tracer splits before, or where none fits, the current cut stays."""
+    from types import SimpleNamespace
+
+    from scalelab.strategies.pipeline.torch_engine import TorchPipeline
+
+    layers = [SimpleNamespace(path=p) for p in ("stem", None, "blocks.0", "blocks.1", "head")]
+    me = SimpleNamespace(
+        blocks=SimpleNamespace(cut_points=frozenset({"blocks.0", "blocks.1", "head"})),
+        layers=layers,
+        counts=[3, 2],
+    )
+    assert TorchPipeline._snapped(me, [1, 4]) == [2, 3]  # began at the root op
+    assert TorchPipeline._snapped(me, [4, 1]) == [4, 1]  # began at head: kept
+    assert TorchPipeline._snapped(me, [1, 1, 1, 1, 1]) == [3, 2]  # 5 stages cannot fit
+    assert TorchPipeline._snapped(SimpleNamespace(blocks=None), [1, 4]) == [1, 4]

@@ -207,15 +207,27 @@ class TorchPipeline(TorchDistStrategy):
                 for rank_times in per_stage:
                     for i, s in rank_times.items():
                         measured[i] = max(measured[i], s)
-                decision = part.recut_step(
+                counts, done = part.recut_step(
                     self.profile, self.balance_rounds, timed, self.counts, measured,
                     round_ == self.cfg.rebalance, self._mem,
                 )  # fmt: skip
+                decision = (self._snapped(counts), done)
             counts, done = self.comm.bcast_object(decision)
             if counts != self.counts:
                 self._place(counts)
             if done:
                 return
+
+    def _snapped(self, counts: list[int]) -> list[int]:
+        """A re-cut of a traced model moved to modules torch's tracer splits before (the timed
+        re-cut may fall between them: a stage began at a root op, whose path is None, and the
+        trace raised on one rank in four); where none fits, the current cut stays."""
+        if self.blocks is None:
+            return counts
+        try:
+            return part.snap_counts(counts, self.layers, self.blocks.cut_points)
+        except UsageError:
+            return self.counts
 
     # --- one pass ---------------------------------------------------------------------------
     def _pass_for(self, n_local: int, train: bool) -> Pass:
