@@ -2,23 +2,46 @@
 measured per-stage times, beside the bubble measured per rank.
 
 An action is (stage, kind, m): kind F (forward), B (full backward), I (input gradient) or W
-(weight gradient) of micro-batch m on pipeline stage `stage` (of S x V stages; a rank holds V).
-The multi-stage schedules carry their lists (`schedule.pipeline_order`, rank -> actions, None
-for an idle slot; DualPipeV's OVERLAP_F_B pairs run their two sub-actions one after the other
-here, as they do on a CPU). GPipe's list is torch's; 1F1B's is scalelab's own 1F1B
+(weight gradient) of micro-batch m on pipeline stage `stage` (of S x V stages; a rank holds V),
+or one of torch's transfers SEND_F / RECV_F / SEND_B / RECV_B (COMMS). The multi-stage
+schedules carry their lists (`schedule.pipeline_order`, rank -> actions, None for an idle
+slot; DualPipeV's OVERLAP_F_B pairs run their two sub-actions one after the other here, as
+they do on a CPU). GPipe's list is torch's; 1F1B's is scalelab's own 1F1B
 (planning/schedule.py: the same order torch's Schedule1F1B executes), because
 torch 2.13's `Schedule1F1B.pipeline_order` shifts the last rank's forwards by one micro-batch
 (it lists 1F4 for 4 micro-batches: a list drawn for visualisation, not the one it runs).
 
-Replay: each rank runs its list in order, one action at a time; F(s, m) waits for F(s-1, m),
-B or I (s, m) for the backward of (s+1, m) and for F(s, m); W(s, m) for I(s, m). A dependency
-held by another rank arrives `send` seconds after it finished (0: free communication). A
-rank's bubble is 1 - (its seconds of actions) / (the makespan).
-
 `torch_order` draws a schedule's lists before anything runs (predict): torch's schedule class
 built over placeholder stages (the numbers its order is computed from: stage index, stage
 count, group size and rank; no module, process group or tensor), so a prediction replays the
-order torch will execute, not a re-derivation of it.
+order torch will execute, not a re-derivation of it. `comms=True` draws the multi-stage
+schedules' lowered lists (`pipeline_order_with_comms`: torch's `_add_send_recv` places every
+transfer), the lists `_PipelineScheduleRuntime._step_microbatches` walks.
+
+Replay, two runtimes:
+- the single-stage schedules (GPipe, 1F1B: PipelineScheduleSingle) fuse each step's send
+  and recv into one waited batch: each rank runs its compute list in order; F(s, m) waits for
+  F(s-1, m), B or I (s, m) for the backward of (s+1, m) and for F(s, m); W(s, m) for I(s, m);
+  a dependency held by another rank arrives `send` seconds after it finished.
+- the multi-stage schedules (_PipelineScheduleRuntime) post every SEND and RECV of the
+  lowered list as its own `_batch_p2p`, unwaited, and wait a recv only in the compute that
+  consumes it. NCCL runs a pair of ranks' point-to-point ops on one stream, in issue order,
+  and an op completes only when the peer's matching op runs (rendezvous). So a transfer
+  starts once the op issued before it on the pair has completed and the compute issued before
+  it has finished (the NCCL stream waits for the compute stream at issue), and completes
+  `send` seconds after both ends started; a compute waits for its recv. scalelab's torch
+  engine times each compute action between two `torch.cuda.synchronize()` (the Clock of
+  strategies/pipeline/torch_stages.py, `device_sync`): a device-wide sync also waits for every
+  transfer posted before it, NCCL's included, so there a compute waits for all of them.
+  torch's lowering posts a rank's recv when the SENDER's compute is lowered, often well before
+  the rank needs it, and a send completes only when the peer reaches its recv: each compute
+  then waits for the peer's progress, the ranks move in lock-step.
+Why (VGG-16, 2x H200, 8 micro-batches of 32, interleaved 1F1B over V = 2, session 18): the
+ranks compute 76 and 74 ms of a 156 ms step. The dependency replay (the first rule) gives 78
+ms, bubble 0.045; the runtime rule without the sync 78 ms too (the FIFO coupling alone costs
+nothing when transfers are free); with the sync 128 ms with free transfers, 154 ms with
+~0.6 ms per transfer: the measured timeline of all 64 actions is matched within 0.5 ms rms.
+A rank's bubble is 1 - (its seconds of compute) / (the makespan).
 
 The schedule tables (torch's classes by name, which hold one, V or two stages per rank, which
 cannot run eval) live here too, beside the replay, so predict/ reads them without importing a
@@ -84,32 +107,42 @@ def stage_ids(schedule: str, rank: int, ranks: int, v: int) -> list[int]:
 
 Action = tuple[int, str, int]  # (stage, kind, micro-batch)
 COMPUTE = ("F", "B", "I", "W")
+COMMS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 
 
-def _flatten(action: Any) -> list[Action]:
+def _flatten(action: Any, kinds: tuple[str, ...] = COMPUTE) -> list[Action]:
     if action is None:
         return []
     if action.sub_actions:
-        return [a for sub in action.sub_actions for a in _flatten(sub)]
+        return [a for sub in action.sub_actions for a in _flatten(sub, kinds)]
     kind = action.computation_type.value
-    if kind not in COMPUTE:
+    if kind not in kinds:
         return []
     return [(action.stage_index, kind, action.microbatch_index)]
 
 
-def schedule_actions(schedule: Any, name: str, ranks: int, micro: int) -> dict[int, list[Action]]:
-    """Every rank's compute actions in the order the schedule runs them."""
+def schedule_actions(
+    schedule: Any, name: str, ranks: int, micro: int, comms: bool = False
+) -> dict[int, list[Action]]:
+    """Every rank's compute actions in the order the schedule runs them; comms: with the
+    transfers of a multi-stage schedule's lowered list where they run (single-stage
+    schedules have none: their sends and recvs are fused into each step)."""
     if name == "1f1b":
         return {r: [(r, k, m) for k, m in one_f_one_b_ops(r, ranks, micro, True)]
                 for r in range(ranks)}  # fmt: skip
-    order = schedule.pipeline_order
-    return {r: [a for act in order[r] for a in _flatten(act)] for r in range(ranks)}
+    order, kinds = schedule.pipeline_order, COMPUTE
+    if comms and name not in SINGLE:
+        order, kinds = schedule.pipeline_order_with_comms, COMPUTE + COMMS
+    return {r: [a for act in order[r] for a in _flatten(act, kinds)] for r in range(ranks)}
 
 
-def torch_order(name: str, ranks: int, v: int, micro: int) -> dict[int, list[Action]]:
+def torch_order(
+    name: str, ranks: int, v: int, micro: int, comms: bool = False
+) -> dict[int, list[Action]]:
     """Every rank's compute actions for torch's schedule `name` over `ranks` ranks holding
-    `v` stages each (torch_stages.stage_ids places them), `micro` micro-batches. Every rank
-    computes the whole order (torch: "all ranks do this calculation"): rank 0's stages do."""
+    `v` stages each (torch_stages.stage_ids places them), `micro` micro-batches (comms: and
+    the transfers torch's lowering places, see schedule_actions). Every rank computes the
+    whole order (torch: "all ranks do this calculation"): rank 0's stages do."""
     from types import SimpleNamespace
 
     from torch import nn
@@ -123,7 +156,7 @@ def torch_order(name: str, ranks: int, v: int, micro: int) -> dict[int, list[Act
     ]  # fmt: skip
     schedule = schedule_class(name)(stubs[0] if name in SINGLE else stubs, n_microbatches=micro,
                                loss_fn=lambda out, target: out, scale_grads=False)  # fmt: skip
-    return schedule_actions(schedule, name, ranks, micro)
+    return schedule_actions(schedule, name, ranks, micro, comms)
 
 
 def _deps(action: Action, n_stages: int) -> list[Action]:
@@ -141,9 +174,24 @@ def replay(
     seconds: Mapping[tuple[int, str], float],
     n_stages: int,
     send: float = 0.0,
+    device_sync: bool = False,
 ) -> tuple[float, dict[int, float]]:
     """(makespan, busy seconds per rank); seconds[(stage, kind)]: one micro-batch's action;
-    send: the seconds an activation or its gradient takes from one rank to another."""
+    send: the seconds one transfer takes between two ranks. Lists holding transfers (COMMS:
+    torch's lowered lists) replay the multi-stage runtime, device_sync: each compute action
+    also waits for every transfer its rank posted before it (scalelab's Clock on a GPU);
+    compute-only lists replay the single-stage one (the module docstring says both)."""
+    if any(a[1] in COMMS for acts in actions.values() for a in acts):
+        return _replay_runtime(actions, seconds, send, device_sync)
+    return _replay_fused(actions, seconds, n_stages, send)
+
+
+def _replay_fused(
+    actions: Mapping[int, Sequence[Action]],
+    seconds: Mapping[tuple[int, str], float],
+    n_stages: int,
+    send: float,
+) -> tuple[float, dict[int, float]]:
     holder = {a[0]: r for r, acts in actions.items() for a in acts}  # stage -> rank
     done: dict[tuple[int, str, int], float] = {}
     clock = {r: 0.0 for r in actions}
@@ -170,10 +218,83 @@ def replay(
     return max(clock.values(), default=0.0), busy
 
 
+# A transfer's matching op on the peer: SEND_F(s, m) -> RECV_F(s + 1, m), SEND_B(s, m) ->
+# RECV_B(s - 1, m), and back.
+_MATCH = {"SEND_F": ("RECV_F", 1), "RECV_F": ("SEND_F", -1),
+          "SEND_B": ("RECV_B", -1), "RECV_B": ("SEND_B", 1)}  # fmt: skip
+
+
+def _match(op: Action) -> Action:
+    kind, step = _MATCH[op[1]]
+    return (op[0] + step, kind, op[2])
+
+
+def _runtime_preds(
+    actions: Mapping[int, Sequence[Action]], device_sync: bool
+) -> dict[Action, list[Action]]:
+    """What each action waits for before it starts. A transfer: the op issued before it to
+    the same peer (one NCCL stream per pair, in issue order) and the compute issued before it.
+    A compute: the compute before it, and its own recv, or with device_sync every transfer
+    posted since that compute (the earlier ones that compute already waited for)."""
+    holder = {a[0]: r for r, acts in actions.items() for a in acts if a[1] in COMPUTE}
+    recvs = {a for acts in actions.values() for a in acts if a[1].startswith("RECV")}
+    preds: dict[Action, list[Action]] = {}
+    for acts in actions.values():
+        last_compute: Action | None = None
+        last_on_pair: dict[int, Action] = {}
+        posted: list[Action] = []
+        for a in acts:
+            if a[1] in COMPUTE:
+                own = (a[0], "RECV_F" if a[1] == "F" else "RECV_B", a[2])
+                waits = posted if device_sync else [own] if a[1] != "W" and own in recvs else []
+                preds[a] = [x for x in (last_compute, *waits) if x is not None]
+                last_compute, posted = a, []
+                continue
+            peer = holder[_match(a)[0]]
+            preds[a] = [x for x in (last_on_pair.get(peer), last_compute) if x is not None]
+            last_on_pair[peer] = a
+            posted.append(a)
+    return preds
+
+
+def _replay_runtime(
+    actions: Mapping[int, Sequence[Action]],
+    seconds: Mapping[tuple[int, str], float],
+    send: float,
+    device_sync: bool,
+) -> tuple[float, dict[int, float]]:
+    preds = _runtime_preds(actions, device_sync)
+    ready: dict[Action, float] = {}  # a transfer: when its own side could start
+    end: dict[Action, float] = {}
+    order = [a for acts in actions.values() for a in acts]
+    while len(end) < len(order):
+        progressed = False
+        for a in order:  # in list order: a rank's chain resolves in one pass
+            if a in end or any(p not in end for p in preds[a]):
+                continue
+            start = max((end[p] for p in preds[a]), default=0.0)
+            if a[1] in COMPUTE:
+                end[a], progressed = start + seconds.get((a[0], a[1]), 0.0), True
+                continue
+            ready[a] = start
+            peer = _match(a)
+            if peer in ready:  # rendezvous: done `send` after both ends started
+                end[a] = end[peer] = max(start, ready[peer]) + send
+                progressed = True
+        if not progressed:
+            raise RuntimeError("the schedule's action lists deadlock in the replay")
+    busy = {r: sum(seconds.get((a[0], a[1]), 0.0) for a in acts if a[1] in COMPUTE)
+            for r, acts in actions.items()}  # fmt: skip
+    return max(end.values(), default=0.0), busy
+
+
 def simulated_bubble(
-    actions: Mapping[int, Sequence[Action]], seconds: Mapping[tuple[int, str], float], n: int
+    actions: Mapping[int, Sequence[Action]],
+    seconds: Mapping[tuple[int, str], float],
+    n: int,
+    device_sync: bool = False,
 ) -> dict[int, float]:
-    makespan, busy = replay(actions, seconds, n)
+    makespan, busy = replay(actions, seconds, n, device_sync=device_sync)
     return {r: (1 - b / makespan if makespan > 0 else 0.0) for r, b in busy.items()}
 
 

@@ -116,7 +116,11 @@ def torch_pipeline_notes(strategy: Any, train: bool) -> dict[str, Any]:
     m = main.micro
     replica = sorted((r for r in rows if r["dp_rank"] == 0), key=lambda r: r["pp_rank"])
     actions = schedule_actions(main.schedule, cfg.schedule, k, m)
-    sim = simulated_bubble(actions, stage_seconds(replica, m), k * v)
+    # the lists the runtime walks, transfers included; on a GPU each action is timed between
+    # two device-wide syncs (Clock), which also wait for the transfers posted before them
+    lowered = schedule_actions(main.schedule, cfg.schedule, k, m, comms=True)
+    synced = strategy.device.type == "cuda"
+    sim = simulated_bubble(lowered, stage_seconds(replica, m), k * v, synced)
     notes: dict[str, Any] = {
         "placement": "pipeline",
         "engine": "torch",
