@@ -536,11 +536,15 @@ def test_dp_replicas_of_a_pipeline_add_one_gradient_allreduce():
 
 
 def test_torchs_multi_stage_schedules_are_replayed_from_torchs_order():
-    """VGG-16 over 2 ranks, 8 micro-batches, under torch's schedules: the replay of torch's
-    own order over the S x V stages. Interleaving V = 2 stages per rank keeps the work
-    (compute within the cut's imbalance) and shrinks the bubble towards (K - 1) / V micro-
-    batch times, at the price of a send at every one of the 2K - 1 cuts; zero-bubble's split
-    backward leaves less bubble still; the V-shaped zbv holds stages 0 and 3 on rank 0."""
+    """VGG-16 over 2 ranks, 8 micro-batches, under torch's schedules on GPUs: the replay of
+    torch's own lowered lists over the S x V stages. Interleaving V = 2 stages per rank keeps
+    the work (compute within the cut's imbalance), but the engine's timing syncs the device
+    around each action, which waits for the transfers torch's runtime posts ahead: the
+    interleaved ranks move in lock-step and its bubble exceeds 1F1B's (session 18 measured
+    157.7 ms against 1F1B's 92.9; tests/test_torch_pipelining.py has the replay without the
+    sync, towards (K - 1) / V); it pays a send at every one of the 2K - 1 cuts; the V-shaped
+    zbv holds stages 0 and 3 on rank 0. GPipe and 1F1B (fused transfers) keep the prediction
+    of scalelab's own schedule simulation, the same as the hand engine's."""
     from scalelab.errors import UsageError
     from scalelab.predict.calibration import CalPoint, Pool
     from scalelab.predict.frame import predict_one
@@ -551,21 +555,18 @@ def test_torchs_multi_stage_schedules_are_replayed_from_torchs_order():
                  for b, t in ((64, 0.020), (256, 0.068))])  # fmt: skip
     ctx = Context(Figures(json.loads(CEILINGS.read_text()), "c.json"), None, pool)
 
-    def pred(schedule: str, v: int = 1):
-        cfg = _vgg(engine="torch", ranks=2, stages=2, schedule=schedule, virtual_stages=v)
+    def pred(schedule: str, v: int = 1, engine: str = "torch"):
+        cfg = _vgg(engine=engine, ranks=2, stages=2, schedule=schedule, virtual_stages=v)
         out = predict_one(ctx, Scenario(cfg, 2, 2))
         assert out.feasible is None and out.seconds == pytest.approx(sum(out.phases.values()))
         return out
 
-    one, inter, zb, zbv = (
-        pred("1f1b"),
-        pred("interleaved-1f1b", 2),
-        pred("zero-bubble", 2),
-        pred("zbv"),
-    )
+    one, inter, zbv = pred("1f1b"), pred("interleaved-1f1b", 2), pred("zbv")
     assert inter.phases["compute"] == pytest.approx(one.phases["compute"], rel=0.1)
-    assert zb.phases["bubble"] < inter.phases["bubble"] < one.phases["bubble"] / 2
+    assert inter.phases["bubble"] > one.phases["bubble"]  # lock-step on a GPU
     assert inter.phases["p2p"] > one.phases["p2p"]
+    for name in ("gpipe", "1f1b"):  # scalelab's own simulation of their fused transfers
+        assert pred(name).phases == pytest.approx(pred(name, engine="scalelab").phases)
     assert "conv" in zbv.where["compute"] and "fc8" in zbv.where["compute"]  # 0 and 3: a V
     with pytest.raises(UsageError, match="one stage per rank"):
         predict_one(ctx, Scenario(_vgg(engine="torch", ranks=2, stages=2, virtual_stages=2), 2, 2))

@@ -41,8 +41,13 @@ def test_every_schedule_trains_like_one_process():
             continue
         check_training(r)
         assert r["executed"] == r["actions"], r["schedule"]
-        # the order predict draws before anything runs (placeholder stages) is the one run
+        # the order predict draws before anything runs (placeholder stages) is the one run,
+        # and so are the transfers torch's runtime posted between them (what the replay of a
+        # multi-stage schedule models; bubble_simulated below replays the run's own lists)
         assert r["drawn"] == r["actions"], r["schedule"]
+        assert r["lowered_ran"] == r["lowered_drawn"], r["schedule"]
+        multi = r["schedule"] not in ("gpipe", "1f1b")
+        assert multi == any("SEND" in a for acts in r["lowered_ran"].values() for a in acts)
         assert 0.0 <= r["bubble_simulated"] < 1.0 and 0.0 <= r["bubble_measured"] < 1.0
 
 
@@ -126,6 +131,75 @@ def test_torchs_orders_drawn_unrun_replay_to_their_closed_forms(k, m):
     # GPipe's sends sit on the fill and the drain: 2 (K - 1) of them
     assert makespan("gpipe", 1, 0.01) == pytest.approx((m + k - 1) * t + 2 * (k - 1) * 0.01)
     assert makespan("interleaved-1f1b", 2, 0.01) > makespan("interleaved-1f1b", 2)
+
+
+def test_runtime_replay_serialises_a_pairs_transfers_and_syncs_on_them():
+    """torch's runtime lists with their transfers, 2 ranks, 2 micro-batches, forwards only,
+    F = 1 s on either stage, a transfer d = 2 s; rank 1 posts both recvs before computing:
+        rank 0: F(0,0) SEND_F(0,0) F(0,1) SEND_F(0,1)
+        rank 1: RECV_F(1,0) RECV_F(1,1) F(1,0) F(1,1)
+    One stream per pair, in issue order: transfer 0 runs 1..3 (after F(0,0)); transfer 1
+    waits for it on both ends, 3..5. F(1,0) 3..4, F(1,1) waits for transfer 1: 5..6 -> 6 s
+    (the fused replay, transfers side by side: F(0,1) ends 2, arrives 4, F(1,1) 4..5 -> 5 s).
+    With the device-wide sync before each compute, a compute waits for every transfer its
+    rank posted: F(0,1) waits for transfer 0, 3..4; transfer 1 4..6; F(1,0) waits for both
+    recvs, 6..7; F(1,1) 7..8 -> 8 s = M (F + d) + M F."""
+    lists = {
+        0: [(0, "F", 0), (0, "SEND_F", 0), (0, "F", 1), (0, "SEND_F", 1)],
+        1: [(1, "RECV_F", 0), (1, "RECV_F", 1), (1, "F", 0), (1, "F", 1)],
+    }
+    seconds = {(0, "F"): 1.0, (1, "F"): 1.0}
+    assert replay(lists, seconds, 2, 2.0) == (6.0, {0: 2.0, 1: 2.0})
+    assert replay(lists, seconds, 2, 2.0, device_sync=True)[0] == 8.0
+    compute = {r: [a for a in acts if a[1] == "F"] for r, acts in lists.items()}
+    assert replay(compute, seconds, 2, 2.0)[0] == 5.0
+    # the bubble replays free transfers: with the sync F(1,0) still waits for both recvs,
+    # posted 1 and 2 (after F(0,0), F(0,1)): rank 1 computes 2..4, 2 s busy of 4
+    assert simulated_bubble(lists, seconds, 2, device_sync=True) == {0: 0.5, 1: 0.5}
+    # transfers crossed on one pair's stream wait for each other, as NCCL's would: a deadlock
+    crossed = {
+        0: [(0, "F", 0), (0, "SEND_F", 0), (0, "RECV_B", 1), (0, "B", 1)],
+        1: [(1, "SEND_B", 1), (1, "RECV_F", 0), (1, "F", 0)],
+    }
+    with pytest.raises(RuntimeError, match="deadlock"):
+        replay(crossed, seconds, 2)
+
+
+@pytest.mark.parametrize("name, v", [("interleaved-1f1b", 2), ("looped-bfs", 2), ("zbv", 2),
+                                     ("zero-bubble", 2), ("dualpipev", 2)])  # fmt: skip
+def test_torchs_lowered_lists_replay_the_runtime(name, v):
+    """The lists torch's runtime walks (pipeline_order_with_comms, drawn over placeholder
+    stages), 2 ranks, 4 micro-batches, F 1 s, B 2 s (I, W 1 s): with free transfers and no
+    sync the FIFO costs nothing (the compute-only replay's makespan; DualPipeV posts an
+    OVERLAP_F_B pair's transfers after both halves, 1 s later); a device-wide sync never
+    shortens it; transfers of d seconds cost more under the sync. Every stage's forward
+    sends exactly where the next stage is on the other rank."""
+    k, m, n = 2, 4, 2 * v
+    seconds = {(st, kind): t for st in range(n)
+               for kind, t in (("F", 1.0), ("B", 2.0), ("I", 1.0), ("W", 1.0))}  # fmt: skip
+    lowered, compute = torch_order(name, k, v, m, comms=True), torch_order(name, k, v, m)
+    assert {r: [a for a in acts if a[1] in "FBIW"] for r, acts in lowered.items()} == compute
+    free = replay(lowered, seconds, n)[0]
+    late = 1.0 if name == "dualpipev" else 0.0
+    assert free == pytest.approx(replay(compute, seconds, n)[0] + late)
+    synced = replay(lowered, seconds, n, device_sync=True)[0]
+    assert synced >= free - 1e-9
+    assert replay(lowered, seconds, n, 0.5, True)[0] > replay(lowered, seconds, n, 0.5)[0]
+    sends = sorted(a for acts in lowered.values() for a in acts if a[1] == "SEND_F")
+    holder = {a[0]: r for r, acts in compute.items() for a in acts}
+    crossing = [s for s in range(n - 1) if holder[s] != holder[s + 1]]
+    assert sends == sorted((s, "SEND_F", i) for s in crossing for i in range(m))
+
+
+def test_the_single_stage_schedules_keep_the_fused_replay():
+    """GPipe and 1F1B fuse each step's transfers (PipelineScheduleSingle): their lists carry
+    no transfer, and the replay (bubble analysis) is the same with or without the sync."""
+    seconds = {(s, kind): t for s in range(2) for kind, t in (("F", 1.0), ("B", 2.0))}
+    for name in ("gpipe", "1f1b"):
+        lists = torch_order(name, 2, 1, 4, comms=True)
+        assert lists == torch_order(name, 2, 1, 4)
+        assert replay(lists, seconds, 2, 0.1, True) == replay(lists, seconds, 2, 0.1)
+        assert replay(lists, seconds, 2)[0] == pytest.approx((4 + 1) * 3.0)
 
 
 def test_replay_detects_a_deadlocked_list():

@@ -125,6 +125,10 @@ def reference(cfg: RunConfig):
     return REFERENCES[key]
 
 
+def _text(lists: dict) -> dict:
+    return {str(r): [f"{s}{k}{m}" for s, k, m in a] for r, a in lists.items()}
+
+
 def compare(name: str, kw: dict, rank: int, world: int) -> dict | None:
     cfg = config(name, kw, world, True)
     strategy = STRATEGIES.get(cfg.strategy).build(cfg)
@@ -144,11 +148,17 @@ def compare(name: str, kw: dict, rank: int, world: int) -> dict | None:
         if key in notes:
             result[key] = notes[key]
     if "actions" in notes and "virtual_stages" in notes:  # the order predict draws, unrun
-        from scalelab.planning.torch_schedule import torch_order
+        from scalelab.planning.torch_schedule import schedule_actions, torch_order
 
-        drawn = torch_order(notes["schedule"], notes["stages"], notes["virtual_stages"],
-                            notes["microbatches"])  # fmt: skip
-        result["drawn"] = {str(r): [f"{s}{k}{m}" for s, k, m in a] for r, a in drawn.items()}
+        sched, k, v, m = (notes[key] for key in ("schedule", "stages", "virtual_stages",
+                                                 "microbatches"))  # fmt: skip
+        result["drawn"] = _text(torch_order(sched, k, v, m))
+        # the lists the runtime walked, transfers included, beside those the replay draws
+        # (the record's bubble_simulated replays the run's own: torch_report)
+        main = strategy.passes.get((cfg.batch // cfg.dp, cfg.train))
+        main = main or next(iter(strategy.passes.values()))
+        result["lowered_ran"] = _text(schedule_actions(main.schedule, sched, k, m, comms=True))
+        result["lowered_drawn"] = _text(torch_order(sched, k, v, m, comms=True))
     if "stage" in notes:
         result["executed"] = {str(r["pp_rank"]): [e[0] for e in r["timeline_ms"] or []]
                               for r in notes["stage"] if r["dp_rank"] == 0}  # fmt: skip
