@@ -266,25 +266,34 @@ def _replay_runtime(
     device_sync: bool,
 ) -> tuple[float, dict[int, float]]:
     preds = _runtime_preds(actions, device_sync)
+    after: dict[Action, list[Action]] = {a: [] for a in preds}  # who waits for a
+    for a, ps in preds.items():
+        for p in ps:
+            after[p].append(a)
+    waiting = {a: len(ps) for a, ps in preds.items()}
     ready: dict[Action, float] = {}  # a transfer: when its own side could start
     end: dict[Action, float] = {}
-    order = [a for acts in actions.values() for a in acts]
-    while len(end) < len(order):
-        progressed = False
-        for a in order:  # in list order: a rank's chain resolves in one pass
-            if a in end or any(p not in end for p in preds[a]):
+    queue = [a for a, n in waiting.items() if n == 0]
+    while queue:
+        a = queue.pop()
+        start = max((end[p] for p in preds[a]), default=0.0)
+        if a[1] in COMPUTE:
+            done = [a]
+            end[a] = start + seconds.get((a[0], a[1]), 0.0)
+        else:
+            ready[a], peer = start, _match(a)
+            if peer not in ready:
                 continue
-            start = max((end[p] for p in preds[a]), default=0.0)
-            if a[1] in COMPUTE:
-                end[a], progressed = start + seconds.get((a[0], a[1]), 0.0), True
-                continue
-            ready[a] = start
-            peer = _match(a)
-            if peer in ready:  # rendezvous: done `send` after both ends started
-                end[a] = end[peer] = max(start, ready[peer]) + send
-                progressed = True
-        if not progressed:
-            raise RuntimeError("the schedule's action lists deadlock in the replay")
+            # rendezvous: both ends done `send` after the later one started
+            end[a] = end[peer] = max(start, ready[peer]) + send
+            done = [a, peer]
+        for d in done:
+            for nxt in after[d]:
+                waiting[nxt] -= 1
+                if waiting[nxt] == 0:
+                    queue.append(nxt)
+    if len(end) < len(preds):
+        raise RuntimeError("the schedule's action lists deadlock in the replay")
     busy = {r: sum(seconds.get((a[0], a[1]), 0.0) for a in acts if a[1] in COMPUTE)
             for r, acts in actions.items()}  # fmt: skip
     return max(end.values(), default=0.0), busy
