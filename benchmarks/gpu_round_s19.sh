@@ -8,6 +8,10 @@
 #   benchmarks/gpu_round_s19.sh gpt  OUT_DIR SECONDS    (a 2-GPU host)
 #       the example GPT's `plan --verify`, resumed on the calibration runs an earlier call
 #       finished (GPT_CAL=FILE: its calibration.jsonl, copied in).
+#   benchmarks/gpu_round_s19.sh held OUT_DIR SECONDS    (a fresh 2-GPU host)
+#       the GPU suite again (the first call's ran past 290 s with one test left), the held-out
+#       torch pipelines predicted in gpu_s19/predictions/ (benchmarks/predict_s19.sh, committed
+#       before this call), then the GPT's plan resumed (GPT_CAL).
 #   benchmarks/gpu_round_s19.sh one  OUT_DIR SECONDS    (a fresh 1-GPU host)
 #       the GPU suite, then `bench` for alexnet, charcnn and resnet18 with every peer in the
 #       same process (eager fp32, eager bf16, torch.compile, max-autotune).
@@ -45,7 +49,28 @@ plan_gpt() {  # the GPT's plan into OUT_DIR/plan-gpt, on GPT_CAL's calibration r
     --ceilings $CEIL --batch $GPT_B --train-size $(( GPT_B * 8 )) -o "$OUT_DIR/plan-gpt"
 }
 
+vgg() {  # vgg NAME RUN-ARGS...: VGG-16 training as predict_s19.sh predicts it (bf16, NCHW)
+  local name=$1; shift
+  step "$name" $PY -m scalelab run "${VGG[@]}" --train --device $DEV --momentum 0.9 --lr 0.01 \
+    --batch $VGG_B --train-size $(( VGG_B * 16 )) --heldout-size 32 --epochs 1 --quiet \
+    --out "$OUT_DIR/measured.jsonl" --strategy pipeline --engine torch --ranks 2 "$@"
+}
+if [[ $SMOKE == 1 ]]; then VGG=(vgg16 --image-size 32 --num-classes 10); VGG_B=32
+else VGG=(vgg16 --dtype bf16); VGG_B=256; fi
+
 case $PART in
+held)
+  step suite-2gpu bash benchmarks/gpu_suite.sh "$OUT_DIR" 290
+  for mb in 4 16; do
+    vgg vgg-pipe-interleaved-mb$mb --microbatches $mb --schedule interleaved-1f1b --virtual-stages 2
+  done
+  vgg vgg-pipe-looped-bfs --microbatches 8 --schedule looped-bfs --virtual-stages 2
+  step gpt-pipe-interleaved $PY -m scalelab run "${GPT[@]}" --train --device $DEV --batch $GPT_B \
+    --train-size $(( GPT_B * 8 )) --heldout-size 32 --epochs 1 --quiet --strategy pipeline \
+    --engine torch --ranks 2 --microbatches 4 --schedule interleaved-1f1b --virtual-stages 2 \
+    --out "$OUT_DIR/measured.jsonl"
+  plan_gpt
+  ;;
 two)
   step suite-2gpu bash benchmarks/gpu_suite.sh "$OUT_DIR" 290
   mkdir -p "$OUT_DIR/plan-r18"
@@ -71,5 +96,5 @@ one)
     done
   fi
   ;;
-*) echo "unknown part $PART (two, gpt, one)"; exit 2 ;;
+*) echo "unknown part $PART (two, held, gpt, one)"; exit 2 ;;
 esac

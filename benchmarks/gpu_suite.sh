@@ -26,7 +26,10 @@ log="$OUT_DIR/gpu_suite_${gpus}gpu.log"
   # in its own process) while the others had finished; 4 workers one by one, 300 s with
   # the three 2-GPU pipeline tests (94, 73, 62 s) still running at the end.
   par=()
-  "$PYTHON" -c "import xdist" 2>/dev/null && par=(-n "${WORKERS:-8}" --dist load)
+  # --maxschedchunk 1: a free worker takes the next test in order (by default xdist deals
+  # each worker a batch up front, so a long test could still start last: session 19's first
+  # 2-GPU run ended at 290 s with test_pipeline_on_two_gpus_agrees_with_one running).
+  "$PYTHON" -c "import xdist" 2>/dev/null && par=(-n "${WORKERS:-8}" --dist load --maxschedchunk 1)
   # The longest tests first (pytest keeps the order of the files it is given), so none
   # starts last: session 18's 2-GPU run ended at 290 s with test_versions' 2-GPU table,
   # started at 71%, still running.
