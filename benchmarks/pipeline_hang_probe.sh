@@ -11,12 +11,13 @@ P=(--strategy pipeline --ranks 2 --stages 2 --microbatches 3)
 T=(--train --steps 2 --train-size 12 --heldout-size 6)
 probe() { local name=$1 secs=$2; shift 2
   local t0=$(date +%s)
-  timeout --signal=KILL $secs $PY -m scalelab -v run "$@" --out "$OUT_DIR/runs.jsonl" \
+  timeout --signal=KILL $secs $PY -m scalelab run -v "$@" --out "$OUT_DIR/runs.jsonl" \
     >"$OUT_DIR/$name.out" 2>"$OUT_DIR/$name.err"
   echo "probe: $name exit $? after $(( $(date +%s) - t0 )) s"; tail -4 "$OUT_DIR/$name.err"; }
 probe check 90 "${C[@]}" "${P[@]}" --check
 probe pipe-train 90 "${C[@]}" "${P[@]}" "${T[@]}" --schedule 1f1b --save-weights "$OUT_DIR/pipe.pt"
 probe local-train 90 "${C[@]}" "${T[@]}" --save-weights "$OUT_DIR/local.pt"
+[[ ${SUITE:-1} == 1 ]] || exit 0
 fresh=$(mktemp -d)
 CUDA_VISIBLE_DEVICES=0 TRITON_CACHE_DIR=$fresh/triton TORCHINDUCTOR_CACHE_DIR=$fresh/inductor \
   XDG_CACHE_HOME=$fresh step suite-1gpu bash benchmarks/gpu_suite.sh "$OUT_DIR" 240
