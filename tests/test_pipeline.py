@@ -474,7 +474,13 @@ two_gpus = pytest.mark.skipif(
 def _cli(tmp_path, *args):
     out = tmp_path / "runs.jsonl"
     cmd = [sys.executable, "-m", "scalelab", "run", *args, "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    try:
+        # bounded well inside the GPU suite's 300 s: in session 19 a 2-GPU run of this file
+        # (62 s alone) was still running when the suite was killed, its output lost with it
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    except subprocess.TimeoutExpired as e:
+        err = e.stderr.decode() if isinstance(e.stderr, bytes) else e.stderr or ""
+        pytest.fail(f"scalelab run {' '.join(args)} ran past 180 s; stderr ends:\n{err[-3000:]}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return read_records(out)[-1]
 
