@@ -10,7 +10,9 @@
 # .csv), at predict_s17.sh's sizes: VGG-16, global batch 256, bf16 weights, NCHW (no
 # --channels-last); the example GPT, batch 32, fp32. The replay of torch's runtime
 # (planning/torch_schedule.py) posts each transfer of torch's lowered lists on one stream per
-# pair of ranks and syncs the device before each action, as the torch engine's timing does.
+# pair of ranks; up to session 19 it also synced the device before each action, as the torch
+# engine's timing did then (session 20 times each action with CUDA events instead, and the
+# replay no longer syncs: benchmarks/results/gpu_s20/predictions/ ran this script after that).
 set -u
 cd "$(dirname "$0")/.."
 OUT_DIR=$1
@@ -43,5 +45,6 @@ for mb in 4 16; do
 done
 predict vgg-pipe-looped-bfs "$VGG_CAL" "${VGG[@]}" --microbatches 8 --schedule looped-bfs \
   --virtual-stages 2
+predict vgg-pipe-1f1b "$VGG_CAL" "${VGG[@]}" --microbatches 8 --schedule 1f1b
 predict gpt-pipe-interleaved "$GPT_CAL" "${GPT[@]}" --microbatches 4 \
   --schedule interleaved-1f1b --virtual-stages 2

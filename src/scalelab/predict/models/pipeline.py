@@ -216,12 +216,9 @@ class PipelineModel(StrategyModel):
             holder = {a[0]: r for r, acts in actions.items() for a in acts}  # stage -> rank
             held = [holder[st] for st in range(k * v)]
             seconds = _action_seconds(fwd, bwd, cfg)
-            # the torch engine times each action between two device-wide syncs on a GPU
-            # (torch_stages.Clock), which wait for every transfer posted before them
-            synced = cfg.device == "cuda"
 
             def replay_torch(send: float) -> tuple[float, list[float]]:
-                makespan, busy = replay(actions, seconds, k * v, send, synced)
+                makespan, busy = replay(actions, seconds, k * v, send)
                 return makespan, [busy[r] for r in range(k)]
 
             run = replay_torch

@@ -26,7 +26,6 @@ view (OwnedOutput). Every schedule trains any cut like one process.
 
 from __future__ import annotations
 
-import time
 from contextlib import nullcontext
 from typing import Any
 
@@ -35,7 +34,7 @@ import torch
 from torch import nn
 
 from scalelab.errors import UsageError
-from scalelab.instrument.timer import device_sync, timed_iterations
+from scalelab.instrument.timer import timed_iterations
 from scalelab.planning import partition as part
 from scalelab.planning import profiling
 from scalelab.planning.preserve import kept_state
@@ -92,7 +91,7 @@ class TorchPipeline(TorchDistStrategy):
         self.workload, self.model = workload, model.to(dtype=self.precision.storage)
         self.layers = workload.layers(model)
         self.n_stages = cfg.stages * self.v
-        self.clock = Clock(device_sync(self.device))
+        self.clock = Clock(device=self.device)
         # A model whose layers do not compose (block_layers.BlockView): torch's tracer cuts it
         self.blocks = getattr(workload, "blocks", None)
         paths = [x.path for x in self.layers]
@@ -267,16 +266,15 @@ class TorchPipeline(TorchDistStrategy):
         target = self.to_device(local.y) if p.last and local.y is not None else None
         if p.last and target is None:
             target = torch.zeros(len(local), dtype=torch.int64, device=self.device)
-        self.clock.events.clear()
         losses: list[torch.Tensor] = []
-        start = time.perf_counter()
+        start = self.clock.start()
         with self.autocast():
             if train or self.cfg.schedule in NO_EVAL:
                 out = p.schedule.step(*args, target=target, losses=losses)
             else:
                 with torch.no_grad():
                     out = p.schedule.eval(*args)
-        self.log.add_pass(self.clock.events, start, time.perf_counter(), self.cfg.train)
+        self.log.add_pass(self.clock.events, start, self.clock.finish(), self.cfg.train)
         loss_sum = (
             torch.stack(losses).detach().sum().double() * n_global if losses and train else None
         )

@@ -116,11 +116,9 @@ def torch_pipeline_notes(strategy: Any, train: bool) -> dict[str, Any]:
     m = main.micro
     replica = sorted((r for r in rows if r["dp_rank"] == 0), key=lambda r: r["pp_rank"])
     actions = schedule_actions(main.schedule, cfg.schedule, k, m)
-    # the lists the runtime walks, transfers included; on a GPU each action is timed between
-    # two device-wide syncs (Clock), which also wait for the transfers posted before them
+    # the lists the runtime walks, transfers included
     lowered = schedule_actions(main.schedule, cfg.schedule, k, m, comms=True)
-    synced = strategy.device.type == "cuda"
-    sim = simulated_bubble(lowered, stage_seconds(replica, m), k * v, synced)
+    sim = simulated_bubble(lowered, stage_seconds(replica, m), k * v)
     notes: dict[str, Any] = {
         "placement": "pipeline",
         "engine": "torch",

@@ -114,10 +114,52 @@ def micro_for(n: int, micro: int) -> int:
 @dataclass
 class Clock:
     """Every forward/backward action this rank ran in the current pass: (stage, kind, m,
-    start, end), perf_counter seconds (the device synchronised at both ends on a GPU)."""
+    start, end) in perf_counter seconds.
 
-    sync: Callable[[], None]
+    On a GPU each action is timed by two CUDA events on the current stream, read once when the
+    pass ends, on the device's clock placed at the pass's host start. A device-wide sync around
+    each action would also wait for every transfer torch has posted (its runtime posts
+    receives early), holding the ranks in lock-step: VGG-16's interleaved-1F1B step took
+    157.7 ms on 2x H200 where the replay of its lists without that wait gives 78-84 ms. The
+    event before an action is reached once the stream has waited for the action's receive, so
+    the span is the action's own compute."""
+
+    device: torch.device
     events: list[tuple[int, str, int, float, float]] = field(default_factory=list)
+    _pending: list[tuple[int, str, int, Any, Any]] = field(default_factory=list)
+    _origin: tuple[float, Any] | None = None
+
+    @property
+    def _cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def start(self) -> float:
+        """A pass begins: forget the last pass; the host seconds now (the device idle first,
+        so its origin event is reached at this instant)."""
+        self.events.clear()
+        self._pending.clear()
+        if self._cuda:
+            torch.cuda.synchronize(self.device)
+            origin = torch.cuda.Event(enable_timing=True)
+            origin.record()
+            self._origin = (time.perf_counter(), origin)
+            return self._origin[0]
+        return time.perf_counter()
+
+    def finish(self) -> float:
+        """The pass ends: wait for the device, place each action's events on the host clock;
+        the host seconds now."""
+        if self._cuda:
+            torch.cuda.synchronize(self.device)
+        end = time.perf_counter()
+        if self._pending:
+            t0, origin = self._origin
+            self.events.extend(
+                (s, k, m, t0 + origin.elapsed_time(a) / 1e3, t0 + origin.elapsed_time(b) / 1e3)
+                for s, k, m, a, b in self._pending
+            )
+            self._pending.clear()
+        return end
 
     def wrap(self, stage: PipelineStage) -> None:
         """Time the stage's three compute entry points (the schedules call them by name)."""
@@ -143,11 +185,16 @@ class Clock:
         stage.backward_weight_one_chunk = backward_weight_one_chunk
 
     def _time(self, stage: int, kind: str, m: int, fn: Callable, *args, **kwargs) -> Any:
-        self.sync()
-        start = time.perf_counter()
+        if not self._cuda:
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            self.events.append((stage, kind, m, start, time.perf_counter()))
+            return out
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
         out = fn(*args, **kwargs)
-        self.sync()
-        self.events.append((stage, kind, m, start, time.perf_counter()))
+        end.record()
+        self._pending.append((stage, kind, m, begin, end))
         return out
 
 
