@@ -9,12 +9,15 @@
 #       AlexNet's one- and two-rank CPU calibration and the host's contention curves timed on
 #       AlexNet's own forward at 8, 4 and 2 items (benchmarks/step_contention.py), from which
 #       the MPI predictions at 8, 16 and 32 ranks are made and committed before `held`.
-#   benchmarks/gpu_round_s20.sh held OUT_DIR SECONDS    (a 2-GPU host)
-#       what was predicted before it: AlexNet `mpi --split batch` at 8, 16 and 32 CPU ranks;
-#       the torch pipelines of gpu_s20/predictions/ (benchmarks/predict_s19.sh on this commit).
-#   benchmarks/gpu_round_s20.sh gpt  OUT_DIR SECONDS    (a 2-GPU host)
-#       the example GPT's `plan --verify`, resumed on session 19's calibration runs (GPT_CAL).
-#
+#   benchmarks/gpu_round_s20.sh suite OUT_DIR SECONDS   (a fresh 2-GPU host)
+#       the GPU suite again (`two`'s ran past 290 s: test_versions' 2-GPU table, ~280 s, held
+#       the test queued behind it; it now runs as three tests); the contention curves `two` ran
+#       out of time for; the torch pipelines of gpu_s20/predictions/ (predict_s19.sh on
+#       9e34fc8, committed before any of them ran).
+#   benchmarks/gpu_round_s20.sh mpi-gpt OUT_DIR SECONDS (a 2-GPU host)
+#       AlexNet `mpi --split batch` at 8, 16 and 32 CPU ranks (predicted from `suite`'s curves
+#       and `two`'s calibration, committed before this call); then the example GPT's
+#       `plan --verify`, resumed on session 19's calibration runs (GPT_CAL).
 # SMOKE=1 shrinks every model and uses the CPU, to check the commands here.
 set -u
 cd "$(dirname "$0")/.."
@@ -29,7 +32,7 @@ RUN=($PY -m scalelab run)
 if [[ $SMOKE == 1 ]]; then
   VGG=(vgg16 --image-size 32 --num-classes 10); VGG_B=32; VGG_MB=4; VGG_STEPS=2
   AMP=(--channels-last); BF16=()
-  ALEX=(alexnet --image-size 67); ALEX_B=8; MPI_RANKS=(2); CURVE_B=(--batch 4)
+  ALEX=(alexnet --image-size 67); ALEX_B=8; MPI_RANKS=(2); CURVE_B=(--batch 4:2)
   GPT=(--model examples/models/gpt.py:gpt --model-arg vocab=64 --model-arg seq=16
        --model-arg width=32 --model-arg heads=4 --model-arg depth=4 --input-shape 16
        --input-dtype int64 --vocab 64)
@@ -38,7 +41,7 @@ if [[ $SMOKE == 1 ]]; then
 else
   VGG=(vgg16); VGG_B=256; VGG_MB=8; VGG_STEPS=16
   AMP=(--amp bf16 --channels-last); BF16=(--dtype bf16)
-  ALEX=(alexnet); ALEX_B=64; MPI_RANKS=(8 16 32); CURVE_B=(--batch 8 --batch 4 --batch 2)
+  ALEX=(alexnet); ALEX_B=64; MPI_RANKS=(8 16 32); CURVE_B=(--batch 8:8 --batch 4:16 --batch 2:32)
   GPT=(--model examples/models/gpt.py:gpt --model-arg vocab=4096 --model-arg seq=512
        --model-arg width=768 --model-arg heads=12 --model-arg depth=12 --input-shape 512
        --input-dtype int64 --vocab 4096)
@@ -81,24 +84,28 @@ two)
   alex cal-alex-batch-2 "$CAL" 2
   step curves $PY benchmarks/step_contention.py $CCPU "$OUT_DIR/contention" "${CURVE_B[@]}"
   ;;
-held)
+suite)
+  fresh=$(mktemp -d)
+  TRITON_CACHE_DIR=$fresh/triton TORCHINDUCTOR_CACHE_DIR=$fresh/inductor XDG_CACHE_HOME=$fresh \
+    step suite-2gpu bash benchmarks/gpu_suite.sh "$OUT_DIR" 290
+  step curves $PY benchmarks/step_contention.py $CCPU "$OUT_DIR/contention" "${CURVE_B[@]}"
   MEAS="$OUT_DIR/measured.jsonl"
-  for n in "${MPI_RANKS[@]}"; do alex alex-batch-$n "$MEAS" $n; done
-  for mb in 4 16; do
-    vgg vgg-pipe-interleaved-mb$mb "$MEAS" "${PIPE[@]}" "${BF16[@]}" --microbatches $mb \
-      --schedule interleaved-1f1b --virtual-stages 2
-  done
-  vgg vgg-pipe-looped-bfs "$MEAS" "${PIPE[@]}" "${BF16[@]}" --microbatches 8 \
-    --schedule looped-bfs --virtual-stages 2
   step gpt-pipe-interleaved "${RUN[@]}" "${GPT[@]}" --train --device $DEV --batch $GPT_B \
     --train-size $(( GPT_B * 8 )) --heldout-size 32 --epochs 1 --quiet "${PIPE[@]}" \
     --microbatches 4 --schedule interleaved-1f1b --virtual-stages 2 --out "$MEAS"
+  vgg vgg-pipe-interleaved-mb4 "$MEAS" "${PIPE[@]}" "${BF16[@]}" --microbatches 4 \
+    --schedule interleaved-1f1b --virtual-stages 2
+  vgg vgg-pipe-looped-bfs "$MEAS" "${PIPE[@]}" "${BF16[@]}" --microbatches 8 \
+    --schedule looped-bfs --virtual-stages 2
+  vgg vgg-pipe-interleaved-mb16 "$MEAS" "${PIPE[@]}" "${BF16[@]}" --microbatches 16 \
+    --schedule interleaved-1f1b --virtual-stages 2
   ;;
-gpt)
+mpi-gpt)
+  for n in "${MPI_RANKS[@]}"; do alex alex-batch-$n "$OUT_DIR/measured.jsonl" $n; done
   mkdir -p "$OUT_DIR/plan-gpt"
   [[ -n ${GPT_CAL:-} ]] && cp "$GPT_CAL" "$OUT_DIR/plan-gpt/calibration.jsonl"
   step plan-gpt $PY -m scalelab plan "${GPT[@]}" --train --device $DEV "${PLAN[@]}" \
     --ceilings $CEIL --batch $GPT_B --train-size $(( GPT_B * 8 )) -o "$OUT_DIR/plan-gpt"
   ;;
-*) echo "unknown part $PART (two, held, gpt)"; exit 2 ;;
+*) echo "unknown part $PART (two, suite, mpi-gpt)"; exit 2 ;;
 esac

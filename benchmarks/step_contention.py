@@ -1,8 +1,12 @@
 """The host's cpu_concurrency curve timed on a workload's own step, one curve per rank batch,
 each merged into a copy of a ceilings file for `scalelab predict --ceilings` (issue 40):
 
-    python benchmarks/step_contention.py CEILINGS OUT_DIR --batch 8 --batch 4 --batch 2 \
+    python benchmarks/step_contention.py CEILINGS OUT_DIR --batch 8:8 --batch 4:16 --batch 2:32 \
         [--workload alexnet] [--repeats 3] [--cores N]
+
+--batch B[:K]: a curve of processes each running one forward at B items, measured up to K
+processes (default: the cores), so a prediction at K ranks of batch B reads its own load (each
+level costs a few seconds: an AlexNet forward at 8 items takes ~0.4 s on one thread).
 
 writes OUT_DIR/concurrency_b<B>.json (the curve, as `scalelab plan` measures it) and
 OUT_DIR/ceilings_b<B>.json (CEILINGS with that curve as its cpu_concurrency).
@@ -34,18 +38,20 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("ceilings")
     p.add_argument("out_dir", type=Path)
-    p.add_argument("--batch", type=int, action="append", required=True)
+    p.add_argument("--batch", action="append", required=True, help="B[:K]")
     p.add_argument("--workload", default="alexnet")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--cores", type=int, default=os.cpu_count())
     args = p.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     base = Figures(read_ceilings(args.ceilings), args.ceilings)
-    for b in args.batch:
+    for spec in args.batch:
+        b, _, k = spec.partition(":")
+        b, cores = int(b), int(k or args.cores)
         kernel = StepKernel(RunConfig(workload=args.workload, threads=1), b)
-        print(f"step_contention: {kernel.describe()}, {args.cores} cores", flush=True)
+        print(f"step_contention: {kernel.describe()}, up to {cores} processes", flush=True)
         curve = args.out_dir / f"concurrency_b{b}.json"
-        figures = host_contention(base, args.cores, curve, args.repeats, kernel)
+        figures = host_contention(base, cores, curve, args.repeats, kernel)
         c = figures.data["cpu_concurrency"]
         print(f"  ranks {c['ranks']}\n  slowdown_max {[round(x, 3) for x in c['slowdown_max']]}")
         (args.out_dir / f"ceilings_b{b}.json").write_text(json.dumps(figures.data, indent=1))

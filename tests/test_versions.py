@@ -223,33 +223,61 @@ def test_versions_train_checks_every_data_parallel_strategy_on_cpu_ranks(cli, tm
     assert "FAILED" not in stdout and "failed" not in table
 
 
+# The GPU rows in three launches of `versions --only`, so the suite's workers share them: the
+# whole table in one test took ~280 s of a 290 s suite on a fresh 2x H200, and the test queued
+# behind it on its worker (xdist sends each worker its next test before the current one ends)
+# was still running at the kill, twice.
+GPU_ROWS = {
+    "data-parallel": (["local cuda", "nccl", "mpi-gpu"], ["nccl (V5)"]),
+    "pipeline": (["local cuda", "pipeline"], ["pipeline cuda", "pipeline torch cuda"]),
+    "sharded": (["local cuda", "tensor", "fsdp", "dp x"], ["tensor dtensor cuda", "fsdp cuda"]),
+}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"
 )
-def test_versions_on_two_gpus_runs_every_gpu_strategy(cli, tmp_path):
-    """Every GPU row of a 2-GPU host ran and passed (mpi-gpu where MPI is installed); the
-    2-D meshes (4 ranks) are skipped with the reason."""
+@pytest.mark.parametrize("group", GPU_ROWS)
+def test_versions_on_two_gpus_runs_every_gpu_strategy(cli, tmp_path, group):
+    """Every GPU row of a 2-GPU host ran and passed (mpi-gpu where MPI is installed), with a
+    speedup over local cuda; the 2-D meshes (4 ranks) are skipped with the reason."""
     from scalelab.environment import mpi_problem
 
+    only, labels = GPU_ROWS[group]
     out = tmp_path / "v.jsonl"
     code, stdout, err = cli(
-        "versions", "alexnet", "--image-size", "67", "--batch", "8", "--out", out
-    )
+        "versions", "alexnet", "--image-size", "67", "--batch", "8", "--out", out,
+        *(a for text in only for a in ("--only", text)),
+    )  # fmt: skip
     assert code == 0, (stdout, err[-2000:])
     assert "speedup vs local cuda (V3)" in stdout
     table = stdout[stdout.index("strategy") : stdout.index("\nskipped")].splitlines()
-    labels = ["local cuda (V3)", "nccl (V5)", "pipeline cuda", "pipeline torch cuda",
-              "tensor dtensor cuda", "fsdp cuda"]  # fmt: skip
-    if mpi_problem() is None:
+    labels = ["local cuda (V3)", *labels]
+    if group == "data-parallel" and mpi_problem() is None:
         labels += ["mpi-gpu (V4)", "mpi-gpu --overlap"]
     for label in labels:
         row = next(line for line in table if line.startswith(label + " "))
         assert "failed" not in row and "x " in row, row  # a speedup, not a status
-    recs = [r for r in read_records(out) if r["config"]["device"] == "cuda"]
+    recs = read_records(out)
     assert len(recs) == len(labels) and all(r["check_passed"] for r in recs)
-    if torch.cuda.device_count() < 4:
+    assert all(r["config"]["device"] == "cuda" for r in recs)
+    if group == "sharded" and torch.cuda.device_count() < 4:
         assert "skipped dp x tp cuda: needs 4 GPUs" in stdout
+
+
+def test_only_keeps_the_variants_it_names_and_refuses_text_no_label_holds(cli, tmp_path):
+    from scalelab.cli.commands.versions import _selected
+
+    every = variants(2)
+    assert _selected(every, None) == every
+    got = [v.label for v in _selected(every, ["nccl", "pipeline torch"])]
+    assert got == ["pipeline torch cpu", "nccl (V5)", "pipeline torch cuda"]  # their order
+    out = tmp_path / "v.jsonl"
+    code, stdout, err = cli("versions", "mlp", "--only", "nccl", "--only", "bogus", "--out", out)
+    assert code == 2 and stdout == "" and not out.exists()
+    assert len(err.strip().splitlines()) == 1 and "--only 'bogus' matches no variant" in err
+    assert "nccl (V5)" in err  # the labels it could have named
 
 
 def test_sync_bn_reaches_the_per_rank_normalising_strategies_only():

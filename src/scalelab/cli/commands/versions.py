@@ -133,6 +133,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"results file every record is appended to (default: {DEFAULT_RESULTS})",
     )
     p.add_argument("--timeout", type=float, default=600, help="seconds per run (default 600)")
+    p.add_argument(
+        "--only",
+        action="append",
+        metavar="TEXT",
+        help="run only the variants whose label contains TEXT (repeatable: any of them), "
+        "e.g. --only cuda --only nccl",
+    )
+
+
+def _selected(todo: list[Variant], only: list[str] | None) -> list[Variant]:
+    """The variants --only keeps; a TEXT no label contains is refused, with the labels."""
+    if not only:
+        return todo
+    for text in only:
+        if not any(text in v.label for v in todo):
+            labels = ", ".join(v.label for v in todo)
+            raise UsageError(f"--only {text!r} matches no variant; the variants: {labels}")
+    return [v for v in todo if any(text in v.label for text in only)]
 
 
 def _base(args: argparse.Namespace) -> RunConfig:
@@ -172,7 +190,8 @@ def _title(base: RunConfig) -> str:
 def run(args: argparse.Namespace) -> int:
     base = _base(args)
     tag = uuid.uuid4().hex[:12]
-    plan = [(v, unavailable(v, base, args.all)) for v in variants(args.ranks, base.train)]
+    todo = _selected(variants(args.ranks, base.train), args.only)
+    plan = [(v, unavailable(v, base, args.all)) for v in todo]
     ran = _run_all([v for v, why in plan if why is None], base, args, tag)
     rows = [(v, r) for v, r in ran if r.get("status") != REFUSED]
     refused = {v.label: r["error"] for v, r in ran if r.get("status") == REFUSED}
