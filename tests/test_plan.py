@@ -65,6 +65,11 @@ def test_training_candidates_keep_the_global_batch_per_strategy():
     assert ddp and all(c.batch == 100 for c in cfgs)  # --batch: all ranks, every strategy
     assert cand.plain(spec("mlp", train=True)).strategy == "ddp"
     assert cand.plain(spec()).split == "batch" and cand.plain(spec()).ranks == 2
+    labels = [label(c) for c in cfgs]  # one label a candidate: verify looks rows up by it
+    assert len(set(labels)) == len(labels)
+    fsdp = {x for x in labels if x.startswith("fsdp --ranks 2")}
+    assert "fsdp --ranks 2 --threads 1 --batch 100 --reshard-after-forward off" in fsdp
+    assert len(fsdp) == 2
 
 
 def test_one_gpu_training_weighs_the_fast_and_compiled_steps():

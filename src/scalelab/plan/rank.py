@@ -31,7 +31,8 @@ from scalelab.predict.scenario import Prediction, Scenario
 # Knobs shown in a candidate's label, in this order (strategy and ranks come first).
 KNOBS = ("split", "threads", "batch", "dtype", "amp", "nonblocking", "fast",
          "compile", "bucket_mb", "grad_compress", "engine", "stages", "microbatches",
-         "schedule", "virtual_stages", "dp", "tp", "hidden")  # fmt: skip
+         "schedule", "virtual_stages", "dp", "tp", "hidden",
+         "reshard_after_forward")  # fmt: skip
 SPLIT_STRATEGIES = ("mpi", "mpi-gpu", "nccl")
 OK = "ok"
 
