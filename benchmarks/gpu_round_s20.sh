@@ -18,6 +18,9 @@
 #       AlexNet `mpi --split batch` at 8, 16 and 32 CPU ranks (predicted from `suite`'s curves
 #       and `two`'s calibration, committed before this call); then the example GPT's
 #       `plan --verify`, resumed on session 19's calibration runs (GPT_CAL).
+#   benchmarks/gpu_round_s20.sh gpt OUT_DIR SECONDS     (a 2-GPU host)
+#       the GPT's plan again (mpi-gpt's crashed after its runs on two candidates sharing one
+#       label), on the complete calibration mpi-gpt left (GPT_CAL).
 # SMOKE=1 shrinks every model and uses the CPU, to check the commands here.
 set -u
 cd "$(dirname "$0")/.."
@@ -60,6 +63,13 @@ vgg() {  # vgg NAME OUT RUN-ARGS...: training, VGG_STEPS steps of the global bat
 alex() {  # alex NAME OUT RANKS: AlexNet inference, batch split over CPU ranks of one thread
   step "$1" "${RUN[@]}" "${ALEX[@]}" --strategy mpi --split batch --ranks "$3" --threads 1 \
     --batch $ALEX_B --iters 5 --warmup 2 --quiet --out "$2"
+}
+
+plan_gpt() {  # the GPT's plan into OUT_DIR/plan-gpt, on GPT_CAL's calibration runs if given
+  mkdir -p "$OUT_DIR/plan-gpt"
+  [[ -n ${GPT_CAL:-} ]] && cp "$GPT_CAL" "$OUT_DIR/plan-gpt/calibration.jsonl"
+  step plan-gpt $PY -m scalelab plan "${GPT[@]}" --train --device $DEV "${PLAN[@]}" \
+    --ceilings $CEIL --batch $GPT_B --train-size $(( GPT_B * 8 )) -o "$OUT_DIR/plan-gpt"
 }
 
 case $PART in
@@ -105,10 +115,10 @@ mpi-gpt)
   # the test `suite` failed on its own parsing (a table with no skipped line), fixed since
   [[ $SMOKE != 1 ]] && step versions-data-parallel $PY -m pytest -m gpu -p no:randomly \
     -p no:cacheprovider -q -rA tests/test_versions.py -k "two_gpus and data"
-  mkdir -p "$OUT_DIR/plan-gpt"
-  [[ -n ${GPT_CAL:-} ]] && cp "$GPT_CAL" "$OUT_DIR/plan-gpt/calibration.jsonl"
-  step plan-gpt $PY -m scalelab plan "${GPT[@]}" --train --device $DEV "${PLAN[@]}" \
-    --ceilings $CEIL --batch $GPT_B --train-size $(( GPT_B * 8 )) -o "$OUT_DIR/plan-gpt"
+  plan_gpt
   ;;
-*) echo "unknown part $PART (two, suite, mpi-gpt)"; exit 2 ;;
+gpt)
+  plan_gpt
+  ;;
+*) echo "unknown part $PART (two, suite, mpi-gpt, gpt)"; exit 2 ;;
 esac
