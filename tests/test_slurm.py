@@ -3,6 +3,7 @@ them against stand-in srun/scontrol/python3/sbatch that record the argument vect
 receive, so the quoting is proven by the shell rather than by string matching. No cluster
 needed: tests/test_slurm_cluster.py runs the scripts on a real Slurm."""
 
+import contextlib
 import os
 import shlex
 import shutil
@@ -283,15 +284,17 @@ def test_gpu_points_need_a_gpu_request(cli, tmp_path):
     assert not (tmp_path / "j").exists()
 
 
-def _point_job(tmp_path, study, srun_body):
+def _point_job(tmp_path, study, srun_body, *extra, helper_first=""):
     """point_002.sbatch (mpi) with a stand-in srun running srun_body and a stand-in Python whose
-    point-helper calls (`done ...`, `failed REASON ...`) land in ARGS_DIR/helper-* files."""
-    out, _ = _generate(cli_main, tmp_path, study)
+    point-helper calls (`done ...`, `failed REASON ...`) land in ARGS_DIR/helper-* files
+    (helper_first: shell run by the helper before it records; extra: `slurm` options)."""
+    out, _ = _generate(cli_main, tmp_path, study, *extra)
     own = tmp_path / "ownbin"
     own.mkdir()
     (own / "srun").write_text(f"#!/bin/bash\n{srun_body}\n")
     (own / "python3").write_text(
         '#!/bin/bash\n[ "$2" = scalelab.cli.slurm_point ] || exit 0\n'
+        f"{helper_first}\n"
         'printf "%s\\n" "${@:3}" > "$(mktemp -p "$ARGS_DIR" helper-XXXX)"\n'
         '[ "$3" = done ] && exit 1 || exit 0\n'
     )
@@ -362,6 +365,49 @@ def test_the_early_time_warning_lets_the_point_run_on(tmp_path, study):
         assert [c[0] for c in calls] == ["done"] + (["stopped"] if reason else [])
         assert reason is None or calls[1][:2] == reason, calls  # the warning came first
         assert reason is None or calls[1][2:] == calls[0][1:]  # the same point
+
+
+# Slurm stopping a job signals every process of it: `kill -TERM 0` in the stand-ins (the
+# script runs in a session of its own), by the first helper call of the kind named only.
+ONCE = 'once() {{ [ ! -e "$ARGS_DIR/once" ] && touch "$ARGS_DIR/once"; }}; '
+ONCE += '[ "$3" = {} ] && once && kill -TERM 0'
+
+
+@pytest.mark.parametrize(
+    ("srun", "helper_first", "extra", "calls"),
+    [
+        # requeued while srun launched the step: srun failed at once ("Job credential
+        # revoked"), the SIGTERM came as `point_helper failed` ran, and killed it
+        ("exit 1", ONCE.format("failed"), (), ["done", "stopped"]),
+        # stopped while a setup line ran, before the point's traps: recorded once it is known
+        ("exit 0", "", ("--setup", "kill -TERM $$"), ["stopped"]),
+    ],
+)  # fmt: skip
+def test_a_job_stopped_as_its_step_ends_records_the_stop(
+    tmp_path, study, srun, helper_first, extra, calls
+):
+    """A requeued attempt left no record (test_slurm_cluster_ends in CI): the point's shell
+    reset its traps once the step ended, so the SIGTERM that came then killed it before any
+    helper recorded the attempt; one before the traps were set did too. Now the stop is
+    recorded, once, wherever the SIGTERM lands."""
+    import signal
+
+    script, env, args_dir = _point_job(tmp_path, study, srun, *extra, helper_first=helper_first)
+    proc = subprocess.Popen(["bash", str(script)], env=env, start_new_session=True)
+    try:
+        assert proc.wait(timeout=60) == 143
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    got = _helper_calls(args_dir)
+    assert [c[0] for c in got] == calls, got
+    assert got[-1][1] == "" and got[-1][2:] == _argv_of(script)  # not warned; the point
+
+
+def _argv_of(script):
+    """The point's `args=(...)` as bash reads them."""
+    line = next(ln for ln in script.read_text().splitlines() if ln.startswith("args=("))
+    return shlex.split(line[len("args=(") : -1])
 
 
 def test_time_limits_as_slurm_reads_them(cli, tmp_path, study):

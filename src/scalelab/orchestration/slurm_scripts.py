@@ -45,9 +45,12 @@ COMM_ENV = """\
 # USR1 (--signal ahead of the limit) only notes that the limit is near: the point runs on,
 # and may still finish. srun runs in the
 # background so the traps fire at once (bash runs traps only between foreground commands).
+# The traps stay until the script ends: Slurm stopping the job just as its step ends (a
+# requeue revokes the job's credential, so an srun still launching fails at once, before the
+# script's SIGTERM) signals every process, `point_helper failed` too, and the shell died
+# untrapped with no record of the attempt.
 RUN_POINT = """\
 point_helper() { "$PY" -m scalelab.cli.slurm_point "$@"; }
-near_limit=""
 stopped() {
   point_helper stopped "$near_limit" "${args[@]}" || true
   exit 143
@@ -57,6 +60,7 @@ last_said() { grep -E '^(scalelab|srun: error)' "$1" | tail -n 1 || true; }
 run_point() {
   trap stopped TERM
   trap warned USR1
+  [ -z "$stop_early" ] || stopped
   if point_helper done "${args[@]}"; then
     echo "scalelab: this point has an ok record already: skipped"
     return 0
@@ -70,7 +74,6 @@ run_point() {
     wait "$step" || code=$?
     [ -n "$woken" ] || break  # USR1 interrupted the wait: the step runs on
   done
-  trap - TERM USR1
   sleep 0.2  # tee's last lines
   if [ "$code" != 0 ]; then
     local why
@@ -100,6 +103,11 @@ def point_lines(point: Point, lay: Layout, opts: SlurmOptions, plugin: str, resu
 def preamble(opts: SlurmOptions, lay: Layout) -> list[str]:
     lines = [
         "set -euo pipefail",
+        # Stopped (or warned) before run_point's traps are set (the setup lines can take a
+        # while): noted here, and run_point records the stop once the point is known.
+        'near_limit="" stop_early=""',
+        "trap 'stop_early=1' TERM",
+        "trap 'near_limit=1' USR1",
         f"cd {shlex.quote(str(opts.workdir))}",
         *opts.setup,
         COMM_ENV,
