@@ -484,10 +484,10 @@ def test_committed_results_within_bound_on_the_criterions_scope():
     deepstack measurement to calibrate on: their roofline bound is listed as such (it reads
     ~40% short), outside the MAPE and the bound."""
     v = validate(RESULTS, None, None)
-    # Issue 40's held-out rounds (benchmarks/results/gpu_s17-19/, files s17_*, s18_*, s19_*)
+    # Issue 40's held-out rounds (benchmarks/results/gpu_s17-20/, files s17_* to s20_*)
     # are judged against their own targets in docs/PERFORMANCE.md (benchmarks/compare_s17.py,
     # each error said); their records calibrate nothing here and lie outside this scope.
-    round_ = v.table["source"].str.startswith(("s17_", "s18_", "s19_"))
+    round_ = v.table["source"].str.startswith(("s17_", "s18_", "s19_", "s20_"))
     v.table = v.table[~round_]  # `scored` follows the table
     bounds = v.table[v.table["role"] == UNCALIBRATED]
     assert set(bounds["workload"]) == {"deepstack"} and (bounds["error_pct"] < -15).all()
@@ -538,13 +538,12 @@ def test_dp_replicas_of_a_pipeline_add_one_gradient_allreduce():
 def test_torchs_multi_stage_schedules_are_replayed_from_torchs_order():
     """VGG-16 over 2 ranks, 8 micro-batches, under torch's schedules on GPUs: the replay of
     torch's own lowered lists over the S x V stages. Interleaving V = 2 stages per rank keeps
-    the work (compute within the cut's imbalance), but the engine's timing syncs the device
-    around each action, which waits for the transfers torch's runtime posts ahead: the
-    interleaved ranks move in lock-step and its bubble exceeds 1F1B's (session 18 measured
-    157.7 ms against 1F1B's 92.9; tests/test_torch_pipelining.py has the replay without the
-    sync, towards (K - 1) / V); it pays a send at every one of the 2K - 1 cuts; the V-shaped
-    zbv holds stages 0 and 3 on rank 0. GPipe and 1F1B (fused transfers) keep the prediction
-    of scalelab's own schedule simulation, the same as the hand engine's."""
+    the work (compute within the cut's imbalance) and shrinks the bubble below 1F1B's, towards
+    (K - 1) / V stage-times (session 20 measured 79.95 ms against 156.92 with the timing sync
+    the engine had before, which held the ranks in lock-step; tests/test_torch_pipelining.py
+    replays both); it pays a send at every one of the 2K - 1 cuts; the V-shaped zbv holds
+    stages 0 and 3 on rank 0. GPipe and 1F1B (fused transfers) keep the prediction of
+    scalelab's own schedule simulation, the same as the hand engine's."""
     from scalelab.errors import UsageError
     from scalelab.predict.calibration import CalPoint, Pool
     from scalelab.predict.frame import predict_one
@@ -563,7 +562,7 @@ def test_torchs_multi_stage_schedules_are_replayed_from_torchs_order():
 
     one, inter, zbv = pred("1f1b"), pred("interleaved-1f1b", 2), pred("zbv")
     assert inter.phases["compute"] == pytest.approx(one.phases["compute"], rel=0.1)
-    assert inter.phases["bubble"] > one.phases["bubble"]  # lock-step on a GPU
+    assert inter.phases["bubble"] < 0.6 * one.phases["bubble"]  # (K - 1) / V, with imbalance
     assert inter.phases["p2p"] > one.phases["p2p"]
     for name in ("gpipe", "1f1b"):  # scalelab's own simulation of their fused transfers
         assert pred(name).phases == pytest.approx(pred(name, engine="scalelab").phases)
