@@ -119,10 +119,12 @@ METHOD = (
 LOCKSTEP = (
     "k worker processes (one thread each) run the kernel in lockstep rounds: each round all k "
     "start ONE call at the same instant and the next round starts once all k are done, rounds "
-    "for {window:g} s and at least {rounds} of them; per process the mean call time over "
-    "the rounds; slowdown(k) = median over the k processes / the time of one process alone; "
-    "slowdown_max(k) = the slowest process's mean / alone; slowdown_lockstep(k) = median over "
-    "the rounds of the round's slowest call / the median call alone"
+    "for {window:g} s and at least {rounds} of them; a call's time counted from the round's "
+    "start instant (a process the scheduler runs late counts its wait); per process the mean "
+    "call time over the rounds; slowdown(k) = median over the k processes / the time of one "
+    "process alone; slowdown_max(k) = the slowest process's mean / alone; "
+    "slowdown_lockstep(k) = median over the rounds of the round's slowest call / the median "
+    "call alone"
 )
 MIN_ROUNDS = 5
 
@@ -234,14 +236,15 @@ class Workers:
     def lockstep(self, k: int, window: float, least: int = MIN_ROUNDS) -> list[list[float]]:
         """Rounds of the first k workers each starting ONE call at the same instant, the next
         round once all k replied, until `window` seconds passed and at least `least` rounds
-        ran: per round, each worker's call seconds."""
+        ran: per round, each worker's seconds from the round's start instant to the end of its
+        call (a worker the scheduler runs late counts its wait, as a rank's step would)."""
         rounds: list[list[float]] = []
         began = time.perf_counter()
         while len(rounds) < least or time.perf_counter() - began < window:
             start = time.time() + 0.001 + 0.0001 * k  # time to reach every worker first
             for p in self.procs[:k]:
                 self._send(p, {"start": start, "calls": 1})
-            rounds.append([float(self._reply(p)["seconds"]) for p in self.procs[:k]])
+            rounds.append([float(self._reply(p)["span"]) for p in self.procs[:k]])
         return rounds
 
     def close(self) -> None:
@@ -290,7 +293,10 @@ def worker() -> None:
             call()
             times.append(time.perf_counter() - t0)
         cpu = (time.process_time() - cpu0) / len(times)
-        print(json.dumps({"seconds": statistics.fmean(times), "cpu_seconds": cpu}), flush=True)
+        out = {"seconds": statistics.fmean(times), "cpu_seconds": cpu}
+        if "calls" in req:  # a round: from the common start instant to the end of its calls
+            out["span"] = time.time() - req["start"]
+        print(json.dumps(out), flush=True)
 
 
 def _build(spec: dict[str, Any]) -> Callable[[], None]:

@@ -18,11 +18,12 @@ contend, and the prediction says so.
 
 A curve timed on this scenario's own rank step (its `step`: same workload, model, train mode
 and dtype, at the rank's batch, single-threaded ranks of a strategy whose ranks each run the
-whole model) says more: the rank's compute is the curve's own time of that step alone
-(`seconds[0]`), not the calibration law's value at that batch (a law fitted at 64 images put
-AlexNet's forward at 8 items at 293 ms where the step took 419 ms), scaled by the slowest call
-per lockstep round (`slowdown_lockstep`) where the curve has it: each step waits for its slowest
-rank every step, which the slowest process's mean over a window understates.
+whole model; inference for now) says more: the rank's compute is the curve's own time of
+that step alone (`seconds[0]`), not the calibration law's value at that batch (a law fitted
+at 64 images put AlexNet's forward at 8 items at 293 ms where the step took 419 ms), scaled by
+the slowest call per lockstep round (`slowdown_lockstep`) where the curve has it: each step
+waits for its slowest rank every step, which the slowest process's mean over a window
+understates.
 """
 
 from __future__ import annotations
@@ -155,7 +156,11 @@ class ComputeModel:
         whole = cfg.strategy in ("ddp", "mpi-dp", "fsdp") or (
             cfg.strategy == "mpi" and cfg.split == "batch"
         )
-        if got is None or not whole or self.spatial or (cfg.threads or 1) != 1:
+        # Inference only for now: a training step's call (zero_grad, forward, backward, the
+        # optimizer's step) is not yet checked against what a data-parallel run's "compute"
+        # phase holds, and plan's curves (timed on its plain candidate's rank step) would move
+        # its training predictions unverified.
+        if got is None or not whole or self.spatial or (cfg.threads or 1) != 1 or cfg.train:
             return None
         step, batch = got[0], math.ceil(s.rank_batch - 1e-9)  # the largest rank's share
         same = (
