@@ -22,10 +22,11 @@ one's mean call time, over the time of one process alone:
 
 A step curve is timed in lockstep rounds, as bulk-synchronous ranks run: each round the parent
 starts all k workers on ONE call at the same instant and waits for every one of them (each
-replies its call's seconds). A process's mean over the rounds gives "seconds", "slowdown" and
-"slowdown_max" as for the window; the slowest call of each round, its median over the rounds,
-gives "slowdown_lockstep": the slowdown of a step that waits for its slowest rank EVERY step,
-which is above the slowest process's mean (max of means <= mean of maxes), more so as k grows.
+replies the seconds from that instant to the end of its call). A process's mean over the
+rounds gives "seconds", "slowdown" and "slowdown_max" as for the window; the slowest call of
+each round, its median over the rounds, gives "slowdown_lockstep": the slowdown of a step
+that waits for its slowest rank EVERY step, which is above the slowest process's mean (max of
+means <= mean of maxes), more so as k grows.
 The rounds replace the window (rounds for the window's length, at least 5 of them): a level
 costs about the window, or 5 calls where 3 (the window's least) would have run.
 
