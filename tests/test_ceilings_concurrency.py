@@ -132,6 +132,7 @@ def test_lockstep_curve_from_exact_rounds():
     two = [[0.010, 0.020], [0.012, 0.011], [0.030, 0.010]]  # round maxes 0.020, 0.012, 0.030
     c = C.lockstep_curve([1, 2], [alone, two], "kernel", "method")
     assert c["slowdown_lockstep"] == pytest.approx([1.0, 2.0])
+    assert c["seconds_lockstep"] == pytest.approx([0.010, 0.020])
     assert c["seconds"][0] == pytest.approx(0.032 / 3)
     assert c["slowdown_max"][1] == pytest.approx((0.052 / 3) / (0.032 / 3))  # 1.625
     assert c["lockstep_rounds"] == [3, 3]

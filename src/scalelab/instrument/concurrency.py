@@ -17,6 +17,7 @@ one's mean call time, over the time of one process alone:
       "step": {"workload": str, "model": str | None, "train": bool, "dtype": str,
                "batch": int, "threads": int},              # what the step ran
       "slowdown_lockstep": [1.0, ...],    # median over rounds of the round's slowest call / alone
+      "seconds_lockstep": [t1, ...],      # that median in seconds ([0]: the median call alone)
       "lockstep_rounds": [int, ...]       # rounds timed at each k
     }
 
@@ -199,9 +200,9 @@ def lockstep_curve(
     the window's fields from each process's mean over the rounds, and slowdown_lockstep."""
     means = [[statistics.fmean(p) for p in zip(*rounds, strict=True)] for rounds in per_k]
     out = curve(ks, means, kernel, method)
-    alone = statistics.median(r[0] for r in per_k[0])
     slowest = [statistics.median(max(r) for r in rounds) for rounds in per_k]
-    out["slowdown_lockstep"] = [t / alone for t in slowest]
+    out["seconds_lockstep"] = slowest  # [0]: the median call alone (robust to a stray round)
+    out["slowdown_lockstep"] = [t / slowest[0] for t in slowest]
     out["lockstep_rounds"] = [len(rounds) for rounds in per_k]
     return out
 
@@ -242,7 +243,7 @@ class Workers:
         rounds: list[list[float]] = []
         began = time.perf_counter()
         while len(rounds) < least or time.perf_counter() - began < window:
-            start = time.time() + 0.001 + 0.0001 * k  # time to reach every worker first
+            start = time.time() + 0.003 + 0.0001 * k  # time to reach every worker first
             for p in self.procs[:k]:
                 self._send(p, {"start": start, "calls": 1})
             rounds.append([float(self._reply(p)["span"]) for p in self.procs[:k]])
@@ -284,7 +285,7 @@ def worker() -> None:
         call()
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
-        req = json.loads(line)
+        req, arrived = json.loads(line), time.time()
         # A round's worker spins to its start (as an MPI rank polls in a collective): a sleep's
         # wake-up, late by up to a time slice on a busy host, would count in its span.
         spin = 0.002 if "calls" in req else 0.0
@@ -299,8 +300,9 @@ def worker() -> None:
             times.append(time.perf_counter() - t0)
         cpu = (time.process_time() - cpu0) / len(times)
         out = {"seconds": statistics.fmean(times), "cpu_seconds": cpu}
-        if "calls" in req:  # a round: from the common start instant to the end of its calls
-            out["span"] = time.time() - req["start"]
+        if "calls" in req:  # a round: from the common start (or the request's arrival, when it
+            # came after it: the parent's lag, not the step's) to the end of its calls
+            out["span"] = time.time() - max(req["start"], arrived)
         print(json.dumps(out), flush=True)
 
 

@@ -19,11 +19,11 @@ contend, and the prediction says so.
 A curve timed on this scenario's own rank step (its `step`: same workload, model, train mode
 and dtype, at the rank's batch, single-threaded ranks of a strategy whose ranks each run the
 whole model; inference for now) says more: the rank's compute is the curve's own time of
-that step alone (`seconds[0]`), not the calibration law's value at that batch (a law fitted
-at 64 images put AlexNet's forward at 8 items at 293 ms where the step took 419 ms), scaled by
-the slowest call per lockstep round (`slowdown_lockstep`) where the curve has it: each step
-waits for its slowest rank every step, which the slowest process's mean over a window
-understates.
+that step alone (`seconds_lockstep[0]`, the median call alone, else `seconds[0]`), not the
+calibration law's value at that batch (a law fitted at 64 images put AlexNet's forward at 8
+items at 293 ms where the step took 419 ms), scaled by the slowest call per lockstep round
+(`slowdown_lockstep`) where the curve has it: each step waits for its slowest rank every
+step, which the slowest process's mean over a window understates.
 """
 
 from __future__ import annotations

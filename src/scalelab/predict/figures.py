@@ -105,10 +105,12 @@ class Figures:
 
     def cpu_step(self) -> tuple[dict[str, Any], float] | None:
         """The step a workload's `cpu_concurrency` curve timed (its `step`: workload, model,
-        train, dtype, batch, threads) and that step's seconds alone (`seconds[0]`); None for
+        train, dtype, batch, threads) and that step's seconds alone: the median call of its
+        lockstep rounds (`seconds_lockstep[0]`) where timed so, else `seconds[0]`; None for
         a curve of the convolution or one recorded without it."""
         curve = self.data.get("cpu_concurrency") or {}
-        step, seconds = curve.get("step"), curve.get("seconds")
+        step = curve.get("step")
+        seconds = curve.get("seconds_lockstep") or curve.get("seconds")
         return (step, float(seconds[0])) if step and seconds else None
 
     def cpu_lockstep(self, processes: float) -> float | None:
