@@ -54,6 +54,7 @@ def main() -> None:
         figures = host_contention(base, cores, curve, args.repeats, kernel)
         c = figures.data["cpu_concurrency"]
         print(f"  ranks {c['ranks']}\n  slowdown_max {[round(x, 3) for x in c['slowdown_max']]}")
+        print(f"  slowdown_lockstep {[round(x, 3) for x in c['slowdown_lockstep']]}")
         (args.out_dir / f"ceilings_b{b}.json").write_text(json.dumps(figures.data, indent=1))
 
 

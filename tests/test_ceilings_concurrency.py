@@ -122,3 +122,42 @@ def test_a_step_kernel_says_what_it_times():
         .describe()
         .startswith("one forward of alexnet")
     )
+
+
+def test_lockstep_curve_from_exact_rounds():
+    """Per round the slowest of the k calls, their median over the rounds, over the median
+    call alone: 2.0 at k = 2 where the slowest process's mean over the rounds reads 1.625
+    (the max of means is below the mean of maxes a bulk-synchronous step waits for)."""
+    alone = [[0.010], [0.012], [0.010]]  # median 0.010, mean 0.010667
+    two = [[0.010, 0.020], [0.012, 0.011], [0.030, 0.010]]  # round maxes 0.020, 0.012, 0.030
+    c = C.lockstep_curve([1, 2], [alone, two], "kernel", "method")
+    assert c["slowdown_lockstep"] == pytest.approx([1.0, 2.0])
+    assert c["seconds_lockstep"] == pytest.approx([0.010, 0.020])
+    assert c["seconds"][0] == pytest.approx(0.032 / 3)
+    assert c["slowdown_max"][1] == pytest.approx((0.052 / 3) / (0.032 / 3))  # 1.625
+    assert c["lockstep_rounds"] == [3, 3]
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs Linux CPU affinity")
+def test_a_step_curve_is_timed_in_lockstep_and_says_its_step():
+    """A workload's step (the mlp's training step at 20 items) timed by two workers pinned to
+    one core: each lockstep round ends when both calls are done, so the round's slowest call,
+    counted from the common start, takes both calls' time on the one core: about twice one
+    alone, whichever ran first (above 1.4; the time-slicing that a process's mean over the
+    rounds halves). The curve records the step it timed. Two curves from one pool: the other
+    test process's load can land on the one alone (a disturbed alone read 1.8 where an
+    undisturbed one read 6.3 on this 2-core host), so one of the two above 1.4 suffices."""
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(before)})  # the workers inherit it
+    try:
+        curves = C.measure_curves(2, 2, quick=True, kernel=_mlp_step())
+    finally:
+        os.sched_setaffinity(0, before)
+    for c in curves:
+        assert c["step"] == {"workload": "mlp", "model": None, "train": True, "dtype": "fp32",
+                             "batch": 20, "threads": 1}  # fmt: skip
+        assert c["ranks"] == [1, 2] and "training step of mlp" in c["kernel"]
+        assert "lockstep rounds" in c["method"] and min(c["lockstep_rounds"]) >= C.MIN_ROUNDS
+        assert c["slowdown_lockstep"][0] == 1.0 and c["slowdown"][0] == 1.0
+        assert all(math.isfinite(x) and x > 0 for x in c["slowdown_lockstep"])
+    assert max(c["slowdown_lockstep"][1] for c in curves) > 1.4, curves

@@ -680,3 +680,50 @@ def test_profiled_runs_calibrate_nothing():
     found = discover(traced)
     assert not any(p.singles or p.multis for p in found.pools.values())
     assert any(k.startswith("profiled runs (--trace") for k in found.skipped)
+
+
+def _step_curve(batch=8, lockstep=True):
+    """A curve timed on AlexNet's own forward at `batch` items (a step's curve): alone 0.5 s,
+    the slowest process's mean 1.5x at 4 processes, the slowest call per lockstep round 1.9x."""
+    dtype = RunConfig(workload="alexnet").dtype
+    curve = {"ranks": [1, 2, 4, 8], "slowdown": [1.0, 1.1, 1.2, 1.3],
+             "slowdown_max": [1.0, 1.2, 1.5, 2.1], "seconds": [0.5, 0.55, 0.6, 0.65],
+             "step": {"workload": "alexnet", "model": None, "train": False,
+                      "dtype": dtype, "batch": batch, "threads": 1}}  # fmt: skip
+    if lockstep:  # the median call alone (0.4 s) in place of the mean (seconds[0])
+        curve["slowdown_lockstep"] = [1.0, 1.3, 1.9, 2.6]
+        curve["seconds_lockstep"] = [0.4, 0.52, 0.76, 1.04]
+    return curve
+
+
+def test_a_curve_of_the_ranks_own_step_gives_their_compute():
+    """4 single-threaded ranks of 32 images each compute 8: a curve timed on the forward at
+    8 items says the step alone in place of the calibration law's value at 8 (its lockstep
+    rounds' median call, 0.4 s) times the lockstep slowdown at 4 (1.9); without lockstep
+    rounds, its mean call alone (0.5 s) times the slowest process's mean (1.5); a curve
+    of another batch (16) or of several-thread ranks is read as the plain curve is."""
+    from scalelab.predict.frame import predict_one
+
+    def compute(curve, threads=1, ranks=4):
+        cfg = RunConfig(workload="alexnet", strategy="mpi", split="batch", batch=32,
+                        threads=threads)  # fmt: skip
+        p = predict_one(_alexnet_ctx(curve), Scenario(cfg, 1, 64).at(ranks))
+        return sum(p.phases.get(k, 0.0) for k in ("launch", "compute")), p.notes
+
+    plain_curve = {k: v for k, v in _step_curve().items() if k != "step"}
+    plain, plain_notes = compute(plain_curve)
+    lock, notes = compute(_step_curve())
+    assert lock == pytest.approx(1.9 * 0.4)
+    assert any("lockstep round" in n and "x1.9" in n for n in notes)
+    assert any("alone 400 ms" in n for n in notes)
+    assert not any("alone 4" in n for n in plain_notes)
+    no_lock, notes = compute(_step_curve(lockstep=False))
+    assert no_lock == pytest.approx(1.5 * 0.5)
+    assert any("compute x1.5" in n for n in notes) and not any("lockstep" in n for n in notes)
+    assert plain != pytest.approx(0.75)  # the calibration law differs from the step alone
+    # not this rank's step: the plain curve's prediction exactly
+    assert compute(_step_curve(batch=16))[0] == pytest.approx(plain)
+    assert compute(_step_curve(), ranks=2)[0] == pytest.approx(compute(plain_curve, ranks=2)[0])
+    assert compute(_step_curve(batch=4), threads=2, ranks=8)[0] == pytest.approx(
+        compute(plain_curve, threads=2, ranks=8)[0]
+    )

@@ -13,7 +13,23 @@ one's mean call time, over the time of one process alone:
       "slowdown_max": [1.0, ...],         # the slowest process at k / time at k = 1
       "seconds":      [t1, t2, ...],      # median over processes of mean seconds per call
       "kernel": str, "method": str        # what was timed and how
+      # a workload's step (StepKernel) only:
+      "step": {"workload": str, "model": str | None, "train": bool, "dtype": str,
+               "batch": int, "threads": int},              # what the step ran
+      "slowdown_lockstep": [1.0, ...],    # median over rounds of the round's slowest call / alone
+      "seconds_lockstep": [t1, ...],      # that median in seconds ([0]: the median call alone)
+      "lockstep_rounds": [int, ...]       # rounds timed at each k
     }
+
+A step curve is timed in lockstep rounds, as bulk-synchronous ranks run: each round the parent
+starts all k workers on ONE call at the same instant and waits for every one of them (each
+replies the seconds from that instant to the end of its call). A process's mean over the
+rounds gives "seconds", "slowdown" and "slowdown_max" as for the window; the slowest call of
+each round, its median over the rounds, gives "slowdown_lockstep": the slowdown of a step
+that waits for its slowest rank EVERY step, which is above the slowest process's mean (max of
+means <= mean of maxes), more so as k grows.
+The rounds replace the window (rounds for the window's length, at least 5 of them): a level
+costs about the window, or 5 calls where 3 (the window's least) would have run.
 
 The kernel is a convolution (`Kernel`) for `scalelab ceilings`; `scalelab plan` times its own
 workload's step instead (`StepKernel`: a training step or a forward of the model at one
@@ -83,6 +99,12 @@ class StepKernel:
     def spec(self) -> dict[str, Any]:
         return {"step": {"cfg": self.cfg.to_dict(), "batch": self.batch}}
 
+    def step(self, threads: int = 1) -> dict[str, Any]:
+        """What the curve timed, for a prediction to check it is its own rank's step."""
+        c = self.cfg
+        return {"workload": c.workload, "model": c.model, "train": bool(c.train),
+                "dtype": c.dtype, "batch": self.batch, "threads": threads}  # fmt: skip
+
     def build(self) -> Callable[[], None]:
         """The step as a call, its model and inputs built (what a worker times)."""
         return _build(self.spec())
@@ -96,6 +118,17 @@ METHOD = (
     "in the median); slowdown(k) = "
     "median over the k processes / the time of one process alone"
 )
+LOCKSTEP = (
+    "k worker processes (one thread each) run the kernel in lockstep rounds: each round all k "
+    "start ONE call at the same instant and the next round starts once all k are done, rounds "
+    "for {window:g} s and at least {rounds} of them; a call's time counted from the round's "
+    "start instant (a process the scheduler runs late counts its wait); per process the mean "
+    "call time over the rounds; slowdown(k) = median over the k processes / the time of one "
+    "process alone; slowdown_max(k) = the slowest process's mean / alone; "
+    "slowdown_lockstep(k) = median over the rounds of the round's slowest call / the median "
+    "call alone"
+)
+MIN_ROUNDS = 5
 
 
 def levels(cores: int) -> list[int]:
@@ -128,13 +161,22 @@ def measure_curves(
     kernel = kernel or default
     ks = levels(max(cores // threads, 1))
     pool = Workers(ks[-1], kernel, threads)
-    try:  # per curve, per k: seconds of each process
-        runs = [[pool.run(k, window) for k in ks] for _ in range(repeats)]
+    if not isinstance(kernel, StepKernel):  # the ceilings' convolution: the window, as always
+        try:  # per curve, per k: seconds of each process
+            runs = [[pool.run(k, window) for k in ks] for _ in range(repeats)]
+        finally:
+            pool.close()
+        method = METHOD.format(window=window)
+        return [{**curve(ks, per_k, kernel.describe(threads), method), "threads": threads}
+                for per_k in runs]  # fmt: skip
+    try:  # per curve, per k: per round, seconds of each process
+        rounds = [[pool.lockstep(k, window) for k in ks] for _ in range(repeats)]
     finally:
         pool.close()
-    method = METHOD.format(window=window)
-    return [{**curve(ks, per_k, kernel.describe(threads), method), "threads": threads}
-            for per_k in runs]  # fmt: skip
+    method = LOCKSTEP.format(window=window, rounds=MIN_ROUNDS)
+    what, step = kernel.describe(threads), kernel.step(threads)
+    return [{**lockstep_curve(ks, per_k, what, method), "threads": threads, "step": step}
+            for per_k in rounds]  # fmt: skip
 
 
 def curve(ks: list[int], per_k: list[list[float]], kernel: str, method: str) -> dict[str, Any]:
@@ -149,6 +191,20 @@ def curve(ks: list[int], per_k: list[list[float]], kernel: str, method: str) -> 
         "kernel": kernel,
         "method": method,
     }
+
+
+def lockstep_curve(
+    ks: list[int], per_k: list[list[list[float]]], kernel: str, method: str
+) -> dict[str, Any]:
+    """The section from lockstep rounds (per_k[i]: rounds at k = ks[i], each k call times):
+    the window's fields from each process's mean over the rounds, and slowdown_lockstep."""
+    means = [[statistics.fmean(p) for p in zip(*rounds, strict=True)] for rounds in per_k]
+    out = curve(ks, means, kernel, method)
+    slowest = [statistics.median(max(r) for r in rounds) for rounds in per_k]
+    out["seconds_lockstep"] = slowest  # [0]: the median call alone (robust to a stray round)
+    out["slowdown_lockstep"] = [t / slowest[0] for t in slowest]
+    out["lockstep_rounds"] = [len(rounds) for rounds in per_k]
+    return out
 
 
 class Workers:
@@ -179,6 +235,20 @@ class Workers:
         self.cpu_seconds = [float(r["cpu_seconds"]) for r in replies]
         return [float(r["seconds"]) for r in replies]
 
+    def lockstep(self, k: int, window: float, least: int = MIN_ROUNDS) -> list[list[float]]:
+        """Rounds of the first k workers each starting ONE call at the same instant, the next
+        round once all k replied, until `window` seconds passed and at least `least` rounds
+        ran: per round, each worker's seconds from the round's start instant to the end of its
+        call (a worker the scheduler runs late counts its wait, as a rank's step would)."""
+        rounds: list[list[float]] = []
+        began = time.perf_counter()
+        while len(rounds) < least or time.perf_counter() - began < window:
+            start = time.time() + 0.003 + 0.0001 * k  # time to reach every worker first
+            for p in self.procs[:k]:
+                self._send(p, {"start": start, "calls": 1})
+            rounds.append([float(self._reply(p)["span"]) for p in self.procs[:k]])
+        return rounds
+
     def close(self) -> None:
         for p in self.procs:
             if p.poll() is None:
@@ -204,7 +274,8 @@ class Workers:
 
 def worker() -> None:
     """A worker's loop: build the kernel, then per request wait for the start instant and
-    time calls for the window; reply with the mean call seconds (see METHOD)."""
+    time calls for the window (or exactly `calls` of them: a lockstep round); reply with the
+    mean call seconds (see METHOD)."""
     import torch
 
     first = json.loads(sys.stdin.readline())
@@ -214,16 +285,25 @@ def worker() -> None:
         call()
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
-        req = json.loads(line)
+        req, arrived = json.loads(line), time.time()
+        # A round's worker spins to its start (as an MPI rank polls in a collective): a sleep's
+        # wake-up, late by up to a time slice on a busy host, would count in its span.
+        spin = 0.002 if "calls" in req else 0.0
         while (left := req["start"] - time.time()) > 0:
-            time.sleep(min(left, 0.01))
+            if left > spin:
+                time.sleep(min(left - spin, 0.01))
         times, began, cpu0 = [], time.perf_counter(), time.process_time()
-        while len(times) < 3 or time.perf_counter() - began < req["window"]:
+        least, window = req.get("calls", 3), req.get("window", 0.0)  # "calls": exactly that many
+        while len(times) < least or time.perf_counter() - began < window:
             t0 = time.perf_counter()
             call()
             times.append(time.perf_counter() - t0)
         cpu = (time.process_time() - cpu0) / len(times)
-        print(json.dumps({"seconds": statistics.fmean(times), "cpu_seconds": cpu}), flush=True)
+        out = {"seconds": statistics.fmean(times), "cpu_seconds": cpu}
+        if "calls" in req:  # a round: from the common start (or the request's arrival, when it
+            # came after it: the parent's lag, not the step's) to the end of its calls
+            out["span"] = time.time() - max(req["start"], arrived)
+        print(json.dumps(out), flush=True)
 
 
 def _build(spec: dict[str, Any]) -> Callable[[], None]:

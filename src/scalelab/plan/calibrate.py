@@ -257,8 +257,9 @@ def _median_curve(cores: int, repeats: int, kernel, threads: int) -> dict:
 
     curves = concurrency.measure_curves(cores, repeats, kernel=kernel, threads=threads)
     curve = dict(curves[0])
-    for key in ("slowdown", "slowdown_max", "seconds"):
-        curve[key] = [float(x) for x in np.median([c[key] for c in curves], axis=0)]
+    for key in ("slowdown", "slowdown_max", "seconds", "slowdown_lockstep", "seconds_lockstep"):
+        if key in curve:  # slowdown_lockstep: a step's curve only (timed in lockstep rounds)
+            curve[key] = [float(x) for x in np.median([c[key] for c in curves], axis=0)]
     curve["method"] += f"; the median of {repeats} such curves, one after another"
     return curve
 

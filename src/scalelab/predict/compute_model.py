@@ -15,10 +15,20 @@ each computes slower than one alone by s(p), the ceilings' measured `cpu_concurr
 (instrument/concurrency.py), interpolated at p. The one-rank calibration ran with p0 = threads
 busy, so its time is scaled by s(p) / s(p0). Without the curve the ranks are assumed not to
 contend, and the prediction says so.
+
+A curve timed on this scenario's own rank step (its `step`: same workload, model, train mode
+and dtype, at the rank's batch, single-threaded ranks of a strategy whose ranks each run the
+whole model; inference for now) says more: the rank's compute is the curve's own time of
+that step alone (`seconds_lockstep[0]`, the median call alone, else `seconds[0]`), not the
+calibration law's value at that batch (a law fitted at 64 images put AlexNet's forward at 8
+items at 293 ms where the step took 419 ms), scaled by the slowest call per lockstep round
+(`slowdown_lockstep`) where the curve has it: each step waits for its slowest rank every
+step, which the slowest process's mean over a window understates.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from scalelab.precision import get_precision
@@ -53,11 +63,14 @@ class ComputeModel:
     law: BatchLaw | None
     notes: list[str] = field(default_factory=list)
     contention: float = 1.0  # CPU ranks: per-process slowdown of sharing the host (1: none)
+    # CPU ranks whose step the contention curve timed: (the rank's batch, its seconds alone)
+    own_step: tuple[int, float] | None = None
+    spatial: bool = False
 
     @classmethod
     def build(cls, scenario: Scenario, figures: Figures, pool: Pool, spatial: bool = False):
         law = batch_law(pool, scenario, spatial)
-        model = cls(scenario, figures, law)
+        model = cls(scenario, figures, law, spatial=spatial)
         model._contend()
         if law is None:
             miss = near_miss(pool, scenario)
@@ -99,6 +112,8 @@ class ComputeModel:
                 "measures it)"
             )
             return
+        if self._take_own_step(busy):
+            return
         # More busy processes never run a process faster: a ratio below 1 is the measurement's
         # noise (a --quick curve read 0.79 at 8 processes on a 32-core host), so 1 stands.
         self.contention = max(1.0, at / alone)
@@ -107,6 +122,56 @@ class ComputeModel:
             f"busy per node runs slower than {threads} (cpu_concurrency of {self.figures.path}: "
             f"{at:.3g} / {alone:.3g}{', below 1: read as 1' if at < alone else ''})"
         )
+
+    def _take_own_step(self, busy: int) -> bool:
+        """Where the curve timed this rank's own step: its time alone as the rank's compute,
+        and its lockstep slowdown at `busy` when measured (True: the contention is set)."""
+        batch = self._matching_step()
+        if batch is None:
+            return False
+        alone_s = self.figures.cpu_step()[1]
+        self.own_step = (batch, alone_s)
+        law = f"{self.law.seconds(batch) * 1e3:.3g} ms" if self.law is not None else "none"
+        self.notes.append(
+            f"compute: a rank's step at {batch} items alone {alone_s * 1e3:.3g} ms, the "
+            f"cpu_concurrency curve's own time of this step ({self.figures.path}), in place "
+            f"of the calibration's value at that batch ({law})"
+        )
+        lock = self.figures.cpu_lockstep(busy)
+        if lock is None:
+            return False
+        self.contention = max(1.0, lock)
+        self.notes.append(
+            f"compute x{self.contention:.3g}: the slowest call per lockstep round of {busy} "
+            f"single-threaded processes running this step, median over rounds, over one alone "
+            f"(slowdown_lockstep of the cpu_concurrency of {self.figures.path}: {lock:.3g}"
+            f"{', below 1: read as 1' if lock < 1 else ''})"
+        )
+        return True
+
+    def _matching_step(self) -> int | None:
+        """The rank's batch where the curve's `step` is this scenario's rank step, else None."""
+        got = self.figures.cpu_step()
+        s, cfg = self.scenario, self.scenario.cfg
+        whole = cfg.strategy in ("ddp", "mpi-dp", "fsdp") or (
+            cfg.strategy == "mpi" and cfg.split == "batch"
+        )
+        # Inference only for now: a training step's call (zero_grad, forward, backward, the
+        # optimizer's step) is not yet checked against what a data-parallel run's "compute"
+        # phase holds, and plan's curves (timed on its plain candidate's rank step) would move
+        # its training predictions unverified.
+        if got is None or not whole or self.spatial or (cfg.threads or 1) != 1 or cfg.train:
+            return None
+        step, batch = got[0], math.ceil(s.rank_batch - 1e-9)  # the largest rank's share
+        same = (
+            step.get("workload") == cfg.workload
+            and step.get("model") == cfg.model
+            and bool(step.get("train")) == bool(cfg.train)
+            and step.get("dtype", cfg.dtype) == cfg.dtype
+            and step.get("threads", 1) == 1
+            and step.get("batch") == batch
+        )
+        return batch if same else None
 
     @property
     def sources(self) -> dict[str, str]:
@@ -118,6 +183,8 @@ class ComputeModel:
         return 0.0 if self.law is None else self.law.point.overhead_s
 
     def seconds(self, batch: float) -> float:
+        if self.own_step is not None and math.isclose(batch, self.own_step[0]):
+            return self.contention * self.own_step[1]
         if self.law is not None:
             return self.contention * self.law.seconds(batch)
         return self.contention * sum(

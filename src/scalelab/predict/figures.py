@@ -103,6 +103,23 @@ class Figures:
             return None
         return float(np.interp(processes, ks, slow))
 
+    def cpu_step(self) -> tuple[dict[str, Any], float] | None:
+        """The step a workload's `cpu_concurrency` curve timed (its `step`: workload, model,
+        train, dtype, batch, threads) and that step's seconds alone: the median call of its
+        lockstep rounds (`seconds_lockstep[0]`) where timed so, else `seconds[0]`; None for
+        a curve of the convolution or one recorded without it."""
+        curve = self.data.get("cpu_concurrency") or {}
+        step = curve.get("step")
+        seconds = curve.get("seconds_lockstep") or curve.get("seconds")
+        return (step, float(seconds[0])) if step and seconds else None
+
+    def cpu_lockstep(self, processes: float) -> float | None:
+        """The slowest call per lockstep round at `processes` single-threaded processes over
+        one alone (`slowdown_lockstep`, a step's curve), as cpu_slowdown reads its curves."""
+        curve = self.data.get("cpu_concurrency") or {}
+        ks, slow = curve.get("ranks"), curve.get("slowdown_lockstep")
+        return float(np.interp(processes, ks, slow)) if ks and slow else None
+
     def _cpu(self, key: str, threads: int | None) -> float:
         section = self.data.get(key) or {}
         one, every = section.get("one_core"), section.get("all_cores")
