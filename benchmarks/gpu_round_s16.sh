@@ -16,7 +16,6 @@
 set -u
 cd "$(dirname "$0")/.."
 source benchmarks/round_steps.sh "$1" "${2:-540}"
-{ date -u +"%F %T UTC"; git rev-parse --short HEAD; nvidia-smi -L; } | tee "$OUT_DIR/host.txt"
 CEIL="$OUT_DIR/ceilings.json"
 step ceilings $PY -m scalelab ceilings --quick --device cuda --no-comm -o "$CEIL"
 step ceilings-nccl $PY -m scalelab ceilings --quick --comm-only --ranks 2 --backend nccl -o "$CEIL"

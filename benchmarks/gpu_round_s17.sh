@@ -19,11 +19,8 @@ cd "$(dirname "$0")/.."
 PART=$1
 source benchmarks/round_steps.sh "$2" "${3:-540}"
 S=scalelab
-SMOKE=${SMOKE:-0}
-DEV=cuda; GPUS=2; AMP=(--amp bf16 --channels-last)
-if [[ $SMOKE == 1 ]]; then DEV=cpu; AMP=(); fi
-{ date -u +"%F %T UTC"; git rev-parse --short HEAD 2>/dev/null; nvidia-smi -L 2>/dev/null; nproc; } \
-  | tee "$OUT_DIR/host.txt"
+GPUS=2; AMP=(--amp bf16 --channels-last)
+if [[ $SMOKE == 1 ]]; then AMP=(); fi
 RUN=($PY -m scalelab run)
 
 # --- the configurations (one place: calibration, prediction and measurement read these) -----

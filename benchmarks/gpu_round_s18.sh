@@ -25,11 +25,8 @@ set -u
 cd "$(dirname "$0")/.."
 PART=$1
 source benchmarks/round_steps.sh "$2" "${3:-540}"
-SMOKE=${SMOKE:-0}
-DEV=cuda; AMP=(--amp bf16 --channels-last); BF16=(--dtype bf16)
-if [[ $SMOKE == 1 ]]; then DEV=cpu; AMP=(--channels-last); BF16=(); fi
-{ date -u +"%F %T UTC"; git rev-parse --short HEAD 2>/dev/null; echo "${SCALELAB_GIT_COMMIT:-}";
-  nvidia-smi -L 2>/dev/null; nproc; } | tee "$OUT_DIR/host.txt"
+AMP=(--amp bf16 --channels-last); BF16=(--dtype bf16)
+if [[ $SMOKE == 1 ]]; then AMP=(--channels-last); BF16=(); fi
 RUN=($PY -m scalelab run)
 if [[ $SMOKE == 1 ]]; then
   R18=(resnet18-cifar --image-size 16); R18_B=16; R18_STEPS=4

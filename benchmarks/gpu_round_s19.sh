@@ -21,11 +21,6 @@ set -u
 cd "$(dirname "$0")/.."
 PART=$1
 source benchmarks/round_steps.sh "$2" "${3:-540}"
-SMOKE=${SMOKE:-0}
-DEV=cuda
-[[ $SMOKE == 1 ]] && DEV=cpu
-{ date -u +"%F %T UTC"; git rev-parse --short HEAD 2>/dev/null; echo "${SCALELAB_GIT_COMMIT:-}";
-  nvidia-smi -L 2>/dev/null; nproc; } | tee "$OUT_DIR/host.txt"
 if [[ $SMOKE == 1 ]]; then
   R18=(resnet18-cifar --image-size 16); R18_B=16
   GPT=(--model examples/models/gpt.py:gpt --model-arg vocab=64 --model-arg seq=16

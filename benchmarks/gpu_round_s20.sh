@@ -26,11 +26,6 @@ set -u
 cd "$(dirname "$0")/.."
 PART=$1
 source benchmarks/round_steps.sh "$2" "${3:-540}"
-SMOKE=${SMOKE:-0}
-DEV=cuda
-[[ $SMOKE == 1 ]] && DEV=cpu
-{ date -u +"%F %T UTC"; echo "${SCALELAB_GIT_COMMIT:-}"; nvidia-smi -L 2>/dev/null; nproc;
-  lscpu 2>/dev/null | grep -m1 "Model name"; } | tee "$OUT_DIR/host.txt"
 RUN=($PY -m scalelab run)
 if [[ $SMOKE == 1 ]]; then
   VGG=(vgg16 --image-size 32 --num-classes 10); VGG_B=32; VGG_MB=4; VGG_STEPS=2

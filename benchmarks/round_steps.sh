@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Sourced by the GPU round scripts (gpu_round_s13.sh, gpu_round_s16.sh): the environment of a
-# device call and `step`, which runs one bounded step of a round.
+# Sourced by the GPU round scripts (gpu_round_s13.sh ... gpu_round_s20.sh): the environment of
+# a device call (SMOKE, DEV: cuda, or cpu under SMOKE=1), OUT_DIR/host.txt (when, which
+# commit, the GPUs, the cores, the CPU) and `step`, which runs one bounded step of a round.
 #
 #   source benchmarks/round_steps.sh OUT_DIR SECONDS   (from the repository's root)
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -8,6 +9,12 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 OUT_DIR=$1; LIMIT=$2
 PY=${PYTHON:-python3}
 mkdir -p "$OUT_DIR"
+SMOKE=${SMOKE:-0}
+DEV=cuda
+[[ $SMOKE == 1 ]] && DEV=cpu
+{ date -u +"%F %T UTC"; echo "${SCALELAB_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}";
+  nvidia-smi -L 2>/dev/null; nproc; lscpu 2>/dev/null | grep -m1 "Model name"; } \
+  | tee "$OUT_DIR/host.txt"
 deadline=$(( $(date +%s) + LIMIT ))
 step() {  # step NAME CMD...: bounded by the time left, its log under OUT_DIR
   local name=$1; shift

@@ -126,11 +126,10 @@ class ComputeModel:
     def _take_own_step(self, busy: int) -> bool:
         """Where the curve timed this rank's own step: its time alone as the rank's compute,
         and its lockstep slowdown at `busy` when measured (True: the contention is set)."""
-        batch = self._matching_step()
-        if batch is None:
+        own = self._matching_step()
+        if own is None:
             return False
-        alone_s = self.figures.cpu_step()[1]
-        self.own_step = (batch, alone_s)
+        batch, alone_s = self.own_step = own
         law = f"{self.law.seconds(batch) * 1e3:.3g} ms" if self.law is not None else "none"
         self.notes.append(
             f"compute: a rank's step at {batch} items alone {alone_s * 1e3:.3g} ms, the "
@@ -149,8 +148,9 @@ class ComputeModel:
         )
         return True
 
-    def _matching_step(self) -> int | None:
-        """The rank's batch where the curve's `step` is this scenario's rank step, else None."""
+    def _matching_step(self) -> tuple[int, float] | None:
+        """(the rank's batch, the step's seconds alone) where the curve's `step` is this
+        scenario's rank step, else None."""
         got = self.figures.cpu_step()
         s, cfg = self.scenario, self.scenario.cfg
         whole = cfg.strategy in ("ddp", "mpi-dp", "fsdp") or (
@@ -171,7 +171,7 @@ class ComputeModel:
             and step.get("threads", 1) == 1
             and step.get("batch") == batch
         )
-        return batch if same else None
+        return (batch, got[1]) if same else None
 
     @property
     def sources(self) -> dict[str, str]:

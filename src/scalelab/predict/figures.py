@@ -98,10 +98,7 @@ class Figures:
         curve = self.data.get("cpu_concurrency") or {}
         if threads != 1:
             curve = (curve.get("by_threads") or {}).get(str(threads)) or {}
-        ks, slow = curve.get("ranks"), curve.get("slowdown_max" if slowest else "slowdown")
-        if not ks or not slow:
-            return None
-        return float(np.interp(processes, ks, slow))
+        return _at(curve, "slowdown_max" if slowest else "slowdown", processes)
 
     def cpu_step(self) -> tuple[dict[str, Any], float] | None:
         """The step a workload's `cpu_concurrency` curve timed (its `step`: workload, model,
@@ -116,9 +113,7 @@ class Figures:
     def cpu_lockstep(self, processes: float) -> float | None:
         """The slowest call per lockstep round at `processes` single-threaded processes over
         one alone (`slowdown_lockstep`, a step's curve), as cpu_slowdown reads its curves."""
-        curve = self.data.get("cpu_concurrency") or {}
-        ks, slow = curve.get("ranks"), curve.get("slowdown_lockstep")
-        return float(np.interp(processes, ks, slow)) if ks and slow else None
+        return _at(self.data.get("cpu_concurrency") or {}, "slowdown_lockstep", processes)
 
     def _cpu(self, key: str, threads: int | None) -> float:
         section = self.data.get(key) or {}
@@ -153,3 +148,10 @@ class Figures:
 def figures_at(path: str | Path | None) -> Figures:
     data, where = load(None if path is None else str(path))
     return Figures(data, where)
+
+
+def _at(curve: dict[str, Any], key: str, processes: float) -> float | None:
+    """A cpu_concurrency curve's `key` at `processes`: linear between its points, held at its
+    ends; None where the curve lacks it."""
+    ks, values = curve.get("ranks"), curve.get(key)
+    return float(np.interp(processes, ks, values)) if ks and values else None
