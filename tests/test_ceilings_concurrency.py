@@ -146,18 +146,29 @@ def test_a_step_curve_is_timed_in_lockstep_and_says_its_step():
     alone, whichever ran first (above 1.4; the time-slicing that a process's mean over the
     rounds halves). The curve records the step it timed. Two curves from one pool: the other
     test process's load can land on the one alone (a disturbed alone read 1.8 where an
-    undisturbed one read 6.3 on this 2-core host), so one of the two above 1.4 suffices."""
+    undisturbed one read 6.3 on this 2-core host), so one of the two above 1.4 suffices, and a
+    round whose two curves were both disturbed (1.17 and 1.28 seen once in CI) is measured
+    again, up to 3 rounds; a real error (every round at or below 1.4) still fails."""
+    seen = []
+    for _ in range(3):
+        curves = _pinned_to_one_core(lambda: C.measure_curves(2, 2, quick=True, kernel=_mlp_step()))
+        for c in curves:
+            assert c["step"] == {"workload": "mlp", "model": None, "train": True,
+                                 "dtype": "fp32", "batch": 20, "threads": 1}  # fmt: skip
+            assert c["ranks"] == [1, 2] and "training step of mlp" in c["kernel"]
+            assert "lockstep rounds" in c["method"] and min(c["lockstep_rounds"]) >= C.MIN_ROUNDS
+            assert c["slowdown_lockstep"][0] == 1.0 and c["slowdown"][0] == 1.0
+            assert all(math.isfinite(x) and x > 0 for x in c["slowdown_lockstep"])
+        seen += [round(c["slowdown_lockstep"][1], 2) for c in curves]
+        if max(c["slowdown_lockstep"][1] for c in curves) > 1.4:
+            return
+    pytest.fail(f"k=2 lockstep slowdowns {seen} on one core: none above 1.4 in 3 rounds")
+
+
+def _pinned_to_one_core(measure):
     before = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {min(before)})  # the workers inherit it
     try:
-        curves = C.measure_curves(2, 2, quick=True, kernel=_mlp_step())
+        return measure()
     finally:
         os.sched_setaffinity(0, before)
-    for c in curves:
-        assert c["step"] == {"workload": "mlp", "model": None, "train": True, "dtype": "fp32",
-                             "batch": 20, "threads": 1}  # fmt: skip
-        assert c["ranks"] == [1, 2] and "training step of mlp" in c["kernel"]
-        assert "lockstep rounds" in c["method"] and min(c["lockstep_rounds"]) >= C.MIN_ROUNDS
-        assert c["slowdown_lockstep"][0] == 1.0 and c["slowdown"][0] == 1.0
-        assert all(math.isfinite(x) and x > 0 for x in c["slowdown_lockstep"])
-    assert max(c["slowdown_lockstep"][1] for c in curves) > 1.4, curves
