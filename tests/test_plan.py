@@ -540,3 +540,25 @@ def test_bounds_rank_after_calibrated_predictions():
     assert calibrated[0] and not all(calibrated)
     assert calibrated == sorted(calibrated, reverse=True)  # every calibrated row first
     assert ok["throughput"].iloc[0] < ok["throughput"].iloc[-1]  # though slower than a bound
+
+
+@pytest.mark.parametrize("runs_here, cores", [((), 16), (("--calibrate-missing",), 2),
+                                              (("--verify", "1"), 2)])  # fmt: skip
+def test_a_larger_machines_ceilings_cap_the_cores_only_where_plan_runs_here(
+    monkeypatch, caplog, runs_here, cores
+):
+    """Ceilings of a 16-core machine plan for its 16 cores; measured on a 2-core host
+    (--calibrate-missing, --verify), candidates of more cores would time its
+    oversubscription (16-thread runs on 2 cores, seen taking minutes each), so they are
+    capped at this host's cores with a warning."""
+    from scalelab.cli.commands.plan import _spec
+    from scalelab.cli.main import build_parser
+    from scalelab.instrument import ceiling_timing
+
+    monkeypatch.setattr(ceiling_timing, "cpu_cores", lambda: 2)
+    data = {**figures().data, "machine": {"cpu_cores": 16}}
+    args = build_parser().parse_args(["plan", "alexnet", "--ranks-max", "2", *runs_here])
+    got = _spec(args, Figures(data, "sixteen.json"))
+    assert got.cores == cores
+    assert ("ceilings describe 16 CPU cores, this host has 2" in caplog.text) == (cores == 2)
+    assert max(n * t for n, t in got.layouts()) == cores  # no candidate above the cores

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import logging
 import sys
 import time
 from pathlib import Path
@@ -135,10 +135,20 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _spec(args: argparse.Namespace, figures):
+    from scalelab.instrument.ceiling_timing import cpu_cores
     from scalelab.plan.space import PlanSpec
 
     base = config_from_args(args, workload=workload_name(args))
-    cores = int((figures.data.get("machine") or {}).get("cpu_cores") or os.cpu_count() or 1)
+    cores = int((figures.data.get("machine") or {}).get("cpu_cores") or cpu_cores() or 1)
+    here = cpu_cores() or 1
+    if (args.calibrate_missing or args.verify > 0) and cores > here:
+        # the ceilings describe a larger machine, but the runs are made on this one: a
+        # candidate of more cores than this host has would time its oversubscription
+        logging.getLogger("scalelab.plan").warning(
+            f"the ceilings describe {cores} CPU cores, this host has {here}: candidates use "
+            f"at most {here} (--calibrate-missing and --verify run here)"
+        )
+        cores = here
     per_node = args.gpus_per_node or (8 if base.device == "cuda" else cores)
     if args.ranks_max > per_node * args.nodes:
         raise UsageError(
