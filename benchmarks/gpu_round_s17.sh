@@ -21,7 +21,6 @@ source benchmarks/round_steps.sh "$2" "${3:-540}"
 S=scalelab
 GPUS=2; AMP=(--amp bf16 --channels-last)
 if [[ $SMOKE == 1 ]]; then AMP=(); fi
-RUN=($PY -m scalelab run)
 
 # --- the configurations (one place: calibration, prediction and measurement read these) -----
 if [[ $SMOKE == 1 ]]; then

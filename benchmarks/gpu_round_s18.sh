@@ -27,7 +27,6 @@ PART=$1
 source benchmarks/round_steps.sh "$2" "${3:-540}"
 AMP=(--amp bf16 --channels-last); BF16=(--dtype bf16)
 if [[ $SMOKE == 1 ]]; then AMP=(--channels-last); BF16=(); fi
-RUN=($PY -m scalelab run)
 if [[ $SMOKE == 1 ]]; then
   R18=(resnet18-cifar --image-size 16); R18_B=16; R18_STEPS=4
   VGG=(vgg16 --image-size 32 --num-classes 10); VGG_B=32; VGG_MB=4; VGG_STEPS=2

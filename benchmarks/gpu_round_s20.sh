@@ -26,7 +26,6 @@ set -u
 cd "$(dirname "$0")/.."
 PART=$1
 source benchmarks/round_steps.sh "$2" "${3:-540}"
-RUN=($PY -m scalelab run)
 if [[ $SMOKE == 1 ]]; then
   VGG=(vgg16 --image-size 32 --num-classes 10); VGG_B=32; VGG_MB=4; VGG_STEPS=2
   AMP=(--channels-last); BF16=()

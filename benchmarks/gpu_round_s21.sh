@@ -25,7 +25,6 @@ set -u
 cd "$(dirname "$0")/.."
 PART=$1
 source benchmarks/round_steps.sh "$2" "${3:-540}"
-RUN=($PY -m scalelab run)
 if [[ $SMOKE == 1 ]]; then
   VGG=(vgg16 --image-size 32 --num-classes 10); VGG_B=(16 32); BIG_B=64; MB=4; STEPS=2
   AMP=(--channels-last); BF16=(); COMPILE=()

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Sourced by the GPU round scripts (gpu_round_s13.sh ... gpu_round_s20.sh): the environment of
+# Sourced by the GPU round scripts (gpu_round_s13.sh ... gpu_round_s21.sh): the environment of
 # a device call (SMOKE, DEV: cuda, or cpu under SMOKE=1), OUT_DIR/host.txt (when, which
-# commit, the GPUs, the cores, the CPU) and `step`, which runs one bounded step of a round.
+# commit, the GPUs, the cores, the CPU), RUN (`scalelab run` under PY) and `step`, which runs
+# one bounded step of a round.
 #
 #   source benchmarks/round_steps.sh OUT_DIR SECONDS   (from the repository's root)
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT_DIR=$1; LIMIT=$2
 PY=${PYTHON:-python3}
+RUN=($PY -m scalelab run)
 mkdir -p "$OUT_DIR"
 SMOKE=${SMOKE:-0}
 DEV=cuda
