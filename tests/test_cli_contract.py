@@ -13,6 +13,7 @@ import os
 import tempfile
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -334,6 +335,27 @@ def test_resume_from_a_real_checkpoint_with_wrong_contents(data):
     torch.save(state, buf)
     argv = ["run", "mlp", *SMALL_RUN, "--train", "--steps", "4", "--resume", "c.pt"]
     contract(argv, {"c.pt": buf.getvalue()})
+
+
+@pytest.mark.parametrize(
+    "key, value, words",
+    [("epoch", 7, "in epoch 8, past the end of this run's 1 epoch(s)"),
+     ("items", 10**6, "1000000 items into an epoch of 4 steps"),
+     ("steps", 10**6, "at step 1000000, the end of this run's 4 steps")],
+)  # fmt: skip
+def test_resume_from_a_position_past_the_runs_end_is_refused(key, value, words):
+    """A checkpoint whose position this run never reaches (an epoch past --epochs, more items
+    than an epoch holds, more steps than --steps): one line, exit 2, where the first ran no
+    step and crashed on the empty history (found by the property test above, stop 46's CI)."""
+    import torch
+
+    state = torch.load(io.BytesIO(_real_checkpoint()), weights_only=True)
+    state["position"][key] = value
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    argv = ["run", "mlp", *SMALL_RUN, "--train", "--steps", "4", "--resume", "c.pt"]
+    code, text = contract(argv, {"c.pt": buf.getvalue()})
+    assert code == 2 and words in text, text
 
 
 AGNEWS = b'"Class Index","Title","Description"\n1,"a","b"\n'

@@ -320,6 +320,17 @@ class Trainer:
                 f"--resume {self.cfg.resume}: the checkpoint is at step {self.history.steps}, "
                 f"the end of this run's {self.n_steps} steps; raise --epochs or --steps"
             )
+        per_epoch = self.plan.source.steps_per_epoch()
+        if self.pos.step > per_epoch:  # a position no run of this schedule reaches
+            raise UsageError(
+                f"--resume {self.cfg.resume}: a scalelab checkpoint with wrong contents: "
+                f"{self.pos.items} items into an epoch of {per_epoch} steps"
+            )
+        if self.pos.epoch >= self.cfg.epochs:  # else no step runs and nothing is recorded
+            raise UsageError(
+                f"--resume {self.cfg.resume}: the checkpoint is in epoch {self.pos.epoch + 1}, "
+                f"past the end of this run's {self.cfg.epochs} epoch(s); raise --epochs"
+            )
 
 
 def run_training(
