@@ -553,6 +553,7 @@ def test_a_larger_machines_ceilings_cap_the_cores_only_where_plan_runs_here(
     capped at this host's cores with a warning."""
     from scalelab.cli.commands.plan import _spec
     from scalelab.cli.main import build_parser
+    from scalelab.errors import UsageError
     from scalelab.instrument import ceiling_timing
 
     monkeypatch.setattr(ceiling_timing, "cpu_cores", lambda: 2)
@@ -562,3 +563,9 @@ def test_a_larger_machines_ceilings_cap_the_cores_only_where_plan_runs_here(
     assert got.cores == cores
     assert ("ceilings describe 16 CPU cores, this host has 2" in caplog.text) == (cores == 2)
     assert max(n * t for n, t in got.layouts()) == cores  # no candidate above the cores
+    caplog.clear()  # a refused plan says only its one line
+    too_many = build_parser().parse_args(["plan", "alexnet", "--ranks-max", "4", *runs_here])
+    if cores == 2:
+        with pytest.raises(UsageError, match="2 ranks per node"):
+            _spec(too_many, Figures(data, "sixteen.json"))
+        assert "ceilings describe" not in caplog.text

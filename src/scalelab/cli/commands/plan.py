@@ -140,15 +140,11 @@ def _spec(args: argparse.Namespace, figures):
 
     base = config_from_args(args, workload=workload_name(args))
     cores = int((figures.data.get("machine") or {}).get("cpu_cores") or cpu_cores() or 1)
+    # the ceilings may describe a larger machine, but --calibrate-missing and --verify run the
+    # candidates on this one: one of more cores than it has would time its oversubscription
     here = cpu_cores() or 1
-    if (args.calibrate_missing or args.verify > 0) and cores > here:
-        # the ceilings describe a larger machine, but the runs are made on this one: a
-        # candidate of more cores than this host has would time its oversubscription
-        logging.getLogger("scalelab.plan").warning(
-            f"the ceilings describe {cores} CPU cores, this host has {here}: candidates use "
-            f"at most {here} (--calibrate-missing and --verify run here)"
-        )
-        cores = here
+    capped = (args.calibrate_missing or args.verify > 0) and cores > here
+    described, cores = cores, here if capped else cores
     per_node = args.gpus_per_node or (8 if base.device == "cuda" else cores)
     if args.ranks_max > per_node * args.nodes:
         raise UsageError(
@@ -156,6 +152,11 @@ def _spec(args: argparse.Namespace, figures):
         )
     if args.verify < 0 or args.repeats < 1:
         raise UsageError("--verify must be >= 0 and --repeats >= 1")
+    if capped:  # after the refusals: a refused plan says one line
+        logging.getLogger("scalelab.plan").warning(
+            f"the ceilings describe {described} CPU cores, this host has {here}: candidates "
+            f"use at most {here} (--calibrate-missing and --verify run here)"
+        )
     given = args.global_batch is None and args.per_rank_batch is None
     precisions = tuple((args.precisions or base.dtype).split(","))
     return PlanSpec(
