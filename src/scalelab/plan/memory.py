@@ -42,6 +42,7 @@ from scalelab.orchestration.fit import estimate_bytes
 from scalelab.planning.torch_schedule import stage_ids, virtual_stages
 from scalelab.precision import get_precision
 from scalelab.predict.models import blocks
+from scalelab.predict.scenario import build_workload
 from scalelab.workloads import WORKLOADS
 
 STRATEGIES = ("ddp", "fsdp", "hsdp", "pipeline", "tensor")  # what `fit --find ranks` answers
@@ -100,7 +101,7 @@ def device_bytes(cfg: RunConfig) -> int:
 def _unit_bytes(cfg: RunConfig) -> tuple[int, int]:
     """fsdp's gathered weights: (all of them, the largest unit's twice: gathered and
     prefetched, at most all)."""
-    rows = WORKLOADS.get(cfg.workload)(cfg).cost_table()
+    rows = build_workload(cfg).cost_table()
     itemsize, whole = get_precision(cfg.dtype).itemsize, sum(r.params for r in rows)
     return itemsize * whole, itemsize * min(whole, 2 * max(r.params for r in rows))
 

@@ -166,8 +166,11 @@ class Workload(ABC):
         return []
 
     def cost_table(self) -> list[LayerCost]:
-        """Per-layer analytic costs for one item, in execution order, derived from layers()."""
-        return [row for _, row in self.layer_costs()] + self.tail_costs()
+        """Per-layer analytic costs for one item, in execution order, derived from layers();
+        computed once per instance (the shapes come from a forward on the meta device)."""
+        if getattr(self, "_cost_table", None) is None:
+            self._cost_table = (*(row for _, row in self.layer_costs()), *self.tail_costs())
+        return list(self._cost_table)
 
     def flops_per_item(self) -> int:
         return sum(layer.flops for layer in self.cost_table())
