@@ -214,6 +214,7 @@ class DTensorParallel(TorchDistStrategy):
             "tensor": {
                 "engine": "torch",
                 "mesh": self.layout.shape(),
+                "plan": "pairs" if self.heads is None else self.heads.source,
                 "pairs": [list(p) for p in self.pairs],
                 # Per pair: one all-reduce of the row-wise output forward, one of the
                 # column-wise input gradient backward, over the tp group; dp: gradients.

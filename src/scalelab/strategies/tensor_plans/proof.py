@@ -53,7 +53,6 @@ def prove(cfg) -> None:
     plan = tp.derive_plan(workload.build_model(), n, cfg.tp_plan)  # its own refusals first
     if n < 2:
         return
-    torch.manual_seed(cfg.seed)
     model = workload.build_model().double().eval()
     x = workload.prepare(workload.synthetic_inputs(2, cfg.seed).x).double()
     with torch.no_grad():
