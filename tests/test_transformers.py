@@ -172,7 +172,7 @@ def test_a_head_count_the_ranks_do_not_divide_is_refused_naming_the_module():
     from scalelab.errors import UsageError
     from scalelab.strategies.tensor_plans import derived as tensor_plan
 
-    with pytest.raises(UsageError, match="layers.0.attention has n_heads=4 heads, which 3"):
+    with pytest.raises(UsageError, match="layers.0.attention has n_heads=4, which 3"):
         tensor_plan.derive_plan(llama(width=24), 3)
 
 

@@ -13,7 +13,6 @@ rank starts, in one line (exit 2).
 
 import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,7 +26,7 @@ IDS = {"input_shape": "8", "input_dtype": "int64", "vocab": 40}
 MODELS = {
     "nanogpt": {"model": f"{ZOO}:nanogpt", **IDS},
     "nanogpt_untied": {"model": f"{ZOO}:nanogpt", **IDS, "model_arg": ["tied=False"]},
-    "encoder": {"model": f"{ZOO}:encoder", "input_shape": "5,6"},
+    "encoder": {"model": f"{PROGRAMS / 'transformer_nets.py'}:encoder", "input_shape": "5,6"},
     "tuple_blocks": {"model": f"{ZOO}:tuple_blocks", **IDS},
 }
 if importlib.util.find_spec("transformers") is not None:  # the `hf` extra
@@ -193,3 +192,15 @@ def test_the_attention_of_nanogpt_sees_the_ranks_width():
     with pytest.raises(Seen):
         model(torch.zeros(1, 8, dtype=torch.long))
     assert seen == [torch.Size([1, 8, 8]), torch.Size([1, 8, 16])]
+
+
+def test_shares_say_which_part_of_a_block_a_plan_splits():
+    from programs import zoo
+    from scalelab.strategies.tensor_plans import derived, shares
+
+    model = zoo.tuple_blocks()
+    whole = derived.derive_plan(model, 2)
+    assert shares.block_shares(model, whole) == {"layers.0": 1.0, "layers.1": 1.0}
+    attention_only = derived.HeadPlan({k: s for k, s in whole.styles.items() if ".fc" not in k})
+    # q, k, v, out: 4 x 16 x 16 of the block's 4 x 256 + 2 x 16 x 32 projection weights
+    assert shares.block_shares(model, attention_only) == {"layers.0": 0.5, "layers.1": 0.5}

@@ -37,9 +37,9 @@ from scalelab.errors import UsageError
 from scalelab.instrument.timer import timed_iterations
 from scalelab.results import RunOutput
 from scalelab.strategies import penalty as pen
+from scalelab.strategies.mesh import Layout, MeshGroups
 from scalelab.strategies.tensor_plans import derived as tp
 from scalelab.strategies.tensor_plans import proof
-from scalelab.strategies.mesh import Layout, MeshGroups
 from scalelab.strategies.torchdist_base import TorchDistStrategy
 from scalelab.train.loop import default_plan, require_labels, run_training
 from scalelab.workloads.base import Inputs, Workload

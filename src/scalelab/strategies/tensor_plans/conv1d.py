@@ -19,14 +19,21 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from scalelab.strategies.tensor_plans.attention import is_conv1d
 
 
-def _distribute(style, module: nn.Module, mesh, placements: dict[str, object]) -> None:
-    for name, place in placements.items():
-        p = getattr(module, name, None)
-        if p is None:
-            continue
+def _distribute_conv1d(style, module: nn.Module, mesh, placements: dict[str, object]):
+    """distribute_module with the Conv1D's parameters placed as given, inputs and outputs as
+    the torch style it extends handles them."""
+
+    def partition(_name: str, m: nn.Module, mesh) -> None:
         kw = {"src_data_rank": style.src_data_rank} if hasattr(style, "src_data_rank") else {}
-        dist = distribute_tensor(p, mesh, [place], **kw)
-        module.register_parameter(name, nn.Parameter(dist, requires_grad=p.requires_grad))
+        for name, place in placements.items():
+            p = getattr(m, name, None)
+            if p is not None:
+                dist = distribute_tensor(p, mesh, [place], **kw)
+                m.register_parameter(name, nn.Parameter(dist, requires_grad=p.requires_grad))
+
+    inp = partial(style._prepare_input_fn, style.input_layouts, style.desired_input_layouts)
+    out = partial(style._prepare_output_fn, style.output_layouts, style.use_local_output)
+    return distribute_module(module, mesh, partition, inp, out)
 
 
 class Conv1DColwise(ColwiseParallel):
@@ -35,10 +42,7 @@ class Conv1DColwise(ColwiseParallel):
     def _apply(self, module: nn.Module, device_mesh):
         if not is_conv1d(module):
             return super()._apply(module, device_mesh)
-        part = lambda _n, m, mesh: _distribute(self, m, mesh, {"weight": Shard(1), "bias": Shard(0)})  # noqa: E731
-        inp = partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts)
-        out = partial(self._prepare_output_fn, self.output_layouts, self.use_local_output)
-        return distribute_module(module, device_mesh, part, inp, out)
+        return _distribute_conv1d(self, module, device_mesh, {"weight": Shard(1), "bias": Shard(0)})
 
 
 class Conv1DRowwise(RowwiseParallel):
@@ -48,10 +52,8 @@ class Conv1DRowwise(RowwiseParallel):
         if not is_conv1d(module):
             return super()._apply(module, device_mesh)
         self.desired_input_layouts = (Shard(-1),)
-        part = lambda _n, m, mesh: _distribute(self, m, mesh, {"weight": Shard(0), "bias": Replicate()})  # noqa: E731
-        inp = partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts)
-        out = partial(self._prepare_output_fn, self.output_layouts, self.use_local_output)
-        return distribute_module(module, device_mesh, part, inp, out)
+        placements = {"weight": Shard(0), "bias": Replicate()}
+        return _distribute_conv1d(self, module, device_mesh, placements)
 
 
 def for_module(style: ParallelStyle, module: nn.Module) -> ParallelStyle:
