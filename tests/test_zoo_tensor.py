@@ -204,3 +204,14 @@ def test_shares_say_which_part_of_a_block_a_plan_splits():
     attention_only = derived.HeadPlan({k: s for k, s in whole.styles.items() if ".fc" not in k})
     # q, k, v, out: 4 x 16 x 16 of the block's 4 x 256 + 2 x 16 x 32 projection weights
     assert shares.block_shares(model, attention_only) == {"layers.0": 0.5, "layers.1": 0.5}
+
+
+def test_a_plan_that_matches_no_module_is_refused(tmp_path):
+    from programs import zoo
+    from scalelab.errors import UsageError
+    from scalelab.strategies.tensor_plans import derived
+
+    plan = tmp_path / "elsewhere.py"
+    plan.write_text(WRONG.replace("layers.*", "blocks.*"))
+    with pytest.raises(UsageError, match="the --tp-plan plan matches no module of the model"):
+        derived.derive_plan(zoo.tuple_blocks(), 2, f"{plan}:PLAN")

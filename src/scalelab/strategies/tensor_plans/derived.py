@@ -75,6 +75,11 @@ def derive_plan(model: nn.Module, n: int, user: str | None = None) -> HeadPlan:
             _plan_block(model, block, plan)
         if not plan.styles:
             raise UsageError(f"tensor --engine torch: {found[1][0]} holds no Linear to shard")
+    if not plan.styles:
+        raise UsageError(
+            f"tensor: the {plan.source} plan matches no module of the model (names as "
+            "named_modules() gives them); pass --tp-plan MODULE:OBJECT"
+        )
     plan.swapped = swapped
     _untie(model, plan)
     _attention(model, plan)
