@@ -170,14 +170,14 @@ def test_splits_that_cannot_apply_say_why(cli, model, args, needle):
 def test_a_head_count_the_ranks_do_not_divide_is_refused_naming_the_module():
     from programs.transformer_nets import llama
     from scalelab.errors import UsageError
-    from scalelab.strategies import tensor_plan
+    from scalelab.strategies.tensor_plans import derived as tensor_plan
 
-    with pytest.raises(UsageError, match="layers.0.attention has n_heads=4 heads, which 3"):
+    with pytest.raises(UsageError, match="layers.0.attention has n_heads=4, which 3"):
         tensor_plan.derive_plan(llama(width=24), 3)
 
 
 def test_fused_qkv_rows_go_back_to_the_users_order():
-    from scalelab.strategies import tensor_plan
+    from scalelab.strategies.tensor_plans import derived as tensor_plan
 
     order = tensor_plan.qkv_order(4, 2)  # q, k, v of width 4 over 2 ranks
     assert order.tolist() == [0, 1, 4, 5, 8, 9, 2, 3, 6, 7, 10, 11]
@@ -223,7 +223,7 @@ def test_weights_leave_a_head_split_in_the_users_names_and_order():
     import copy
 
     from programs.transformer_nets import encoder
-    from scalelab.strategies import tensor_plan
+    from scalelab.strategies.tensor_plans import derived as tensor_plan
 
     ref = encoder()
     model = copy.deepcopy(ref)

@@ -57,8 +57,10 @@ def _dtensor_pairs(cfg: RunConfig, workload) -> None:
 
     with torch.device("meta"):
         model = workload.build_model()
-        if getattr(workload, "blocks", None) is not None or cfg.tp_plan is not None:
-            from scalelab.strategies.tensor_plan import derive_plan  # by heads (heads refused)
+        from scalelab.strategies.tensor_plans.proof import by_heads
+
+        if by_heads(cfg, workload, model):
+            from scalelab.strategies.tensor_plans.derived import derive_plan  # heads refused
 
             derive_plan(model, cfg.tp or max(cfg.ranks // cfg.dp, 1), cfg.tp_plan)
             return

@@ -14,10 +14,12 @@ The pairs: mlp (fc1, fc2), alexnet (fc6, fc7), vgg16 (classifier.0, classifier.3
 children joined by elementwise layers only, paired from the front. The hand-written MLP split
 over MPI (strategies/tensor.py) stays as the reference.
 
-A model built from repeated blocks (a transformer) is sharded by heads instead: the plan comes
-from its blocks' attention and MLP modules, or from `--tp-plan MODULE:OBJECT`
-(tensor_plan.py); a fused qkv Linear's rows are kept in sharded order inside the run and go
-back to the user's order in every weight or checkpoint that leaves it.
+A model built from repeated blocks (a transformer) is sharded by heads instead: the plan is a
+user's `--tp-plan MODULE:OBJECT`, else the one the model declares (Hugging Face's), else one
+derived from its blocks' attention and MLP modules (tensor_plans/); a fused qkv projection's
+rows are kept in sharded order inside the run and go back to the user's order in every weight
+or checkpoint that leaves it. `scalelab run` proves the plan before it launches the ranks
+(tensor_plans/proof.py).
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ from scalelab.errors import UsageError
 from scalelab.instrument.timer import timed_iterations
 from scalelab.results import RunOutput
 from scalelab.strategies import penalty as pen
-from scalelab.strategies import tensor_plan as tp
 from scalelab.strategies.mesh import Layout, MeshGroups
+from scalelab.strategies.tensor_plans import derived as tp
+from scalelab.strategies.tensor_plans import proof
 from scalelab.strategies.torchdist_base import TorchDistStrategy
 from scalelab.train.loop import default_plan, require_labels, run_training
 from scalelab.workloads.base import Inputs, Workload
@@ -92,17 +95,20 @@ class DTensorParallel(TorchDistStrategy):
             raise UsageError(
                 f"tensor: --dp {cfg.dp} x --tp {cfg.tp} needs --ranks {cfg.tp * cfg.dp}"
             )
+        if not proof.inside_ranks():
+            proof.prove(cfg)  # the plan on a tiny forward before any rank starts
         return cfg.batch
 
     def validate(self, workload: Workload) -> None:
         self.layout.check(self.comm.size, "tensor --engine torch")
-        self.heads = None  # a plan by heads (tensor_plan.py): blocks, or --tp-plan
+        self.heads = None  # a plan by heads (tensor_plans/): --tp-plan, declared, derived
         with torch.device("meta"):
             meta = workload.build_model()
-            pairs = linear_pairs(workload, meta)
-            if self.cfg.tp_plan is not None or getattr(workload, "blocks", None) is not None:
+            if proof.by_heads(self.cfg, workload, meta):
                 self.heads = tp.derive_plan(meta, self.layout.inner, self.cfg.tp_plan)
                 pairs = self.heads.pairs()
+            else:
+                pairs = linear_pairs(workload, meta)
         if not pairs:
             raise UsageError(
                 f"tensor --engine torch: {workload.name} marks no Linear pair to shard"
@@ -115,11 +121,9 @@ class DTensorParallel(TorchDistStrategy):
     def place(self, model: nn.Module) -> nn.Module:
         model = super().place(model)
         if self.heads is not None:  # the same plan, on the real model (swaps, head counts)
-            n = self.layout.inner
-            self.heads = tp.derive_plan(model, n, self.cfg.tp_plan)
-            tp.reorder_fused(model, self.heads, n)
+            self.heads = tp.derive_plan(model, self.layout.inner, self.cfg.tp_plan)
             self.orders = tp.param_orders(model, self.heads)
-            return parallelize_module(model, self.groups.inner_mesh, self.heads.styles)
+            return tp.parallelize(model, self.groups.inner_mesh, self.heads)
         plan = {}
         for col, row in self.pairs:
             plan[col], plan[row] = ColwiseParallel(), RowwiseParallel()
@@ -210,6 +214,7 @@ class DTensorParallel(TorchDistStrategy):
             "tensor": {
                 "engine": "torch",
                 "mesh": self.layout.shape(),
+                "plan": "pairs" if self.heads is None else self.heads.source,
                 "pairs": [list(p) for p in self.pairs],
                 # Per pair: one all-reduce of the row-wise output forward, one of the
                 # column-wise input gradient backward, over the tp group; dp: gradients.
@@ -234,19 +239,17 @@ class DTensorParallel(TorchDistStrategy):
         return (state, opt_state) if self.is_root else None
 
     def _user_rows(self, index: int, t: torch.Tensor) -> torch.Tensor:
-        """A fused qkv parameter's optimizer state in the user's row order (tensor_plan)."""
-        width = getattr(self, "orders", {}).get(index)
-        if width is None or t.dim() == 0:
-            return t
-        return t[torch.argsort(tp.qkv_order(width, self.layout.inner))]
+        """A fused qkv parameter's optimizer state in the user's row order (tensor_plans)."""
+        how = getattr(self, "orders", {}).get(index)
+        return t if how is None else tp.permute(t, how, self.layout.inner, back=True)
 
     def import_state(self, model: nn.Module, opt, state: dict, opt_state: dict) -> None:
         if self.heads is not None:
             n = self.layout.inner
             state = tp.from_user(state, self.heads, n)
             opt_state = {**opt_state, "state": {
-                i: {k: v[tp.qkv_order(self.orders[i], n)]
-                    if i in self.orders and torch.is_tensor(v) and v.dim() else v
+                i: {k: tp.permute(v, self.orders[i], n)
+                    if i in self.orders and torch.is_tensor(v) else v
                     for k, v in s.items()}
                 for i, s in opt_state["state"].items()}}  # fmt: skip
         params = list(model.parameters())

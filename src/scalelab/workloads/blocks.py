@@ -5,7 +5,7 @@ One small function with no knowledge of who uses it: the block view of a user mo
 (workloads/block_layers.py: one layer per block, for the pipeline's cut points and the cost
 table), and one FSDP unit per block. The attention modules in it and their head counts
 (`attention_modules`, `head_attrs`): what the tensor-parallel plan shards by heads
-(strategies/tensor_plan.py) and what predict checks the ranks divide.
+(strategies/tensor_plans/) and what predict checks the ranks divide.
 """
 
 from __future__ import annotations

@@ -211,7 +211,7 @@ class UserModel(Workload):
             raise UsageError(f"pipeline: cannot cut the model into stages: {self.chain_problem()}")
         if strategy == "pipeline" and self.blocks is not None:
             self._check_block_pipeline(cfg)
-        by_heads = self.blocks is not None or cfg.tp_plan is not None  # tensor_plan.py
+        by_heads = cfg.tp_plan is not None or bl.repeated_blocks(self.probe.module) is not None
         pairs = by_heads or self.linear_pairs(None)
         if strategy == "tensor" and cfg.engine == "torch" and not pairs:
             raise UsageError(f"tensor: nothing to shard: {self._why_no_pairs()}")
