@@ -13,9 +13,9 @@ own stream), which needs a host that runs ahead of the GPU: the GPU phases are t
 events, with no barrier inside a step. `--compile` compiles each block before fully_shard
 wraps it (compile_scope.py). The choices are the record's `fsdp` and `compile`.
 `--dp-replicate R`: HSDP on a 2-D mesh (R replicas of a group of W/R ranks that shards;
-gradients reduce-scattered within a group, then all-reduced across the replicas). `--dtype bf16/fp16`: torch's
-MixedPrecisionPolicy (parameters gathered and computed in the low dtype, gradients reduced in
-fp32, the sharded master weights fp32) in place of autocast.
+gradients reduce-scattered within a group, then all-reduced across the replicas).
+`--dtype bf16/fp16`: torch's MixedPrecisionPolicy (parameters gathered and computed in the low
+dtype, gradients reduced in fp32, the sharded master weights fp32) in place of autocast.
 
 The data path is ddp's (DistributedSampler shares, --batch the global batch). Checkpoints hold
 the whole model and optimizer as one process holds them (get_state_dict / set_state_dict of
