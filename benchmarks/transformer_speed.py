@@ -7,7 +7,8 @@ PyTorch peer, in one call.
 The model is the example GPT (examples/models/gpt.py) at GPT-2 small's shape (depth 12,
 width 768, 12 heads, seq 1024, vocab 50304), 16 sequences per GPU, SGD with momentum. On
 every GPU count that exists among 1, 2, 4 it runs, each count in a few torchrun launches
-(every run of a launch in one process, so a launch pays start-up and NCCL once):
+(every run of a launch in one process, so a launch pays start-up and NCCL once; with 3+
+GPUs the 1-GPU chain runs on GPU 0 beside the 2-GPU chain on GPUs 1-2, then the 4-GPU one):
 
   scalelab  ddp --amp bf16, fsdp --dtype bf16, and both with --compile;
             on one GPU also local --amp bf16 [--compile]
@@ -36,6 +37,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -101,19 +103,42 @@ def scalelab_fields(name: str, gpus: int, compile_: bool, shape: dict, device: s
 
 
 # --- the plan: launches per GPU count --------------------------------------------------------
-def launches(a: argparse.Namespace, counts: list[int], shape: dict, device: str) -> list[dict]:
+def launches(a: argparse.Namespace, n: int, shape: dict, device: str) -> list[dict]:
+    """One GPU count's launches, in order: scalelab eager, the peer, scalelab compiled."""
     compiled = not a.no_compile and (not a.smoke or a.smoke_compile)
-    out = []
-    for n in counts:
-        names = ["ddp", "fsdp", *(["local"] if n == 1 else [])]
-        eager = [scalelab_fields(x, n, False, shape, device) for x in names]
-        out.append({"what": f"scalelab eager x{n}", "gpus": n, "runs": eager})
-        peer_runs = ["ddp", "fsdp", *(["ddp+compile", "fsdp+compile"] if compiled else [])]
-        out.append({"what": f"peer x{n}", "gpus": n, "peer": peer_runs})
-        if compiled:
-            runs = [scalelab_fields(x, n, True, shape, device) for x in names]
-            out.append({"what": f"scalelab compiled x{n}", "gpus": n, "runs": runs})
+    names = ["ddp", "fsdp", *(["local"] if n == 1 else [])]
+    eager = [scalelab_fields(x, n, False, shape, device) for x in names]
+    out = [{"what": f"scalelab eager x{n}", "gpus": n, "runs": eager}]
+    peer_runs = ["ddp", "fsdp", *(["ddp+compile", "fsdp+compile"] if compiled else [])]
+    out.append({"what": f"peer x{n}", "gpus": n, "peer": peer_runs})
+    if compiled:
+        runs = [scalelab_fields(x, n, True, shape, device) for x in names]
+        out.append({"what": f"scalelab compiled x{n}", "gpus": n, "runs": runs})
     return out
+
+
+def phases(counts: list[int], have: int, device: str) -> list[list[tuple[int, str | None]]]:
+    """(GPU count, CUDA_VISIBLE_DEVICES) chains that run side by side, phase after phase.
+    With 3+ GPUs the 1- and 2-GPU chains share a phase on disjoint GPUs (0; 1,2): each
+    compiles while the other trains, which keeps the whole call inside the time budget."""
+    if device != "cuda":
+        return [[(n, None)] for n in counts]
+    if 1 in counts and 2 in counts and have >= 3:
+        rest = [[(n, ",".join(map(str, range(n))))] for n in counts if n > 2]
+        return [[(1, "0"), (2, "1,2")], *rest]
+    return [[(n, ",".join(map(str, range(n))))] for n in counts]
+
+
+def run_chain(a, n: int, visible: str | None, shape: dict, device: str, t0: float) -> list:
+    done = []
+    for launch in launches(a, n, shape, device):
+        left = a.budget_s - (time.perf_counter() - t0)
+        if left < 20:
+            done.append({"what": launch["what"], "rc": "skipped (time budget)"})
+            continue
+        log = a.out / "logs" / (launch["what"].replace(" ", "_") + ".log")
+        done.append(run_launch(launch, command(launch, a, shape), log, left, visible))
+    return done
 
 
 def command(launch: dict, a: argparse.Namespace, shape: dict) -> list[str]:
@@ -129,11 +154,14 @@ def command(launch: dict, a: argparse.Namespace, shape: dict) -> list[str]:
             json.dumps(job)]  # fmt: skip
 
 
-def run_launch(launch: dict, cmd: list[str], log: Path, timeout: float) -> dict:
+def run_launch(launch: dict, cmd: list[str], log: Path, timeout: float, visible: str | None):
     """Run one launch in its own process group (killed whole past its timeout)."""
     t0 = time.perf_counter()
+    env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": visible} if visible else {}))
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, env=env
+        )
         try:
             rc = proc.wait(timeout=max(timeout, 1.0))
         except subprocess.TimeoutExpired:
@@ -263,13 +291,10 @@ def main() -> None:
         found = datasheet_peak(env["gpu"])
         peak = found.bf16 if found else None
     done = []
-    for launch in launches(a, counts, shape, device):
-        left = a.budget_s - (time.perf_counter() - t0)
-        if left < 20:
-            done.append({"what": launch["what"], "rc": "skipped (time budget)"})
-            continue
-        log = a.out / "logs" / (launch["what"].replace(" ", "_") + ".log")
-        done.append(run_launch(launch, command(launch, a, shape), log, left))
+    for phase in phases(counts, have, device):
+        with ThreadPoolExecutor(len(phase)) as pool:
+            chains = [pool.submit(run_chain, a, n, vis, shape, device, t0) for n, vis in phase]
+            done += [d for c in chains for d in c.result()]
     rows = collect(a, shape, peak)
     meta = {**env, "device": device, "shape": shape, "gpu_counts": counts, "lr": LR,
             "momentum": MOMENTUM, "flops_per_sequence": flops_per_sequence(shape),
