@@ -162,6 +162,7 @@ def main() -> None:
             with open(a.out, "a") as f:
                 f.write(json.dumps(rec) + "\n")
             print(f"peer {name} x{world}: {rec['sequences_per_s']:.1f} seq/s", flush=True)
+        torch._dynamo.reset()  # the next run compiles as a fresh process would
         if device.type == "cuda":
             torch.cuda.empty_cache()
     dist.destroy_process_group()

@@ -83,6 +83,9 @@ def worker(spec: str) -> None:
     for fields in job["runs"]:
         cfg = RunConfig(**{**fields, "model_arg": tuple(fields["model_arg"])})
         execute(cfg, Path(job["records"]))
+        # each run compiles as a fresh process would (dynamo's in-process cache entries for
+        # Module._call_impl would pile up over runs); Inductor's disk cache still serves
+        torch._dynamo.reset()
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
