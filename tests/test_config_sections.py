@@ -32,7 +32,7 @@ def _refused(cli, tmp_path, args, needle):
         (["mlp", "--strategy", "serial", "--fast"], "--fast is a fast option; the serial"),
         (["alexnet", "--strategy", "mpi", "--nonblocking"], "the mpi strategy"),
         (["alexnet", "--strategy", "mpi", "--oversubscribe-gpus"], "--oversubscribe-gpus"),
-        (["alexnet", "--strategy", "nccl", "--amp", "bf16"], "--amp is a ddp option; the nccl"),
+        (["alexnet", "--strategy", "nccl", "--amp", "bf16"], "--amp is an amp option; the nccl"),
         (["alexnet", "--strategy", "mpi-gpu", "--stages", "3"], "the mpi-gpu strategy"),
         (["mlp", "--strategy", "mpi-dp", "--train", "--compile"], "the mpi-dp strategy"),
         (["mlp", "--strategy", "mpi-dp", "--train", "--global-batch", "8"], "pass --batch"),

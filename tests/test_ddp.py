@@ -138,7 +138,7 @@ def test_killed_rank_stops_all_and_resume_is_bitwise(tmp_path):
         (["--strategy", "ddp", "--amp", "bf16", "--dtype", "fp16"], "disagree"),
         (["--strategy", "ddp", "--batch", "33", "--ranks", "2"], "does not divide"),
         (["--strategy", "ddp", "--global-batch", "32", "--ranks", "2"], "pass --batch"),
-        (["--strategy", "mpi-dp", "--amp", "bf16", "--ranks", "2"], "--amp is a ddp option"),
+        (["--strategy", "mpi-dp", "--amp", "bf16", "--ranks", "2"], "--amp is an amp option"),
         (["--strategy", "mpi-dp", "--batch", "2", "--ranks", "3"], "smaller than 3 ranks"),
         (["--strategy", "tensor", "--hidden", "2", "--ranks", "3"], "--hidden 2 < 3"),
         (["--strategy", "ddp"], "ddp trains"),

@@ -278,8 +278,9 @@ def test_compiled_stages_train_like_one_eager_process(tmp_path):
 
 def test_compile_is_refused_by_eager_strategies(cli, tmp_path):
     results = tmp_path / "runs.jsonl"
-    code, _, err = cli("run", "mlp", "--strategy", "local", "--compile", "--out", results)
-    assert code == 2 and "ddp, pipeline" in err and len(err.strip().splitlines()) == 1, err
+    code, _, err = cli("run", "mlp", "--strategy", "mpi", "--compile", "--out", results)
+    assert code == 2 and "ddp, fsdp, local, pipeline" in err, err
+    assert len(err.strip().splitlines()) == 1, err
     assert not results.exists()
 
 

@@ -183,7 +183,9 @@ class RunConfig:
         section="mpi-dp",
     )
     amp: str | None = opt(
-        None, "ddp: autocast dtype bf16 or fp16 (fp16 with a grad scaler).", section="ddp"
+        None,
+        "local, ddp: autocast dtype bf16 or fp16 (fp32 weights; fp16 with a grad scaler).",
+        section="amp",
     )
     bucket_mb: float = opt(25.0, "ddp: gradient bucket size in MB.", section="ddp")
     grad_compress: str | None = opt(
@@ -195,14 +197,18 @@ class RunConfig:
         False, "ddp, pipeline: channels_last memory format for image models.", section="layout"
     )
     compile: bool = opt(
-        False, "torch.compile the model (ddp; pipeline: each stage).", section="compile"
+        False,
+        "torch.compile the model (local, ddp, fsdp: per repeated block, else whole; "
+        "pipeline: each stage).",
+        section="compile",
     )
     workers: int = opt(0, "ddp: DataLoader worker processes.", section="ddp")
     # --- fsdp (strategies/fsdp.py): torch's fully_shard ---------------------------------------
     reshard_after_forward: str = opt(
-        "on",
+        "auto",
         "fsdp: 'on' frees each unit's gathered parameters after its forward and gathers them "
-        "again in backward (ZeRO-3); 'off' keeps them until backward (ZeRO-2-like).",
+        "again in backward (ZeRO-3); 'off' keeps them until backward (ZeRO-2-like); 'auto' "
+        "(torchtitan's): on for every unit but the last, whose backward comes next.",
         section="fsdp",
     )
     dp_replicate: int = opt(

@@ -105,12 +105,16 @@ def _checkpoint_rules(cfg: Any) -> None:
 
 
 def _ddp_rules(cfg: Any) -> None:
-    for name in ("amp", "grad_compress"):
-        if getattr(cfg, name) not in HALF:
-            raise UsageError(f"--{flag(name)} must be bf16 or fp16, got {getattr(cfg, name)!r}")
+    if cfg.grad_compress not in HALF:
+        raise UsageError(f"--grad-compress must be bf16 or fp16, got {cfg.grad_compress!r}")
 
 
-def _ddp_when_read(cfg: Any) -> None:
+def _amp_rules(cfg: Any) -> None:
+    if cfg.amp not in HALF:
+        raise UsageError(f"--amp must be bf16 or fp16, got {cfg.amp!r}")
+
+
+def _amp_when_read(cfg: Any) -> None:
     if cfg.amp == "fp16" and cfg.device == "cpu":
         raise UsageError(
             "--amp fp16 needs a GPU (fp16 gradients need a grad scaler, which runs on "
@@ -118,6 +122,9 @@ def _ddp_when_read(cfg: Any) -> None:
         )
     if cfg.amp is not None and cfg.dtype not in ("fp32", cfg.amp):
         raise UsageError(f"--amp {cfg.amp} and --dtype {cfg.dtype} disagree; give one")
+
+
+def _ddp_when_read(cfg: Any) -> None:
     if cfg.grad_compress == "bf16" and cfg.device == "cpu":
         raise UsageError(
             "--grad-compress bf16 needs NCCL (torch's bf16 hook does not run on gloo); "
@@ -126,7 +133,7 @@ def _ddp_when_read(cfg: Any) -> None:
 
 
 def _fsdp_rules(cfg: Any) -> None:
-    _known(cfg.reshard_after_forward, ("on", "off"), "--reshard-after-forward")
+    _known(cfg.reshard_after_forward, ("auto", "on", "off"), "--reshard-after-forward")
 
 
 def _fsdp_when_read(cfg: Any) -> None:
@@ -196,11 +203,12 @@ SECTIONS: dict[str, Section] = {
         Section("gpus", "GPUs per node (mpi-gpu, nccl, pipeline)"),
         Section("ddp", "ddp", {"workers": (0, 1024)}, {"bucket_mb": (0.0, 1e6, True)},
                 rules=_ddp_rules, when_read=_ddp_when_read),
+        Section("amp", "autocast (local, ddp)", rules=_amp_rules, when_read=_amp_when_read),
         Section("fsdp", "fsdp (torch fully_shard)", {"dp_replicate": (1, 2**20)},
                 rules=_fsdp_rules, when_read=_fsdp_when_read),
         Section("mpi-dp", "mpi-dp"),
         Section("layout", "memory layout (ddp, pipeline)"),
-        Section("compile", "torch.compile (ddp, pipeline)"),
+        Section("compile", "torch.compile (local, ddp, fsdp, pipeline)"),
         Section("fast", "fast path (local, ddp)"),
         Section("pipeline", "pipeline", {
             "stages": (1, 4096), "microbatches": (1, BIG), "rebalance": (0, 100)},
@@ -320,5 +328,5 @@ def _refuse_for_strategy(cfg: Any, strategy: type, option: str, name: str) -> No
 
 
 def _article(name: str) -> str:
-    an = ("infer", "instrument", "engine", "interleave", "mpi-dp", "alexnet", "mlp")
+    an = ("infer", "instrument", "engine", "interleave", "mpi-dp", "alexnet", "mlp", "amp")
     return "an" if name.startswith(an) else "a"

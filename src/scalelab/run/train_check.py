@@ -102,11 +102,12 @@ def check(
     ref = reference(cfg, initial, "fp64", "cpu")
     diff = state_diff(_state(trained), ref)
     same = None
-    if cfg.dtype != "fp64":
-        here = reference(cfg, initial, cfg.dtype, cfg.device)
+    dtype = cfg.amp or cfg.dtype  # --amp bf16 computes as --dtype bf16 does (precision.py)
+    if dtype != "fp64":
+        here = reference(cfg, initial, dtype, cfg.device)
         same = state_diff(here, ref).relerr
-    floor = PRECISIONS[cfg.dtype].tolerance
-    tolerance, basis = bound(floor, cfg.dtype, same)
+    floor = PRECISIONS[dtype].tolerance
+    tolerance, basis = bound(floor, dtype, same)
     notes: dict[str, Any] = {"dropout_off": prep.dropout_off, "one_process_relerr": same}
     result = TrainCheck(diff, tolerance, basis, "one float64 process (local, cpu)", notes)
     result.notes.update(batchnorm_notes(cfg, prep, ref, _state(trained), diff))

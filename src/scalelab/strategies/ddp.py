@@ -37,9 +37,9 @@ from scalelab.errors import UsageError
 from scalelab.instrument import host_checks
 from scalelab.instrument.spans import SPANS
 from scalelab.instrument.timer import EventTimer
-from scalelab.precision import get_precision
 from scalelab.results import RunOutput
 from scalelab.strategies.base import STRATEGIES
+from scalelab.strategies.compile_scope import compile_blocks, compile_whole
 from scalelab.strategies.ddp_comm import BucketTimer
 from scalelab.strategies.torchdist_base import TorchDistStrategy
 from scalelab.train.data import LoaderShards, ResidentShards
@@ -93,13 +93,11 @@ class ChannelsLast(nn.Module):
 )
 class DDPStrategy(TorchDistStrategy):
     name = "ddp"
-    reads = ("ddp", "layout", "compile", "fast", "checkpoint")
+    reads = ("ddp", "amp", "layout", "compile", "fast", "checkpoint")
     needs_data_everywhere = True
 
     def __init__(self, cfg: RunConfig) -> None:
-        super().__init__(cfg)
-        if cfg.amp is not None:
-            self.precision = get_precision(cfg.amp)
+        super().__init__(cfg)  # --amp: TorchStrategy's precision
         if self.device.type == "cuda":
             self.timer = EventTimer(self.device)
         self.per_rank = per_rank_batch(cfg, self.comm.size)
@@ -130,6 +128,7 @@ class DDPStrategy(TorchDistStrategy):
         fast = self.fast_trainer(workload, net, plan)
         out = run_training(self, workload, net, plan, make_trainer=fast)
         out.notes.update(self.bucket_notes())
+        out.notes.update(self.compile_record())
         out.notes.update(self.replica_notes(module))
         return out
 
@@ -198,7 +197,13 @@ class DDPStrategy(TorchDistStrategy):
         return ResidentShards(train, *shape, to_input=to_input, device=self.device)
 
     def wrap(self, module: nn.Module) -> nn.Module:
+        """--compile: the blocks compiled in place before DDP takes the model, so DDP's
+        bucket all-reduces run between compiled blocks (compile_scope.py); a model without
+        repeated blocks is compiled whole, DDP and all (DDPOptimizer splits it at buckets)."""
         cfg, net = self.cfg, module
+        if cfg.compile:
+            self.compile_notes = compile_blocks(module)
+        whole = cfg.compile and self.compile_notes is None
         if cfg.channels_last:
             net = ChannelsLast(net)
         if self.comm.size > 1:
@@ -214,20 +219,22 @@ class DDPStrategy(TorchDistStrategy):
                     device_ids=[self.device.index] if self.device.type == "cuda" else None,
                     bucket_cap_mb=cfg.bucket_mb,
                     gradient_as_bucket_view=True,
-                    static_graph=not cfg.compile,  # compiled DDP splits graphs at buckets
+                    static_graph=not whole,  # a compiled DDP splits graphs at buckets
                     **NO_FORWARD_BUFFER_SYNC,
                 )
             if side is not None:
                 torch.cuda.current_stream().wait_stream(side)
-            self.register_hooks(net)
-        return torch.compile(net) if cfg.compile else net
+            self.register_hooks(net, whole)
+        if whole:
+            net, self.compile_notes = compile_whole(net)
+        return net
 
-    def register_hooks(self, net: DistributedDataParallel) -> None:
+    def register_hooks(self, net: DistributedDataParallel, whole: bool = False) -> None:
         """--grad-compress's hook, wrapped in the bucket timer (ddp_comm.py) on gloo and, with
-        --timeline/--trace, on NCCL; not inside a captured (--fast) or compiled step."""
+        --timeline/--trace, on NCCL; not inside a captured (--fast) or a whole compiled step."""
         hook = COMPRESS_HOOKS.get(self.cfg.grad_compress)
         timed = self.device.type == "cpu" or SPANS.log is not None
-        if timed and not (self.cfg.fast or self.cfg.compile):
+        if timed and not (self.cfg.fast or whole):
             self.buckets = BucketTimer(hook, self.device)
             hook = self.buckets.hook
         if hook is not None:

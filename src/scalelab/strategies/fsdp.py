@@ -6,11 +6,16 @@ backward its gradients are reduce-scattered (averaged: the gradient of the globa
 as DDP's all-reduce). Units: one per repeated block, else one per layer with parameters
 (fsdp_units.shard_units), then the root. `--reshard-after-forward off` keeps the gathered
 parameters from forward to backward (ZeRO-2-like: one all-gather per unit and step, more
-memory); `on` (ZeRO-3) frees them and gathers again in backward. `--dp-replicate R`: HSDP on a
-2-D mesh (R replicas of a group of W/R ranks that shards; gradients reduce-scattered within a
-group, then all-reduced across the replicas). `--dtype bf16/fp16`: torch's
-MixedPrecisionPolicy (parameters gathered and computed in the low dtype, gradients reduced in
-fp32, the sharded master weights fp32) in place of autocast.
+memory); `on` (ZeRO-3) frees them and gathers again in backward; `auto`, the default and
+torchtitan's, is `on` for every unit but the last (its backward follows at once). FSDP2
+prefetches implicitly (the next unit's all-gather is issued before this one's compute, on its
+own stream), which needs a host that runs ahead of the GPU: the GPU phases are timed by CUDA
+events, with no barrier inside a step. `--compile` compiles each block before fully_shard
+wraps it (compile_scope.py). The choices are the record's `fsdp` and `compile`.
+`--dp-replicate R`: HSDP on a 2-D mesh (R replicas of a group of W/R ranks that shards;
+gradients reduce-scattered within a group, then all-reduced across the replicas).
+`--dtype bf16/fp16`: torch's MixedPrecisionPolicy (parameters gathered and computed in the low
+dtype, gradients reduced in fp32, the sharded master weights fp32) in place of autocast.
 
 The data path is ddp's (DistributedSampler shares, --batch the global batch). Checkpoints hold
 the whole model and optimizer as one process holds them (get_state_dict / set_state_dict of
@@ -36,6 +41,7 @@ from scalelab.instrument.timer import EventTimer, PhaseTimer, timed_iterations
 from scalelab.results import RunOutput
 from scalelab.strategies import fsdp_units as units
 from scalelab.strategies.base import STRATEGIES
+from scalelab.strategies.compile_scope import compile_blocks, compile_whole
 from scalelab.strategies.ddp import EVAL_BATCH, DDPStrategy, per_rank_batch
 from scalelab.strategies.torchdist_base import TorchDistStrategy
 from scalelab.train.loop import run_training
@@ -52,7 +58,7 @@ if TYPE_CHECKING:  # torch's fsdp is imported where it is used (a second at star
 )
 class FSDPStrategy(DDPStrategy):
     name = "fsdp"
-    reads = ("fsdp", "checkpoint")
+    reads = ("fsdp", "compile", "checkpoint")
 
     def __init__(self, cfg: RunConfig) -> None:
         TorchDistStrategy.__init__(self, cfg)  # not ddp's: an inference batch needs no shares
@@ -62,6 +68,7 @@ class FSDPStrategy(DDPStrategy):
         self.buckets = None
         self.mesh = units.make_mesh(self.device, self.comm.size, cfg.dp_replicate)
         self.n_units = 0
+        self.reshard: list[bool] = []  # each unit's reshard_after_forward, in forward order
         self.grad_bytes: int | None = None  # gradient shards held after a backward
 
     @classmethod
@@ -90,16 +97,19 @@ class FSDPStrategy(DDPStrategy):
 
         from scalelab.strategies.fsdp_comm import CommTimer  # torch's fsdp internals, as above
 
-        kw = {
-            "mesh": self.mesh,
-            "reshard_after_forward": self.cfg.reshard_after_forward == "on",
-            "mp_policy": self.mp_policy(),
-        }
+        if self.cfg.compile:  # before fully_shard, as torchtitan: dynamo skips FSDP's hooks
+            self.compile_notes = compile_blocks(module)
+            if self.compile_notes is None:
+                module, self.compile_notes = compile_whole(module, in_place=True)
+        kw = {"mesh": self.mesh, "mp_policy": self.mp_policy()}
         found = units.shard_units(module, workload.layers(module))
-        for unit in found:
-            fully_shard(unit, **kw)
-        fully_shard(module, **kw)
+        policy = units.reshard_policy(self.cfg.reshard_after_forward, len(found))
+        for unit, reshard in zip(found, policy):
+            fully_shard(unit, reshard_after_forward=reshard, **kw)
+        # the root: FSDP keeps its parameters from forward to backward whatever it is told
+        fully_shard(module, reshard_after_forward=self.cfg.reshard_after_forward != "off", **kw)
         self.n_units = len(found) + 1
+        self.reshard = policy
         self.comm_timer = CommTimer(self.device)
         # On a GPU the timed collectives are an A/B of their own: installed only under
         # --timeline/--trace, as DDP's bucket timer is (see fsdp_comm.py).
@@ -164,6 +174,7 @@ class FSDPStrategy(DDPStrategy):
         step = ShardedStep(self, workload, module, plan)
         out = run_training(self, workload, module, plan, step=step)
         out.notes.update(self.memory_notes(module, step.opt))
+        out.notes.update(self.compile_record())  # the graphs dynamo built while training
         out.model = self.full_model(workload, module)
         return out
 
@@ -194,14 +205,28 @@ class FSDPStrategy(DDPStrategy):
     # --- what the record says ------------------------------------------------------------------
     def notes(self, source: object = None) -> dict:
         low = self.precision.autocast
+        name = lambda d: str(d).removeprefix("torch.") if d is not None else None  # noqa: E731
+        policy = self.mp_policy() if self.n_units else None
         return {
             "per_rank_batch": self.per_rank,
             "reshard_after_forward": self.cfg.reshard_after_forward,
             "dp_replicate": self.cfg.dp_replicate,
             "dp_shard": self.comm.size // self.cfg.dp_replicate,
             "fsdp_units": self.n_units,
-            "param_dtype": str(low).removeprefix("torch.") if low is not None else None,
+            "param_dtype": name(low),
             "backend": self.comm.backend,
+            # what was chosen, as fully_shard was called (units in forward order, then root)
+            "fsdp": {
+                "units": self.n_units,
+                "unit_kind": "per-block" if self.n_units > 1 else "root only",
+                "mp_policy": {
+                    "param_dtype": name(policy.param_dtype) if policy else None,
+                    "reduce_dtype": name(policy.reduce_dtype) if policy else None,
+                },
+                "reshard_after_forward": [*self.reshard, self.cfg.reshard_after_forward != "off"],
+                "prefetch": "implicit (FSDP2: the next unit's all-gather issued in the pre-hook)",
+            },
+            **self.compile_record(),
         }
 
     def memory_notes(self, module: nn.Module, opt: torch.optim.Optimizer) -> dict:

@@ -52,6 +52,16 @@ def shard_units(model: nn.Module, layers: list[Layer]) -> list[nn.Module]:
     return units
 
 
+def reshard_policy(choice: str, n_units: int) -> list[bool]:
+    """Each unit's reshard_after_forward, in forward order. "auto" (torchtitan's default):
+    every unit but the last frees its gathered parameters after forward; the last one's
+    backward starts right after the forward ends, so gathering it again would only add an
+    all-gather to the step. "on": every unit reshards (ZeRO-3); "off": none (ZeRO-2-like)."""
+    if choice == "auto":
+        return [i < n_units - 1 for i in range(n_units)]
+    return [choice == "on"] * n_units
+
+
 def make_mesh(device: torch.device, world: int, replicate: int) -> DeviceMesh:
     """1-D (shard over every rank) or, with --dp-replicate R > 1, HSDP's 2-D mesh
     (R, world / R): parameters sharded along "shard", gradients all-reduced along

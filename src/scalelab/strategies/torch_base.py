@@ -14,6 +14,7 @@ from torch import nn
 from scalelab.errors import UsageError
 from scalelab.instrument import host_checks, threads
 from scalelab.instrument.timer import PhaseTimer, device_sync, timed_iterations
+from scalelab.precision import get_precision
 from scalelab.results import RunOutput, TrainHistory
 from scalelab.strategies.base import Strategy
 from scalelab.train.loop import default_plan, train_epochs
@@ -36,7 +37,10 @@ class TorchStrategy(Strategy):
 
     def __init__(self, cfg) -> None:
         super().__init__(cfg)
+        if cfg.amp is not None:  # --amp bf16: fp32 weights, bf16 autocast (as --dtype bf16)
+            self.precision = get_precision(cfg.amp)
         self.device = self.pick_device()
+        self.compile_notes: dict | None = None  # --compile: what was compiled (the record's)
         # Process-wide torch settings this run changes, put back by close(): a run inside a
         # longer-lived process (a test, a sweep in one interpreter) must not leave them behind.
         self._saved_threads = torch.get_num_threads()
@@ -112,6 +116,26 @@ class TorchStrategy(Strategy):
     def place(self, model: nn.Module) -> nn.Module:
         return model.to(device=self.device, dtype=self.precision.storage)
 
+    def compiled(self, model: nn.Module) -> nn.Module:
+        """--compile: the model compiled per block, or whole (compile_scope.py); the choice is
+        kept for the record. Without --compile the model itself."""
+        if not self.cfg.compile:
+            return model
+        from scalelab.strategies.compile_scope import compile_blocks, compile_whole
+
+        self.compile_notes = compile_blocks(model)
+        if self.compile_notes is None:
+            model, self.compile_notes = compile_whole(model)
+        return model
+
+    def compile_record(self) -> dict:
+        """The record's `compile` field: the scope chosen and the graphs dynamo built."""
+        if self.compile_notes is None:
+            return {}
+        from scalelab.strategies.compile_scope import compiled_graphs
+
+        return {"compile": {**self.compile_notes, "graphs": compiled_graphs()}}
+
     def forward(self, workload: Workload, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if self.cfg.fast:
             return self.fast_forward(workload, model, x)
@@ -130,7 +154,7 @@ class TorchStrategy(Strategy):
     # --- the two modes ---------------------------------------------------------------------
     def infer(self, workload: Workload, model: nn.Module, inputs: Inputs | None) -> RunOutput:
         assert inputs is not None
-        model = self.place(model)
+        model = self.compiled(self.place(model))
         host_x = inputs.x.pin_memory() if self.device.type == "cuda" else inputs.x
 
         def step() -> torch.Tensor:
@@ -148,6 +172,7 @@ class TorchStrategy(Strategy):
             np.asarray(out),
             len(inputs),
             {"h2d": inputs.x.nbytes},
+            notes=self.compile_record(),
         )
 
     def _own_hooks(self) -> str | None:
@@ -164,15 +189,18 @@ class TorchStrategy(Strategy):
         assert data is not None
         train, heldout = data
         model = self.place(model)
+        net = self.compiled(model)  # model itself, or its whole compiled wrapper
         history = TrainHistory()
         plan = default_plan(self, workload, model, train, heldout)
         make_trainer = None
         if self.cfg.fast:
             from scalelab.fast.train import local_fast_trainer
 
-            make_trainer = local_fast_trainer(self, workload, plan, train, self._own_hooks())
+            compiled = "with --compile (a compiled model in a captured step is not supported yet)"
+            why = self._own_hooks() or (compiled if self.cfg.compile else None)
+            make_trainer = local_fast_trainer(self, workload, plan, train, why)
         timings = train_epochs(
-            self, workload, model, train, heldout, self.timer, history, plan, make_trainer
+            self, workload, net, train, heldout, self.timer, history, plan, make_trainer
         )
         items_per_epoch = history.items / max(len(timings.walls), 1)
         return RunOutput(
@@ -182,4 +210,5 @@ class TorchStrategy(Strategy):
             round(items_per_epoch),
             history=history,
             model=model,
+            notes=self.compile_record(),
         )

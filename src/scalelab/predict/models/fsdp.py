@@ -151,4 +151,4 @@ class FSDPModel(StrategyModel):
             return rs + fabric.allreduce(params * store / shard, replicas)
 
         units = [(p, f) for _, p, f in param_layers(s)]
-        return overlap(units, step, gather, scatter, s.cfg.reshard_after_forward == "on")
+        return overlap(units, step, gather, scatter, s.cfg.reshard_after_forward != "off")

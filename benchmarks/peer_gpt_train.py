@@ -1,0 +1,172 @@
+"""The plain-PyTorch peer of benchmarks/transformer_speed.py: the example GPT
+(examples/models/gpt.py, the same class scalelab trains) trained as a user writes it with
+torch's own engines, no scalelab import.
+
+    torchrun --nproc-per-node N benchmarks/peer_gpt_train.py --runs ddp,fsdp,ddp+compile \
+        --width 768 --depth 12 --heads 12 --seq 1024 --vocab 50304 --per-gpu 16 --out F.jsonl
+
+Every run in --runs trains a fresh model in this one launch (one process group):
+  ddp      fp32 weights, bf16 autocast, DistributedDataParallel (one GPU: the bare model),
+           25 MB buckets, gradient_as_bucket_view, static_graph;
+  fsdp     FSDP2: fully_shard per block with MixedPrecisionPolicy(param_dtype=bf16,
+           reduce_dtype=fp32) over fp32 sharded weights, reshard_after_forward on for every
+           block but the last, then the root (torchtitan's llama recipe);
+  +compile each block compiled in place (`block.compile()`) before DDP/FSDP wrap it.
+Same loss (cross-entropy of the last position's fp32 logits against uniform labels), same
+optimizer (SGD with momentum, foreach), token ids resident on the GPU, SDPA's causal kernel
+(the model's own). Steady sequences/s: --warmup untimed steps, then --steps timed between
+two device syncs, no host sync inside. One JSON line per run from rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+GPT_FILE = Path(__file__).resolve().parents[1] / "examples" / "models" / "gpt.py"
+
+
+def load_gpt():
+    spec = importlib.util.spec_from_file_location("peer_gpt_model", GPT_FILE)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.GPT
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--runs", default="ddp,fsdp", help="comma list: ddp, fsdp, ddp+compile, ...")
+    p.add_argument("--width", type=int, default=768)
+    p.add_argument("--depth", type=int, default=12)
+    p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--vocab", type=int, default=50304)
+    p.add_argument("--per-gpu", type=int, default=16, help="sequences per rank and step")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--amp", default="bf16", choices=("bf16", "fp32"))
+    p.add_argument("--out", required=True, help="JSON lines file (appended, rank 0)")
+    return p.parse_args()
+
+
+def setup() -> tuple[torch.device, int, int]:
+    cuda = torch.cuda.is_available()
+    if "RANK" in os.environ:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        device = torch.device("cuda", local) if cuda else torch.device("cpu")
+        if cuda:
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+    else:
+        device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    return device, dist.get_rank(), dist.get_world_size()
+
+
+def build(a: argparse.Namespace, kind: str, compile_: bool, device: torch.device, world: int):
+    """The model as the run trains it, and its autocast context."""
+    torch.manual_seed(0)
+    model = load_gpt()(a.vocab, a.seq, a.width, a.heads, a.depth).to(device)
+    low = torch.bfloat16 if a.amp == "bf16" else None
+    if compile_:
+        for block in model.blocks:
+            block.compile()
+    if kind == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh(device.type, (world,))
+        mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+        last = len(model.blocks) - 1
+        for i, block in enumerate(model.blocks):
+            fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < last)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        return model, nullcontext
+    net = model
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [device.index] if device.type == "cuda" else None
+        net = DistributedDataParallel(
+            model, device_ids=ids, bucket_cap_mb=25, gradient_as_bucket_view=True,
+            static_graph=True,
+        )  # fmt: skip
+    if low is None:
+        return net, nullcontext
+    return net, lambda: torch.autocast(device.type, dtype=low)
+
+
+def train(a: argparse.Namespace, name: str, device: torch.device, rank: int, world: int) -> dict:
+    kind, _, extra = name.partition("+")
+    model, autocast = build(a, kind, extra == "compile", device, world)
+    opt = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=a.momentum)
+    g = torch.Generator().manual_seed(1 + rank)
+    n = a.warmup + a.steps
+    x = torch.randint(0, a.vocab, (n, a.per_gpu, a.seq), generator=g).to(device)
+    y = torch.randint(0, a.vocab, (n, a.per_gpu), generator=g).to(device)
+
+    def step(i: int) -> torch.Tensor:
+        with autocast():
+            logits = model(x[i])  # (per_gpu, vocab): the last position's
+        loss = F.cross_entropy(logits.float(), y[i])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    t_compile = time.perf_counter()
+    for i in range(a.warmup):
+        step(i)
+    sync(device)
+    warm_s = time.perf_counter() - t_compile
+    dist.barrier()
+    t0 = time.perf_counter()
+    for i in range(a.warmup, n):
+        loss = step(i)
+    sync(device)
+    seconds = time.perf_counter() - t0
+    seqs = a.steps * a.per_gpu * world
+    peak_mem = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    return {
+        "run": name, "gpus": world, "steps": a.steps, "warmup": a.warmup,
+        "seconds": seconds, "warmup_s": warm_s, "sequences_per_s": seqs / seconds,
+        "tokens_per_s": seqs * a.seq / seconds, "step_ms": 1e3 * seconds / a.steps,
+        "loss": float(loss), "peak_allocated": peak_mem,
+    }  # fmt: skip
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main() -> None:
+    a = parse()
+    device, rank, world = setup()
+    for name in a.runs.split(","):
+        rec = train(a, name, device, rank, world)
+        if rank == 0:
+            shape = {k: getattr(a, k) for k in ("width", "depth", "heads", "seq", "vocab")}
+            rec.update(shape=shape, per_gpu=a.per_gpu, amp=a.amp, torch=torch.__version__)
+            with open(a.out, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            print(f"peer {name} x{world}: {rec['sequences_per_s']:.1f} seq/s", flush=True)
+        torch._dynamo.reset()  # the next run compiles as a fresh process would
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
