@@ -124,14 +124,3 @@ def _layer(call: ml.Call, block: bool) -> Layer:
 
 def layer_params(layer: Layer) -> int:
     return sum(p.numel() for p in layer.module.parameters())
-
-
-def tied_parameters(model: nn.Module) -> str | None:
-    """'a.weight = b.weight' for the first parameter the model holds under two names (None:
-    none): torch's tracer gives each stage using it its own copy, trained apart."""
-    seen: dict[int, str] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        other = seen.setdefault(id(p), name)
-        if other != name:
-            return f"{other} = {name}"
-    return None

@@ -302,16 +302,12 @@ class UserModel(Workload):
         return out
 
     def _check_block_pipeline(self, cfg) -> None:
-        """A block model's pipeline: torch's tracer cuts it (the torch engine), and parameters
-        shared by two layers (a head tied to the embedding) cannot live on two stages."""
+        """A block model's pipeline: torch's tracer cuts it (the torch engine)."""
         if cfg.engine != "torch" or cfg.placement == "manual":
             raise UsageError(
                 f"pipeline: the model's forward is not a chain of its layers (its blocks "
                 f"{self.blocks.stack}.* are); cut it with --engine torch (torch's tracer)"
             )
-        tied = bl.tied_parameters(self.probe.module)
-        if tied and cfg.stages * max(cfg.virtual_stages, 1) > 1:
-            raise UsageError(f"pipeline: tied parameters cannot be cut apart: {tied}")
 
     # --- oracle: the module itself in float64 --------------------------------------------
     def reference_forward(self, params: dict[str, np.ndarray], x: np.ndarray) -> np.ndarray:
