@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
 from pathlib import Path
 
-from programs.train_helpers import PROGRAMS, launcher, records_and_weights, run
+from programs.train_helpers import PROGRAMS, launcher, records_and_weights
 from scalelab.config import RunConfig
 from scalelab.workloads import WORKLOADS
 
 ZOO = PROGRAMS / "zoo.py"
+TESTS = PROGRAMS.parent
 TOKENS = {"input_shape": "8", "input_dtype": "int64", "vocab": 40}
 HF = importlib.util.find_spec("transformers") is not None
 MODELS = {
@@ -49,7 +52,10 @@ def launch(ranks: int, runs_: dict, out: Path, timeout: int = 900) -> tuple[dict
     """Every run in one torchrun launch (tests/programs/user_runs.py)."""
     cmd = [*launcher("torchrun", ranks), str(PROGRAMS / "user_runs.py"), str(out),
            json.dumps(runs_)]  # fmt: skip
-    proc = run(cmd, timeout=timeout)
+    # the zoo's encoder imports tests/programs/transformer_nets.py as `programs.`
+    path = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return records_and_weights(out)
 

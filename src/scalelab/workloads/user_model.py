@@ -294,7 +294,7 @@ class UserModel(Workload):
                 out.append((layer, LayerCost(layer.name, layer.kind, shape, params, 0, 0, 0)))
                 continue
             first = call.inputs[0] if call.inputs else None
-            after = call.output
+            after = bl.carried(call.output)  # a tuple's first element flows on
             shape = tuple(after.shape[1:]) if torch.is_tensor(after) else ()
             out.append((layer, LayerCost(
                 layer.name, layer.kind, shape, params, ml.layer_flops(layer, call),
