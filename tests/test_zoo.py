@@ -21,7 +21,7 @@ from zoo_runs import FOUR, INFER, MODELS, PIPE, TRAIN, TRAIN_ONLY, TWO, initial,
 SCHEDULES = {"gpipe": {}, "interleaved-1f1b": {"virtual_stages": 2},
              "looped-bfs": {"virtual_stages": 2}, "zero-bubble": {"virtual_stages": 2},
              "zbv": {}, "dualpipev": {}}  # fmt: skip
-DEEP = ["depth=4"]  # 2 x 2 virtual stages cut between 4 blocks
+DEEP = ["depth=4"]  # 2 x 2 virtual stages cut between 4 blocks (dualpipev: 4 micro-batches)
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def test_two_ranks_ddp_fsdp_pipeline_equal_one_process(tmp_path, one_process):
     for sched, fields in SCHEDULES.items():
         todo[f"nanogpt-train-{sched}"] = {**TRAIN, **MODELS["nanogpt"], **PIPE, "ranks": 2,
                                           "dtype": "fp64", "schedule": sched, **fields,
-                                          "model_arg": DEEP}  # fmt: skip
+                                          "model_arg": DEEP, "microbatches": 4}  # fmt: skip
     recs, weights = launch(2, todo, tmp_path)
     _check(recs, weights, one_process[1], list(TWO))
     deep = _deep_reference(tmp_path)
