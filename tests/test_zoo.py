@@ -33,7 +33,7 @@ def one_process(tmp_path_factory):
         for mode, fields in (("infer", INFER), ("train", TRAIN)):
             path = out / f"{name}-{mode}.pt"
             cfg = RunConfig(**fields, **spec, dtype="fp64", save_weights=str(path))
-            recs[f"{name}-{mode}"] = execute(cfg, None)
+            recs[f"{name}-{mode}"] = execute(cfg, None).record
         weights[name] = torch.load(out / f"{name}-train.pt")
         moved = relerr(weights[name], initial(name, "fp64"))
         assert moved > 1e-3, (name, moved)  # it trained
