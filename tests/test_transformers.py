@@ -147,11 +147,6 @@ def test_repeated_blocks_finds_the_stack_not_the_pieces():
 @pytest.mark.parametrize(
     "model, args, needle",
     [
-        (
-            "tied",
-            ["--strategy", "pipeline", "--engine", "torch", "--stages", "2"],
-            "tied parameters cannot be cut apart: tok_embeddings.weight = output.weight",
-        ),
         ("gpt", ["--strategy", "pipeline", "--stages", "2"], "cut it with --engine torch"),
         (
             "gpt",
@@ -161,8 +156,7 @@ def test_repeated_blocks_finds_the_stack_not_the_pieces():
     ],
 )
 def test_splits_that_cannot_apply_say_why(cli, model, args, needle):
-    spec = {**MODELS["llama"], "model": f"{NETS}:tied_llama"} if model == "tied" else MODELS[model]
-    code, out, err = cli("run", *_flags(spec), *args, "--no-record")
+    code, out, err = cli("run", *_flags(MODELS[model]), *args, "--no-record")
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
     assert needle in err
 

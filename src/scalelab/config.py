@@ -233,7 +233,12 @@ class RunConfig:
     )
 
     # Model parallelism.
-    stages: int = opt(2, "pipeline: number of stages (one rank or GPU each).", section="pipeline")
+    stages: int = opt(
+        2,
+        "pipeline: number of stages (one rank or GPU each); from the command line without it, "
+        "--ranks / --dp.",
+        section="pipeline",
+    )
     microbatches: int = opt(4, "pipeline: micro-batches per batch (GPipe).", section="pipeline")
     schedule: str = opt(
         "gpipe",

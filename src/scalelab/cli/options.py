@@ -129,7 +129,17 @@ def config_from_args(args: argparse.Namespace, **overrides: Any) -> RunConfig:
         for f in dataclasses.fields(RunConfig)
         if f.name not in SKIP and getattr(args, f.name, None) is not None
     }
-    return RunConfig(**{**given, **overrides})
+    return RunConfig(**_stages_from_ranks({**given, **overrides}))
+
+
+def _stages_from_ranks(given: dict[str, Any]) -> dict[str, Any]:
+    """A pipeline over --ranks R without --stages: R / --dp stages (one rank each, as
+    `predict` and `plan` model it), not the field's default of 2 refused against R."""
+    ranks, dp = given.get("ranks", 1), given.get("dp", 1)
+    if (given.get("strategy") != "pipeline" or "stages" in given or ranks < 2 or ranks % dp
+            or given.get("placement") == "manual"):  # fmt: skip
+        return given
+    return {**given, "stages": ranks // dp}
 
 
 def workload_config(args: argparse.Namespace, **overrides: Any) -> RunConfig:

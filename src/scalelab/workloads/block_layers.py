@@ -77,7 +77,7 @@ def block_view(root: ml.Call) -> BlockView | str | None:
     if [c.path for c in seen] != names:
         return f"its blocks {stack}.* do not run once each, in order"
     for a, b in zip(seen, seen[1:]):
-        if not b.inputs or b.inputs[0] is not a.output:
+        if not b.inputs or b.inputs[0] is not carried(a.output):
             return f"{b.path} does not read what {a.path} returned"
     params = root_params(root.module, stack)
     first = calls.index(seen[0])
@@ -89,6 +89,13 @@ def block_view(root: ml.Call) -> BlockView | str | None:
     counts = _call_counts(root)
     cuts = frozenset(x.path for x in layers[1:] if x.path is not None and counts[x.path] == 1)
     return BlockView(stack=stack, blocks=names, layers=layers, calls=views, cut_points=cuts)
+
+
+def carried(output: object) -> object:
+    """What a block hands the next one: its output, or the first element of a tuple (a layer
+    returning (hidden, attention weights), as older Hugging Face layers do; torch's tracer
+    cuts between such blocks and sends only what the next stage reads)."""
+    return output[0] if isinstance(output, tuple) and output else output
 
 
 def _params_name(params: dict[str, nn.Parameter]) -> str:
@@ -124,14 +131,3 @@ def _layer(call: ml.Call, block: bool) -> Layer:
 
 def layer_params(layer: Layer) -> int:
     return sum(p.numel() for p in layer.module.parameters())
-
-
-def tied_parameters(model: nn.Module) -> str | None:
-    """'a.weight = b.weight' for the first parameter the model holds under two names (None:
-    none): torch's tracer gives each stage using it its own copy, trained apart."""
-    seen: dict[int, str] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        other = seen.setdefault(id(p), name)
-        if other != name:
-            return f"{other} = {name}"
-    return None

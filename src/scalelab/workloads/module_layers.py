@@ -1,7 +1,8 @@
 """A torch module's layers and their costs, read from the module itself (user models).
 
 One traced forward (batch 1, eval mode) records every module call in order: its input, its
-output and the FLOPs `torch.utils.flop_counter` counted inside it. A module expands into its
+output and the FLOPs `torch.utils.flop_counter` counted inside it (flops.py: attention counted
+from its shapes, a formula that fails counts its op 0 with a warning). A module expands into its
 children when its forward is a straight chain of them: the first child reads the module's
 input, each next child reads what the previous one returned, the module returns what the last
 one returned (a contiguous reshape in between, like `x.flatten(1)`, becomes a glue layer).
@@ -16,15 +17,12 @@ import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from scalelab.workloads.flops import GuardedCounter
 from scalelab.workloads.layers import Layer
-
-if TYPE_CHECKING:
-    from torch.utils.flop_counter import FlopCounterMode
 
 POINT = (nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Sigmoid, nn.Tanh, nn.LeakyReLU, nn.ELU,
          nn.Hardswish, nn.Hardsigmoid, nn.Mish, nn.Identity, nn.Dropout, nn.Dropout1d,
@@ -75,7 +73,8 @@ def trace(model: nn.Module, x: torch.Tensor) -> Call:
     names = {id(m): n for n, m in model.named_modules()}
     stack: list[Call] = []
     root: list[Call] = []
-    counter = attention_counter()
+    guarded = GuardedCounter()  # torch's FlopCounterMode; no formula of it raises
+    counter = guarded.mode
 
     def pre(module: nn.Module, args: tuple) -> None:
         call = Call(names.get(id(module), "?"), module, args, None, -counter.get_total_flops())
@@ -95,25 +94,8 @@ def trace(model: nn.Module, x: torch.Tensor) -> Call:
     finally:
         for h in handles:
             h.remove()
+    guarded.warn(type(model).__name__)
     return root[0]
-
-
-def _cpu_sdpa_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
-    from torch.utils.flop_counter import sdpa_flop_count
-
-    return sdpa_flop_count(query_shape, key_shape, value_shape)
-
-
-def attention_counter() -> FlopCounterMode:
-    """FlopCounterMode that also counts CPU attention: torch counts the CUDA
-    scaled_dot_product_attention kernels (flash, efficient, cuDNN) but not the CPU one an eval
-    forward takes (`_scaled_dot_product_flash_attention_for_cpu`: 0 FLOPs for QK^T and AV).
-    Imported here, not at the top: torch's flop counter pulls in triton (0.15 s of every
-    process's start-up)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-    return FlopCounterMode(display=False, custom_mapping={op: _cpu_sdpa_flops} if op else None)
 
 
 @contextmanager

@@ -294,7 +294,7 @@ class UserModel(Workload):
                 out.append((layer, LayerCost(layer.name, layer.kind, shape, params, 0, 0, 0)))
                 continue
             first = call.inputs[0] if call.inputs else None
-            after = call.output
+            after = bl.carried(call.output)  # a tuple's first element flows on
             shape = tuple(after.shape[1:]) if torch.is_tensor(after) else ()
             out.append((layer, LayerCost(
                 layer.name, layer.kind, shape, params, ml.layer_flops(layer, call),
@@ -302,16 +302,12 @@ class UserModel(Workload):
         return out
 
     def _check_block_pipeline(self, cfg) -> None:
-        """A block model's pipeline: torch's tracer cuts it (the torch engine), and parameters
-        shared by two layers (a head tied to the embedding) cannot live on two stages."""
+        """A block model's pipeline: torch's tracer cuts it (the torch engine)."""
         if cfg.engine != "torch" or cfg.placement == "manual":
             raise UsageError(
                 f"pipeline: the model's forward is not a chain of its layers (its blocks "
                 f"{self.blocks.stack}.* are); cut it with --engine torch (torch's tracer)"
             )
-        tied = bl.tied_parameters(self.probe.module)
-        if tied and cfg.stages * max(cfg.virtual_stages, 1) > 1:
-            raise UsageError(f"pipeline: tied parameters cannot be cut apart: {tied}")
 
     # --- oracle: the module itself in float64 --------------------------------------------
     def reference_forward(self, params: dict[str, np.ndarray], x: np.ndarray) -> np.ndarray:

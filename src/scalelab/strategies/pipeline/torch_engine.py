@@ -6,7 +6,8 @@ zbv|dualpipev`), optionally replicated `--dp D` times on a (dp, pp) device mesh.
 Training goes through train/loop.py's Trainer (checkpoints, resume, NaN stop): its step here is
 the schedule's step (forward and backward of every micro-batch), then the gradients summed over
 the dp group, then the workload's parameter penalty (mlp's L2: strategies/penalty.py) per
-stage, then SGD. The loss of micro-batch m is its mean cross-entropy weighted by n_m / N (N the
+stage, then SGD (a parameter tied across stages summed over its holders first:
+torch_tied.py). The loss of micro-batch m is its mean cross-entropy weighted by n_m / N (N the
 global batch), torch's own scaling off: one pipelined step equals one single-process step.
 
 Every rank holds the whole model on the host (the optimizer is built over it; other stages'
@@ -51,6 +52,7 @@ from scalelab.strategies.pipeline.torch_stages import (
     micro_for,
     whole_backward_stages,
 )
+from scalelab.strategies.pipeline.torch_tied import TiedGrads
 from scalelab.strategies.torchdist_base import TorchDistStrategy
 from scalelab.train.loop import GlobalBatches, TorchStep, TrainPlan, require_labels, run_training
 from scalelab.train.sources import Step
@@ -150,6 +152,8 @@ class TorchPipeline(TorchDistStrategy):
             piece.to("cpu")
         self.ids = sorted(ids)
         self.traced: dict[tuple[int, bool], dict[int, nn.Module]] = {}
+        self.tied = TiedGrads(self.cfg.schedule, self.cfg.stages, self.v, self.cfg.dp,
+                              self.groups.dp_rank)  # fmt: skip
         if self.blocks is not None:  # traced per micro-batch size (_pieces_for)
             self.pieces = {}
         else:
@@ -172,18 +176,15 @@ class TorchPipeline(TorchDistStrategy):
             x = self.workload.prepare(x).to(self.precision.storage)
             mode = self.model.training
             self.model.train(train)
-            for pieces in self.traced.values():  # the export runs on the host, all of it
-                for piece in pieces.values():
-                    piece.to("cpu")
-            try:
-                self.traced[(size, train)] = tr.trace_pieces(
-                    self.model, x, starts, self.ids, self.device
-                )
+            try:  # the whole model on the device for the export, then back on the host
+                traced = tr.trace_pieces(self.model, x, starts, self.ids, self.device)
             finally:
                 self.model.train(mode)
-                for pieces in self.traced.values():
+                for pieces in self.traced.values():  # the earlier traces' parameters too
                     for piece in pieces.values():
                         piece.to(self.device)
+            self.traced[(size, train)] = traced.pieces
+            self.tied.add(traced.tied, self.ids)
             if train == self.cfg.train:  # the run's own mode: what it owns and exports
                 # (an eval-mode trace leaves out buffers its graph does not read, such as
                 # BatchNorm's batch count, and torch_state reads ownership from self.pieces)
@@ -285,7 +286,9 @@ class TorchPipeline(TorchDistStrategy):
             piece.zero_grad(set_to_none=True)
 
     def _own_params(self) -> list[nn.Parameter]:
-        return [p for piece in self.pieces.values() for p in piece.parameters()]
+        """This rank's parameters, once each (two stages on one rank may share a tied one)."""
+        own = {id(p): p for piece in self.pieces.values() for p in piece.parameters()}
+        return list(own.values())
 
     # --- hooks of the training loop ---------------------------------------------------------
     def shard(self, batch: Inputs) -> Inputs:
@@ -376,6 +379,9 @@ class PipelineStep(TorchStep):
         s: TorchPipeline = self.strategy
         with self.timer.phase("schedule"):
             _, loss_sum = s._run_pass(step.local, step.items, True)
+        if s.tied.names:  # a tied parameter's uses on other stages (torch_tied.py)
+            with self.timer.phase("tied_allreduce"):
+                self.timer.add_bytes("tied_allreduce", s.tied.sum_grads())
         with self.timer.phase("dp_allreduce"):
             sent = s.groups.all_reduce_grads(s._own_params())
         self.timer.add_bytes("dp_allreduce", sent)

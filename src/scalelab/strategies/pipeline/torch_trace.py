@@ -7,13 +7,14 @@ the optimizer over the whole model steps what the stages train.
 
 The export fixes every shape, the micro-batch's included: each micro-batch size is traced
 once (torch_engine.TorchPipeline keeps the pieces per size). A parameter two stages use (a
-head tied to the embedding) would be copied per stage by the tracer and trained apart: it is
-refused, by name.
+head tied to the embedding) is copied per stage by the tracer: the stages get the model's own
+back, and its gradient is summed between them (torch_tied.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,6 +22,7 @@ from torch.distributed.pipelining import SplitPoint, pipeline
 
 from scalelab.errors import UsageError
 from scalelab.planning.partition import LayerProfile, bounds
+from scalelab.strategies.pipeline.torch_tied import Tied, Traced
 from scalelab.workloads.layers import Layer
 
 RATE = 1e10  # FLOP/s a layer profile from FLOPs assumes: only the ratios between layers count
@@ -49,31 +51,49 @@ def flop_profile(rows: list, n: int, train: bool, itemsize: int) -> list[LayerPr
 
 def trace_pieces(
     model: nn.Module, x: torch.Tensor, starts: list[str], ids: list[int], device: torch.device
-) -> dict[int, nn.Module]:
+) -> Traced:
     """Stage modules `ids` of model cut before the modules `starts`, traced on the micro-batch
-    x (on the host, like the model), moved to the device."""
+    x with the model and x on `device` (the stages' own), the model back on the host after.
+
+    On the device, the export sees what the stages will run: the device a forward's
+    `torch.arange(t, device=idx.device)` or a rotary buffer lands on (traced on the host and
+    moved, the export met a weight on one device and a position on the other), and the
+    strides of the device's kernels (an attention output laid out (B, T, H, D) on CUDA, where
+    the host trace had recorded a `view` of a contiguous one)."""
     saved = {n: model.get_submodule(n).__dict__.get("forward") for n in starts}
+    model.to(device)
     try:
-        pipe = pipeline(model, (x,), split_spec={n: SplitPoint.BEGINNING for n in starts})
+        pipe = pipeline(
+            model, (x.to(device),), split_spec={n: SplitPoint.BEGINNING for n in starts}
+        )
     except RuntimeError as exc:
         why = str(exc.__cause__ or exc).strip().splitlines()[0]
         raise UsageError(f"pipeline: torch's tracer cannot export the model: {why}") from None
     finally:
+        model.to("cpu")
         for name, forward in saved.items():  # annotate_split_points wrapped their forwards
             mod = model.get_submodule(name)
             mod.__dict__.pop("_orig_forward", None)
             mod.__dict__.pop("forward", None)
             if forward is not None:
                 mod.forward = forward
-    if pipe.replicated_params:
-        names = " = ".join(next(iter(pipe.replicated_params)).values())
-        raise UsageError(f"pipeline: stages share a parameter (tied weights): {names}")
     if pipe.num_stages != len(starts) + 1:
         raise UsageError(f"pipeline: the tracer made {pipe.num_stages} stages of {len(starts) + 1}")
     pieces = {i: pipe.get_stage_module(i) for i in ids}
-    if device.type != "cpu":
-        from torch.distributed.pipelining._IR import _modify_graph_op_device
+    tied = [_hold_the_models_own(model, pipe, uses) for uses in pipe.replicated_params]
+    return Traced({i: piece.to(device) for i, piece in pieces.items()}, tied)
 
-        for piece in pieces.values():  # the export burnt the host device into new tensors
-            _modify_graph_op_device(piece, device)
-    return {i: piece.to(device) for i, piece in pieces.items()}
+
+def _hold_the_models_own(model: nn.Module, pipe: Any, uses: dict[str, str]) -> Tied:
+    """The stages using one tied parameter (uses: stage submodule -> its name there) hold the
+    model's own Parameter again, not the tracer's copy per stage (its copies would train
+    apart): a rank holding two of them accumulates both uses' gradients in one tensor; ranks
+    holding them apart sum theirs (TiedGrads)."""
+    names = sorted(set(uses.values()))
+    param = model.get_parameter(names[0])
+    for submod, qualname in uses.items():
+        owner, _, attr = qualname.rpartition(".")
+        piece = getattr(pipe.split_gm, submod)
+        setattr(piece.get_submodule(owner) if owner else piece, attr, param)
+    stages = frozenset(int(s.rpartition("_")[2]) for s in uses)
+    return Tied(" = ".join(names), param, stages)
