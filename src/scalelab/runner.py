@@ -6,6 +6,7 @@ Every rank executes this; only the root rank checks, writes the record and print
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import threading
 import traceback
@@ -333,6 +334,8 @@ def build_record(
         achieved_tflops=flops / wall / 1e12 if wall > 0 else float("nan"),
         **out.notes,
     )
+    if workload.task != "classify":
+        rec["task"] = workload.task
     if isinstance(check, CheckResult):
         rec.update(
             relerr=check.relerr,
@@ -343,7 +346,12 @@ def build_record(
             reference=workload.reference_kind,
         )
     if out.history is not None:
-        rec.update(loss=out.history.loss, accuracy=out.history.accuracy, steps=out.history.steps)
+        rec.update(loss=out.history.loss, steps=out.history.steps)
+        if workload.task == "next-token":  # the held-out figure is the loss (Workload.score)
+            held = out.history.accuracy
+            rec.update(heldout_loss=held, perplexity=[math.exp(min(v, 700.0)) for v in held])
+        else:
+            rec.update(accuracy=out.history.accuracy)
         rec.update(headline(timings, items))
     return rec
 
@@ -403,7 +411,12 @@ def format_summary(rec: dict[str, Any]) -> str:
             f"{verdict} | digest {rec['digest']} (float64 oracle {rec['reference_digest']})"
         )
         lines += explanation_lines(rec.get("explain"))
-    if rec["mode"] == "train":
+    if rec["mode"] == "train" and rec.get("heldout_loss"):
+        lines.append(
+            f"  final loss {rec['loss'][-1]:.4f} | held-out loss {rec['heldout_loss'][-1]:.4f}"
+            f" (perplexity {rec['perplexity'][-1]:.2f})"
+        )
+    elif rec["mode"] == "train":
         lines.append(
             f"  final loss {rec['loss'][-1]:.4f} | held-out accuracy {rec['accuracy'][-1]:.4f}"
         )

@@ -65,6 +65,7 @@ class Workload(ABC):
     reads: ClassVar[tuple[str, ...]] = ()
     reference_kind: ClassVar[str] = "numpy-fp64"  # what --check compares with (the record's)
     loss_reads_output_only: ClassVar[bool] = False  # loss() needs no weights (a pipeline can)
+    task: ClassVar[str] = "classify"  # or "next-token": (B, T, V) logits (workloads/next_token.py)
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
@@ -204,6 +205,12 @@ class Workload(ABC):
         # Half-precision logits are upcast for a stable softmax; fp64 stays fp64 (oracle runs).
         wide = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
         return nn.functional.cross_entropy(wide, y)
+
+    def score(self, logits: torch.Tensor, y: torch.Tensor) -> float:
+        """The held-out score summed over a batch's items (divided by the items: the epoch's
+        held-out figure): items whose arg-max class is the label; a next-token model's
+        summed loss instead."""
+        return float((logits.argmax(dim=1).to(y.device) == y).sum())
 
     def optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         return torch.optim.SGD(model.parameters(), lr=self.cfg.lr, momentum=self.cfg.momentum)

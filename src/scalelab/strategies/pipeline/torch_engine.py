@@ -359,7 +359,7 @@ class TorchPipeline(TorchDistStrategy):
             piece = mine.slice(start, start + self.cfg.batch // self.cfg.dp)
             out, _ = self._run_pass(Inputs(piece.x, None), len(piece), False)
             if out is not None:
-                correct += int((out.argmax(dim=1).cpu() == piece.y).sum())
+                correct += self.workload.score(out, piece.y)
         for module in self.pieces.values():
             module.train()
         self._drop_grads()
