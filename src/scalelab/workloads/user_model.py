@@ -32,7 +32,7 @@ from torch import nn
 from scalelab.data import corpus
 from scalelab.errors import UsageError
 from scalelab.workloads import block_layers as bl
-from scalelab.workloads import model_spec, next_token
+from scalelab.workloads import hf_models, model_spec, next_token
 from scalelab.workloads import module_layers as ml
 from scalelab.workloads.base import WORKLOADS, Inputs, LayerCost, Workload
 from scalelab.workloads.layers import Layer
@@ -82,6 +82,9 @@ class UserModel(Workload):
     def validate(self) -> None:
         if self.spec is None:
             raise UsageError("workload model needs --model MODULE:FACTORY")
+        if hf_models.is_hf(self.spec) and self.cfg.input_dtype != "int64":
+            raise UsageError(f"--model {self.spec} reads token ids: pass --input-dtype int64 "
+                             "--vocab N --input-shape T")  # fmt: skip
         if self.cfg.input_dtype not in DTYPES:
             raise UsageError(f"--input-dtype must be float32 or int64, got {self.cfg.input_dtype}")
         if (self.cfg.vocab is None) == (self.cfg.input_dtype == "int64"):
@@ -111,6 +114,9 @@ class UserModel(Workload):
 
     def _build(self) -> nn.Module:
         kwargs = model_spec.parse_model_args(self.cfg.model_arg)
+        if hf_models.is_hf(self.spec):  # config fields the run's flags fix, unless overridden
+            sized = {"vocab_size": self.cfg.vocab, "max_position_embeddings": self.shape[0]}
+            kwargs = {**{k: v for k, v in sized.items() if v is not None}, **kwargs}
         module = model_spec.call_factory(self.spec, self.factory, kwargs)
         hook = _ids_hook if self.cfg.input_dtype == "int64" else _dtype_hook
         module.register_forward_pre_hook(hook)
