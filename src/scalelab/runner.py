@@ -29,7 +29,7 @@ from scalelab.oracle.train_compare import summary_line as train_check_line
 from scalelab.precision import strict_fp32
 from scalelab.record import append_record, failed_record, new_record
 from scalelab.results import RunOutput
-from scalelab.run import train_check
+from scalelab.run import tokens, train_check
 from scalelab.run.check import InferenceCheck, inference_check
 from scalelab.run.numbers import numbers_lines
 from scalelab.run.session import instrumented
@@ -161,6 +161,9 @@ def _execute(
     if isinstance(check, train_check.TrainCheck):
         record.update(check.fields())
         record["status"] = "ok" if check.passed else "check-failed"
+    if workload.tokens_per_item is not None:  # a token model: tokens/s and MFU
+        beside = results.parent / "ceilings.json" if results is not None else None
+        record.update(tokens.fields(record, workload.tokens_per_item, beside))
     _add_checks(record, strategy, output, load, places)
     record["rank_wall_s"] = rank_walls
     record["warnings"] += host_checks.rank_wall_warning(record["wall_s"], rank_walls)
@@ -420,5 +423,7 @@ def format_summary(rec: dict[str, Any]) -> str:
         lines.append(
             f"  final loss {rec['loss'][-1]:.4f} | held-out accuracy {rec['accuracy'][-1]:.4f}"
         )
+    if tokens.summary_line(rec) is not None:
+        lines.append(tokens.summary_line(rec))
     lines += numbers_lines(rec)  # spread, phase statistic, steady rate, warnings
     return "\n".join(lines)

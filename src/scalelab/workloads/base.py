@@ -65,6 +65,7 @@ class Workload(ABC):
     reads: ClassVar[tuple[str, ...]] = ()
     reference_kind: ClassVar[str] = "numpy-fp64"  # what --check compares with (the record's)
     loss_reads_output_only: ClassVar[bool] = False  # loss() needs no weights (a pipeline can)
+    tokens_per_item: ClassVar[int | None] = None  # T of an (N, T) int64 input: tokens/s, MFU
     task: ClassVar[str] = "classify"  # or "next-token": (B, T, V) logits (workloads/next_token.py)
 
     def __init__(self, cfg: RunConfig) -> None:

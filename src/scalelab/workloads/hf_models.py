@@ -89,7 +89,9 @@ def _from_type(transformers, spec: str, kind: str, over: dict[str, Any]) -> nn.M
     return _build(transformers, spec, config)
 
 
-def _from_file(transformers, spec: str, config: Path, weights: Path | None, over: dict) -> nn.Module:
+def _from_file(
+    transformers, spec: str, config: Path, weights: Path | None, over: dict
+) -> nn.Module:
     try:
         if weights is not None:  # a local checkpoint: its weights, in float32
             model = transformers.AutoModelForCausalLM.from_pretrained(

@@ -162,8 +162,13 @@ class UserModel(Workload):
 
     @property
     def task(self) -> str:  # type: ignore[override]
-        """"next-token" for a language model's (N, T, V) output, else "classify"."""
+        """ "next-token" for a language model's (N, T, V) output, else "classify"."""
         return next_token.TASK if self.probe.output.dim() == 3 else "classify"
+
+    @property
+    def tokens_per_item(self) -> int | None:  # type: ignore[override]
+        """T for an (N, T) int64 input (a token model), else None."""
+        return self.shape[0] if self.cfg.input_dtype == "int64" and len(self.shape) == 1 else None
 
     @property
     def num_classes(self) -> int:
