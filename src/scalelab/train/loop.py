@@ -289,11 +289,12 @@ class Trainer:
         hist.accuracy.append(self.plan.evaluate(self.model))
         if self.plan.epoch_end is not None:
             self.plan.epoch_end(self.pos.epoch, self.model)
+        held = "heldout_loss" if self.workload.task == "next-token" else "heldout_acc"
         self.progress.milestone(
             hist.steps - self.first_step,
             epoch=self.pos.epoch + 1,
             loss=hist.loss[-1],
-            heldout_acc=hist.accuracy[-1],
+            **{held: hist.accuracy[-1]},
         )
         self.pos = Position(self.pos.epoch + 1, 0, self.pos.loss_sum.zero_(), 0)
 

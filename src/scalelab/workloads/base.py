@@ -207,6 +207,10 @@ class Workload(ABC):
         wide = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
         return nn.functional.cross_entropy(wide, y)
 
+    def blank_targets(self, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """n placeholder targets of the right shape (a pipeline's shape pass): (n,) labels."""
+        return torch.zeros(n, dtype=torch.int64, device=device)
+
     def score(self, logits: torch.Tensor, y: torch.Tensor) -> float:
         """The held-out score summed over a batch's items (divided by the items: the epoch's
         held-out figure): items whose arg-max class is the label; a next-token model's

@@ -378,6 +378,11 @@ class UserModel(Workload):
             return next_token.loss(logits, y)
         return super().loss(model, logits, y)
 
+    def blank_targets(self, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        if self.task == next_token.TASK:  # (n, T) next tokens
+            return torch.zeros((n, self.shape[0]), dtype=torch.int64, device=device)
+        return super().blank_targets(n, device)
+
     def score(self, logits: torch.Tensor, y: torch.Tensor) -> float:
         if logits.dim() == 3:  # a language model's held-out figure: its loss
             return next_token.loss_sum(logits, y)
