@@ -33,11 +33,6 @@ HF_LLAMA = {"model": "hf:llama", "model_arg": ["hidden_size=16", "intermediate_s
 NANO_LM = {"model": f"{ZOO}:nanogpt", "model_arg": ["lm=True", "tied=False"]}
 
 
-def _scalelab(*args: str, cwd: Path) -> tuple[int, str]:
-    proc = run([sys.executable, "-m", "scalelab", "run", *args], cwd=cwd, timeout=300)
-    return proc.returncode, proc.stderr
-
-
 @pytest.mark.mpi
 def test_two_ranks_train_and_split_a_language_model_like_one_process(tmp_path):
     """One torchrun launch of 2 ranks: HF Llama returning (B, T, V) (the zoo's wrapper, and
@@ -149,11 +144,12 @@ def test_hf_folder_with_a_checkpoint_loads_its_weights(tmp_path):
          "--tokenizer no-such-tokenizer: not found in local files"),
     ],
 )  # fmt: skip
-def test_refusals_are_one_line_exit_2_and_write_nothing(tmp_path, args, says):
+def test_refusals_are_one_line_exit_2_and_write_nothing(tmp_path, monkeypatch, cli, args, says):
+    monkeypatch.chdir(tmp_path)
     (tmp_path / "text.txt").write_text("some text to read " * 20)
     args = [str(tmp_path) if a == "DATA" else a for a in args]
-    code, err = _scalelab(*args, "--input-shape", "8", "--input-dtype", "int64", "--vocab",
-                          "256", "--out", str(tmp_path / "runs.jsonl"), cwd=tmp_path)  # fmt: skip
+    code, _, err = cli("run", *args, "--input-shape", "8", "--input-dtype", "int64", "--vocab",
+                       "256", "--out", str(tmp_path / "runs.jsonl"))  # fmt: skip
     assert code == 2 and len(err.strip().splitlines()) == 1 and says in err, err
     assert not (tmp_path / "runs.jsonl").exists()
 
