@@ -9,8 +9,6 @@ mean cross-entropy, MFU's arithmetic), from_pretrained's own model (a local chec
 
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -80,7 +78,7 @@ def test_corpus_windows_are_the_text_bytes_and_their_next_bytes(tmp_path):
     """Items are consecutive windows of T + 1 bytes: x the first T, y the last T."""
     (tmp_path / "a.txt").write_text("hello world, ")
     (tmp_path / "b.txt").write_text("and more text")
-    data = "hello world, \nand more text".encode()
+    data = b"hello world, \nand more text"
     x, y = corpus.sequences(str(tmp_path), 4, 6, 256, None)
     for i in range(6):
         assert bytes(x[i].tolist()) == data[4 * i : 4 * i + 4]

@@ -132,9 +132,13 @@ def runs_section(records: list[dict[str, Any]], page: Page) -> Section:
         "over its steps; steady/s leaves the warm-up out). IQR and CV over the repetitions "
         "(training: over epochs, the IQR per step; none for one repetition). data: the data "
         "set read, or synthetic inputs."
-        + (" tokens/s: all ranks; MFU: the model's FLOPs per token (x3 training) times tokens/s "
-           "per device over the measured GEMM peak of the run's dtype (MFU datasheet: over the "
-           "device's datasheet peak)." if tokens else "")  # fmt: skip
+        + (
+            " tokens/s: all ranks; MFU: the model's FLOPs per token (x3 training) times tokens/s "
+            "per device over the measured GEMM peak of the run's dtype (MFU datasheet: over the "
+            "device's datasheet peak)."
+            if tokens
+            else ""
+        )  # fmt: skip
     )
     table = html.table(view, fmts, classes=css, text_cols={"warnings", "error", "data"})
     return "runs", "All runs", body + table + page.csv(with_phases(df, records), "runs.csv")

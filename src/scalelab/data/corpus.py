@@ -47,7 +47,9 @@ def load_tokenizer(name: str):
     try:
         from transformers import AutoTokenizer
     except ImportError:
-        raise UsageError(f'--tokenizer {name}: needs transformers: pip install "scalelab[hf]"')
+        raise UsageError(
+            f'--tokenizer {name}: needs transformers: pip install "scalelab[hf]"'
+        ) from None
     try:
         return AutoTokenizer.from_pretrained(name, local_files_only=True)
     except Exception as exc:  # OSError / ValueError: not found locally, or not a tokenizer
