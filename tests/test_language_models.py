@@ -9,6 +9,7 @@ mean cross-entropy, MFU's arithmetic), from_pretrained's own model (a local chec
 
 import json
 import math
+import sys
 
 import pytest
 import torch
@@ -158,3 +159,12 @@ def test_is_lm_output_needs_int_ids_and_one_logit_row_per_position():
     assert not next_token.is_lm_output(out, (8,), False)
     assert not next_token.is_lm_output(out, (7,), True)
     assert not next_token.is_lm_output(torch.zeros(1, 40), (8,), True)
+
+
+def test_hf_without_transformers_names_the_extra(tmp_path, monkeypatch, cli):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import raises ImportError
+    code, _, err = cli("run", "--model", "hf:llama", "--input-shape", "8", "--input-dtype",
+                       "int64", "--vocab", "40", "--out", str(tmp_path / "runs.jsonl"))  # fmt: skip
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert 'pip install "scalelab[hf]"' in err and not (tmp_path / "runs.jsonl").exists()
