@@ -4,7 +4,9 @@ examples/models/gpt.py:gpt --input-shape 16 --input-dtype int64 --vocab 64 --che
 Token embedding plus a learned position table (a parameter of the model itself), a stack of
 pre-norm blocks (causal self-attention with one fused qkv Linear, a GELU MLP, residual adds),
 a final LayerNorm and an untied head. It returns the next-token logits of the last position,
-(N, vocab): the (N, K) output scalelab reads.
+(N, vocab): the (N, K) output scalelab reads. With `--model-arg lm=True` it returns every
+position's logits, (N, T, vocab): a language model, trained on the next token of every position
+(docs/LANGUAGE_MODELS.md).
 
 Its forward is not a chain of its children (the position add, the residuals), so scalelab
 sees it through its block stack `blocks.0..depth-1`: `pipeline --engine torch` cuts between
@@ -47,8 +49,11 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab: int, seq: int, width: int, heads: int, depth: int) -> None:
+    def __init__(
+        self, vocab: int, seq: int, width: int, heads: int, depth: int, lm: bool = False
+    ) -> None:
         super().__init__()
+        self.lm = lm
         self.tok = nn.Embedding(vocab, width)
         self.pos = nn.Parameter(torch.randn(1, seq, width) * 0.02)
         self.blocks = nn.ModuleList(Block(width, heads) for _ in range(depth))
@@ -59,11 +64,16 @@ class GPT(nn.Module):
         x = self.tok(ids) + self.pos[:, : ids.shape[1]]  # (N, T, C)
         for block in self.blocks:
             x = block(x)
+        if self.lm:
+            return self.head(self.ln_f(x))  # every position's logits: (N, T, vocab)
         return self.head(self.ln_f(x)[:, -1])  # the last position's logits: (N, vocab)
 
 
-def gpt(vocab: int = 64, seq: int = 16, width: int = 32, heads: int = 4, depth: int = 4) -> GPT:
-    return GPT(vocab, seq, width, heads, depth)
+def gpt(
+    vocab: int = 64, seq: int = 16, width: int = 32, heads: int = 4, depth: int = 4,
+    lm: bool = False,
+) -> GPT:  # fmt: skip
+    return GPT(vocab, seq, width, heads, depth, lm)
 
 
 def tp_plan(model: GPT) -> dict:

@@ -112,6 +112,12 @@ class RunConfig:
     vocab: int | None = opt(
         None, "--model --input-dtype int64: token ids lie in [0, vocab).", section="user-model"
     )
+    tokenizer: str | None = opt(
+        None,
+        "--model with --data-dir text: a Hugging Face tokenizer (local name or folder; never "
+        "downloaded) instead of bytes (vocab 256).",
+        section="user-model",
+    )
     weights: str | None = opt(
         None,
         "state_dict (.pt) or safetensors file to load instead of seeded random weights.",

@@ -40,6 +40,12 @@ FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {
     "explain": ((dict,), True),
     "loss": ((list,), True),
     "accuracy": ((list,), True),
+    "heldout_loss": ((list,), True),
+    "perplexity": ((list,), True),
+    "task": (TEXT, True),
+    "tokens_per_s": (NUMBER, True),
+    "tokens_per_s_per_device": (NUMBER, True),
+    "mfu": ((dict,), True),
     "walls_s": ((list,), True),
     "wall_spread_s": ((dict,), True),
     "error": (TEXT, True),
@@ -78,7 +84,7 @@ def problem(rec: dict[str, Any]) -> str | None:
         for row in rec.get(name) or []:
             if not isinstance(row, dict) or not all(_is(v, NUMBER) for v in row.values()):
                 return f"{name} holds a row that is not name -> seconds"
-    for name in ("loss", "accuracy", "walls_s"):
+    for name in ("loss", "accuracy", "heldout_loss", "perplexity", "walls_s"):
         if not all(v is None or _is(v, NUMBER) for v in rec.get(name) or []):
             return f"{name} holds a value that is not a number"
     return None

@@ -6,6 +6,7 @@ Every rank executes this; only the root rank checks, writes the record and print
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import threading
 import traceback
@@ -28,7 +29,7 @@ from scalelab.oracle.train_compare import summary_line as train_check_line
 from scalelab.precision import strict_fp32
 from scalelab.record import append_record, failed_record, new_record
 from scalelab.results import RunOutput
-from scalelab.run import train_check
+from scalelab.run import tokens, train_check
 from scalelab.run.check import InferenceCheck, inference_check
 from scalelab.run.numbers import numbers_lines
 from scalelab.run.session import instrumented
@@ -160,6 +161,9 @@ def _execute(
     if isinstance(check, train_check.TrainCheck):
         record.update(check.fields())
         record["status"] = "ok" if check.passed else "check-failed"
+    if workload.tokens_per_item is not None:  # a token model: tokens/s and MFU
+        beside = results.parent / "ceilings.json" if results is not None else None
+        record.update(tokens.fields(record, workload.tokens_per_item, beside))
     _add_checks(record, strategy, output, load, places)
     record["rank_wall_s"] = rank_walls
     record["warnings"] += host_checks.rank_wall_warning(record["wall_s"], rank_walls)
@@ -333,6 +337,8 @@ def build_record(
         achieved_tflops=flops / wall / 1e12 if wall > 0 else float("nan"),
         **out.notes,
     )
+    if workload.task != "classify":
+        rec["task"] = workload.task
     if isinstance(check, CheckResult):
         rec.update(
             relerr=check.relerr,
@@ -343,7 +349,12 @@ def build_record(
             reference=workload.reference_kind,
         )
     if out.history is not None:
-        rec.update(loss=out.history.loss, accuracy=out.history.accuracy, steps=out.history.steps)
+        rec.update(loss=out.history.loss, steps=out.history.steps)
+        if workload.task == "next-token":  # the held-out figure is the loss (Workload.score)
+            held = out.history.accuracy
+            rec.update(heldout_loss=held, perplexity=[math.exp(min(v, 700.0)) for v in held])
+        else:
+            rec.update(accuracy=out.history.accuracy)
         rec.update(headline(timings, items))
     return rec
 
@@ -403,9 +414,16 @@ def format_summary(rec: dict[str, Any]) -> str:
             f"{verdict} | digest {rec['digest']} (float64 oracle {rec['reference_digest']})"
         )
         lines += explanation_lines(rec.get("explain"))
-    if rec["mode"] == "train":
+    if rec["mode"] == "train" and rec.get("heldout_loss"):
+        lines.append(
+            f"  final loss {rec['loss'][-1]:.4f} | held-out loss {rec['heldout_loss'][-1]:.4f}"
+            f" (perplexity {rec['perplexity'][-1]:.2f})"
+        )
+    elif rec["mode"] == "train":
         lines.append(
             f"  final loss {rec['loss'][-1]:.4f} | held-out accuracy {rec['accuracy'][-1]:.4f}"
         )
+    if tokens.summary_line(rec) is not None:
+        lines.append(tokens.summary_line(rec))
     lines += numbers_lines(rec)  # spread, phase statistic, steady rate, warnings
     return "\n".join(lines)

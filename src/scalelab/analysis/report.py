@@ -83,6 +83,11 @@ def runs_section(records: list[dict[str, Any]], page: Page) -> Section:
     df["steady/s"] = [r.get("steady_throughput") for r in records]
     df["warnings"] = ["; ".join(r.get("warnings") or []) for r in records]
     df["error"] = [r.get("error", "") for r in records]
+    tokens = any("tokens_per_s" in r for r in records)  # token models (run/tokens.py)
+    if tokens:
+        df["tokens/s"] = [r.get("tokens_per_s") for r in records]
+        df["MFU"] = [(r.get("mfu") or {}).get("measured") for r in records]
+        df["MFU datasheet"] = [(r.get("mfu") or {}).get("datasheet") for r in records]
     cols = [
         "time",
         "run",
@@ -96,6 +101,7 @@ def runs_section(records: list[dict[str, Any]], page: Page) -> Section:
         "throughput",
         "steady/s",
         "achieved_tflops",
+        *(["tokens/s", "MFU", "MFU datasheet"] if tokens else []),
         "warnings",
         "error",
     ]
@@ -111,6 +117,9 @@ def runs_section(records: list[dict[str, Any]], page: Page) -> Section:
         "steady/s": ".1f",
         "GFLOP/s": lambda v: f"{v * 1e3:.2f}",
         "iter_items": ".0f",
+        "tokens/s": ".4g",
+        "MFU": ".1%",
+        "MFU datasheet": ".1%",
     }
     css = {
         "status": lambda v: "good" if v == "ok" else "bad",
@@ -123,6 +132,13 @@ def runs_section(records: list[dict[str, Any]], page: Page) -> Section:
         "over its steps; steady/s leaves the warm-up out). IQR and CV over the repetitions "
         "(training: over epochs, the IQR per step; none for one repetition). data: the data "
         "set read, or synthetic inputs."
+        + (
+            " tokens/s: all ranks; MFU: the model's FLOPs per token (x3 training) times tokens/s "
+            "per device over the measured GEMM peak of the run's dtype (MFU datasheet: over the "
+            "device's datasheet peak)."
+            if tokens
+            else ""
+        )  # fmt: skip
     )
     table = html.table(view, fmts, classes=css, text_cols={"warnings", "error", "data"})
     return "runs", "All runs", body + table + page.csv(with_phases(df, records), "runs.csv")

@@ -43,7 +43,7 @@ from scalelab.strategies.compile_scope import compile_blocks, compile_whole
 from scalelab.strategies.ddp_comm import BucketTimer
 from scalelab.strategies.torchdist_base import TorchDistStrategy
 from scalelab.train.data import LoaderShards, ResidentShards
-from scalelab.train.loop import Trainer, TrainPlan, evaluate, require_labels, run_training
+from scalelab.train.loop import Trainer, TrainPlan, heldout_sum, require_labels, run_training
 from scalelab.workloads.base import Inputs, Workload
 
 EVAL_BATCH = 1024
@@ -287,7 +287,7 @@ class DDPStrategy(TorchDistStrategy):
         counts = even_counts(len(heldout), self.comm.size)
         start = sum(counts[: self.comm.rank])
         part = heldout.slice(start, start + counts[self.comm.rank])
-        correct = round(evaluate(self, workload, module, part, EVAL_BATCH) * len(part))
+        correct = heldout_sum(self, workload, module, part, EVAL_BATCH)
         return self.all_sum(correct) / max(len(heldout), 1)
 
     def sync_buffers(self, module: nn.Module) -> None:

@@ -196,8 +196,8 @@ class FSDPStrategy(DDPStrategy):
         with torch.no_grad():
             for k in range(len(batch_slices(max(counts), EVAL_BATCH))):
                 x = self.to_device(part.x[k * EVAL_BATCH : (k + 1) * EVAL_BATCH])
-                pred = module(workload.prepare(x)).argmax(dim=1).cpu()
-                correct += int((pred == part.y[k * EVAL_BATCH : (k + 1) * EVAL_BATCH]).sum())
+                logits = module(workload.prepare(x))
+                correct += workload.score(logits, part.y[k * EVAL_BATCH : (k + 1) * EVAL_BATCH])
         units.reshard(module)
         module.train()
         return self.all_sum(correct) / max(len(heldout), 1)

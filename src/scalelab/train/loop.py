@@ -97,20 +97,28 @@ def default_plan(
     )
 
 
-@torch.no_grad()
 def evaluate(
     strategy: TrainHost, workload: Workload, model: nn.Module, data: Inputs, batch: int
 ) -> float:
-    """Held-out accuracy (fraction of items whose arg-max class is the label)."""
+    """The held-out figure: accuracy (fraction of items whose arg-max class is the label), or
+    a next-token model's mean loss (Workload.score)."""
+    return heldout_sum(strategy, workload, model, data, batch) / max(len(data), 1)
+
+
+@torch.no_grad()
+def heldout_sum(
+    strategy: TrainHost, workload: Workload, model: nn.Module, data: Inputs, batch: int
+) -> float:
+    """Workload.score summed over data's items, batch by batch."""
     model.eval()
-    correct = 0
+    total = 0.0
     for part in batch_slices(len(data), batch):
         x = strategy.to_device(data.x[part])
         with strategy.autocast():
-            pred = model(workload.prepare(x)).argmax(dim=1).cpu()
-        correct += int((pred == data.y[part]).sum())
+            logits = model(workload.prepare(x))
+        total += workload.score(logits, data.y[part])
     model.train()
-    return correct / max(len(data), 1)
+    return total
 
 
 # --- the run -----------------------------------------------------------------------------------
@@ -281,11 +289,12 @@ class Trainer:
         hist.accuracy.append(self.plan.evaluate(self.model))
         if self.plan.epoch_end is not None:
             self.plan.epoch_end(self.pos.epoch, self.model)
+        held = "heldout_loss" if self.workload.task == "next-token" else "heldout_acc"
         self.progress.milestone(
             hist.steps - self.first_step,
             epoch=self.pos.epoch + 1,
             loss=hist.loss[-1],
-            heldout_acc=hist.accuracy[-1],
+            **{held: hist.accuracy[-1]},
         )
         self.pos = Position(self.pos.epoch + 1, 0, self.pos.loss_sum.zero_(), 0)
 

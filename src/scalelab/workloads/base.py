@@ -65,6 +65,8 @@ class Workload(ABC):
     reads: ClassVar[tuple[str, ...]] = ()
     reference_kind: ClassVar[str] = "numpy-fp64"  # what --check compares with (the record's)
     loss_reads_output_only: ClassVar[bool] = False  # loss() needs no weights (a pipeline can)
+    tokens_per_item: ClassVar[int | None] = None  # T of an (N, T) int64 input: tokens/s, MFU
+    task: ClassVar[str] = "classify"  # or "next-token": (B, T, V) logits (workloads/next_token.py)
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
@@ -204,6 +206,16 @@ class Workload(ABC):
         # Half-precision logits are upcast for a stable softmax; fp64 stays fp64 (oracle runs).
         wide = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
         return nn.functional.cross_entropy(wide, y)
+
+    def blank_targets(self, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """n placeholder targets of the right shape (a pipeline's shape pass): (n,) labels."""
+        return torch.zeros(n, dtype=torch.int64, device=device)
+
+    def score(self, logits: torch.Tensor, y: torch.Tensor) -> float:
+        """The held-out score summed over a batch's items (divided by the items: the epoch's
+        held-out figure): items whose arg-max class is the label; a next-token model's
+        summed loss instead."""
+        return float((logits.argmax(dim=1).to(y.device) == y).sum())
 
     def optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         return torch.optim.SGD(model.parameters(), lr=self.cfg.lr, momentum=self.cfg.momentum)

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from scalelab.errors import UsageError
+from scalelab.workloads import hf_models
 
 GROUP = "scalelab.workloads"  # entry-point group: name -> "module:factory"
 
@@ -41,7 +42,10 @@ def parse_model_args(items: tuple[str, ...]) -> dict[str, Any]:
 
 
 def load_factory(spec: str) -> Callable[..., Any]:
-    """The callable a MODULE:FACTORY spec names (a dotted FACTORY walks attributes)."""
+    """The callable a MODULE:FACTORY spec names (a dotted FACTORY walks attributes); an
+    `hf:SPEC` names a Hugging Face causal LM's builder (hf_models.py)."""
+    if hf_models.is_hf(spec):
+        return hf_models.factory(spec)
     obj = load_object(spec)
     if not callable(obj):
         attr = spec.rpartition(":")[2]

@@ -9,6 +9,9 @@ Inputs (`--input-shape C,H,W` / `C,L` / `F` per item):
                          them as integers (a forward pre-hook turns the strategies' float cast
                          back into exact ids: < 2**24, exact in float32)
 Labels are uniform in [0, K) where K, the number of classes, is read from the output (N, K).
+A model whose output is (N, T, V) for an (N, T) int64 input is a language model
+(workloads/next_token.py): it learns the next token, its held-out figure is the loss, and
+`--data-dir` names a text corpus (data/corpus.py).
 
 The reference is the module itself: the same weights loaded into a fresh build, in float64 on
 the CPU in eval mode (record field `reference: "module-fp64"`); for training, one float64
@@ -26,9 +29,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from scalelab.data import corpus
 from scalelab.errors import UsageError
 from scalelab.workloads import block_layers as bl
-from scalelab.workloads import model_spec
+from scalelab.workloads import hf_models, model_spec, next_token
 from scalelab.workloads import module_layers as ml
 from scalelab.workloads.base import WORKLOADS, Inputs, LayerCost, Workload
 from scalelab.workloads.layers import Layer
@@ -78,11 +82,18 @@ class UserModel(Workload):
     def validate(self) -> None:
         if self.spec is None:
             raise UsageError("workload model needs --model MODULE:FACTORY")
+        if hf_models.is_hf(self.spec) and self.cfg.input_dtype != "int64":
+            raise UsageError(f"--model {self.spec} reads token ids: pass --input-dtype int64 "
+                             "--vocab N --input-shape T")  # fmt: skip
         if self.cfg.input_dtype not in DTYPES:
             raise UsageError(f"--input-dtype must be float32 or int64, got {self.cfg.input_dtype}")
         if (self.cfg.vocab is None) == (self.cfg.input_dtype == "int64"):
             raise UsageError("--vocab N goes with --input-dtype int64 (token ids in [0, N))")
         self.shape  # noqa: B018 (parses --input-shape)
+        if self.cfg.tokenizer is not None and self.cfg.data_dir is None:
+            raise UsageError("--tokenizer reads a text corpus: give it --data-dir")
+        if self.cfg.data_dir is not None:  # the corpus reads and fits --vocab, before any work
+            corpus.check(self.cfg.data_dir, self.cfg.tokenizer, self.cfg.vocab)
         key = (self.spec, tuple(self.cfg.model_arg or ()), self.shape, self.cfg.input_dtype,
                self.cfg.vocab, self.cfg.seed)  # fmt: skip
         if key in _PROBES:  # validated before in this process
@@ -103,6 +114,9 @@ class UserModel(Workload):
 
     def _build(self) -> nn.Module:
         kwargs = model_spec.parse_model_args(self.cfg.model_arg)
+        if hf_models.is_hf(self.spec):  # config fields the run's flags fix, unless overridden
+            sized = {"vocab_size": self.cfg.vocab, "max_position_embeddings": self.shape[0]}
+            kwargs = {**{k: v for k, v in sized.items() if v is not None}, **kwargs}
         module = model_spec.call_factory(self.spec, self.factory, kwargs)
         hook = _ids_hook if self.cfg.input_dtype == "int64" else _dtype_hook
         module.register_forward_pre_hook(hook)
@@ -135,14 +149,30 @@ class UserModel(Workload):
                 f"{model_spec._one_line(exc)} (check --input-shape/--input-dtype)"
             ) from None
         out = call.output
+        ids = self.cfg.input_dtype == "int64"
+        if torch.is_tensor(out) and next_token.is_lm_output(out, self.shape, ids):
+            return call
         if not torch.is_tensor(out) or out.dim() != 2 or not out.is_floating_point():
             what = tuple(out.shape) if torch.is_tensor(out) else type(out).__name__
-            raise UsageError(f"--model {self.spec}: the output is {what}; scalelab needs (N, K)")
+            raise UsageError(
+                f"--model {self.spec}: the output is {what}; scalelab needs (N, K), or "
+                "(N, T, V) next-token logits for an (N, T) int64 input"
+            )
         return call
 
     @property
+    def task(self) -> str:  # type: ignore[override]
+        """ "next-token" for a language model's (N, T, V) output, else "classify"."""
+        return next_token.TASK if self.probe.output.dim() == 3 else "classify"
+
+    @property
+    def tokens_per_item(self) -> int | None:  # type: ignore[override]
+        """T for an (N, T) int64 input (a token model), else None."""
+        return self.shape[0] if self.cfg.input_dtype == "int64" and len(self.shape) == 1 else None
+
+    @property
     def num_classes(self) -> int:
-        return self.probe.output.shape[1]
+        return self.probe.output.shape[-1]
 
     @property
     def image_size(self) -> int | None:
@@ -157,7 +187,20 @@ class UserModel(Workload):
             x = torch.randn((n, *self.shape), generator=gen, dtype=torch.float32)
         # Labels after the inputs: the classes come from the probe, which needs inputs first.
         classes = self.num_classes if "probe" in self.__dict__ else 1
+        if classes > 1 and self.task == next_token.TASK:  # x continued by one token
+            last = torch.randint(0, self.cfg.vocab, (n, 1), generator=gen)
+            return Inputs(x, next_token.shifted(x, last))
         return Inputs(x, torch.randint(0, classes, (n,), generator=gen))
+
+    def real_inputs(self, n: int) -> Inputs:
+        """The first n sequences of the text corpus in --data-dir (a language model's)."""
+        if self.task != next_token.TASK:
+            raise UsageError(
+                f"--data-dir with --model: a text corpus trains a language model (an (N, T, V) "
+                f"output); {self.spec} returns (N, K)"
+            )
+        cfg = self.cfg
+        return Inputs(*corpus.sequences(cfg.data_dir, self.shape[0], n, cfg.vocab, cfg.tokenizer))
 
     def prepare(self, x: torch.Tensor) -> torch.Tensor:
         """Transport form -> model input: float32 stays; token ids become floats the strategies
@@ -325,7 +368,21 @@ class UserModel(Workload):
         own = getattr(getattr(model, "module", model), "loss", None)
         if not callable(own):
             own = getattr(self._loss_owner, "loss", None)
-        return own(logits, y) if callable(own) else super().loss(model, logits, y)
+        if callable(own):
+            return own(logits, y)
+        if logits.dim() == 3:  # next-token logits (B, T, V), targets (B, T)
+            return next_token.loss(logits, y)
+        return super().loss(model, logits, y)
+
+    def blank_targets(self, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        if self.task == next_token.TASK:  # (n, T) next tokens
+            return torch.zeros((n, self.shape[0]), dtype=torch.int64, device=device)
+        return super().blank_targets(n, device)
+
+    def score(self, logits: torch.Tensor, y: torch.Tensor) -> float:
+        if logits.dim() == 3:  # a language model's held-out figure: its loss
+            return next_token.loss_sum(logits, y)
+        return super().score(logits, y)
 
     @cached_property
     def _loss_owner(self) -> nn.Module:

@@ -117,6 +117,8 @@ def comparison_table(rows: list[tuple[str, int, dict[str, Any] | None]]) -> str:
         result = ""
         if rec.get("accuracy"):
             result = f"loss {rec['loss'][-1]:.4f} acc {rec['accuracy'][-1]:.4f}"
+        elif rec.get("heldout_loss"):  # a language model: its held-out loss
+            result = f"loss {rec['loss'][-1]:.4f} held-out {rec['heldout_loss'][-1]:.4f}"
         elif "relerr" in rec:
             result = f"relerr {rec['relerr']:.2e}"
         lines.append(

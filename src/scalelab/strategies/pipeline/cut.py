@@ -100,7 +100,7 @@ def time_stage(s: PipelineStrategy, sample: torch.Tensor | None) -> float:
     for _ in range(passes):
         s.timer.lap()
         if s.cfg.train:
-            labels = torch.zeros(n, dtype=torch.int64)
+            labels = s.workload.blank_targets(n)
             batch = Inputs(s.device_batch(sample), labels) if s.is_root else None
             s.pipelined_pass(batch, n)
         else:

@@ -198,7 +198,7 @@ class TorchPipeline(TorchDistStrategy):
         n = self.cfg.batch
         for round_ in range(self.cfg.rebalance + 1):
             for _ in range(2):  # the second pass counts (the first allocates)
-                self._run_pass(Inputs(sample[:n], torch.zeros(n, dtype=torch.int64)), n, True)
+                self._run_pass(Inputs(sample[:n], self.workload.blank_targets(n)), n, True)
             self._drop_grads()
             per_stage = self.comm.gather_object(self.log.stage_seconds(self.clock.events))
             decision = None
@@ -266,7 +266,7 @@ class TorchPipeline(TorchDistStrategy):
             args = (self.workload.prepare(x).to(self.precision.storage),)
         target = self.to_device(local.y) if p.last and local.y is not None else None
         if p.last and target is None:
-            target = torch.zeros(len(local), dtype=torch.int64, device=self.device)
+            target = self.workload.blank_targets(len(local), self.device)
         losses: list[torch.Tensor] = []
         start = self.clock.start()
         with self.autocast():
@@ -362,7 +362,7 @@ class TorchPipeline(TorchDistStrategy):
             piece = mine.slice(start, start + self.cfg.batch // self.cfg.dp)
             out, _ = self._run_pass(Inputs(piece.x, None), len(piece), False)
             if out is not None:
-                correct += int((out.argmax(dim=1).cpu() == piece.y).sum())
+                correct += self.workload.score(out, piece.y)
         for module in self.pieces.values():
             module.train()
         self._drop_grads()

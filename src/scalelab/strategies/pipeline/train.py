@@ -66,7 +66,7 @@ def evaluate(s: PipelineStrategy, heldout: Inputs | None, n_held: int) -> float:
         x = heldout.x[piece] if s.is_root else None
         logits = s.forward_batch(x, piece.stop - piece.start)
         if s.is_root:
-            correct += int((logits.argmax(dim=1) == heldout.y[piece]).sum())
+            correct += s.workload.score(logits, heldout.y[piece])
     s.placed.module.train()
     s.timer.lap()
     return s.comm.bcast_object(correct / max(n_held, 1))
