@@ -222,7 +222,9 @@ def test_versions_train_checks_every_data_parallel_strategy_on_cpu_ranks(cli, tm
         assert row.endswith("passed"), row
     assert "on CPU ranks with --all (3)" in stdout  # pipeline, tensor, fsdp: one line
     assert {k for k, v in recs[0]["versions_skipped"].items() if "--all" in v} == {
-        "pipeline torch cpu", "tensor dtensor cpu", "fsdp cpu"
+        "pipeline torch cpu",
+        "tensor dtensor cpu",
+        "fsdp cpu",
     }
     assert "FAILED" not in stdout and "failed" not in table
 
