@@ -1,6 +1,6 @@
 """`scalelab` entry point: subcommands, and the one place errors become exit codes.
 
-The contract (README "Exit codes"): 0 ok; 1 the check failed or the run failed after work
+The contract (docs/USAGE.md, "Exit codes"): 0 ok; 1 the check failed or the run failed after work
 started (one line, a `failed` record); 2 bad input or a refused configuration (one line on
 stderr, nothing written); 3 internal error (a bug: one line, SCALELAB_DEBUG=1 for the traceback).
 """
