@@ -82,8 +82,7 @@ class PipelineStrategy(TorchStrategy):
         if cfg.train:
             _check_trainable(workload, get_precision(cfg.dtype))
         if cfg.balance.strip() != "auto" or cfg.cut is not None:  # the model only then
-            paths = [layer.path for layer in workload.layers(workload.build_model())]
-            part.given_counts(cfg.balance, cfg.cut, paths, cfg.stages)
+            part.given_counts(cfg.balance, cfg.cut, _layer_paths(workload), cfg.stages)
         return cfg.batch
 
     @classmethod
@@ -316,3 +315,13 @@ def _check_trainable(workload: Workload, precision) -> None:
             f"pipeline: {workload.name}'s loss looks at the whole model (regularisation), "
             "which no single stage holds; pipeline trains plain cross-entropy workloads"
         )
+
+
+def _layer_paths(workload: Workload) -> list[str | None]:
+    """The model's layer paths, from a model on the meta device (shapes only: no weights to
+    allocate, VGG-16's 0.5 GB included); a factory that cannot build there is built as is."""
+    try:
+        with torch.device("meta"):
+            return [layer.path for layer in workload.layers(workload.build_model())]
+    except Exception:  # a user's factory that reads files, a traced forward on real inputs
+        return [layer.path for layer in workload.layers(workload.build_model())]
