@@ -1,5 +1,6 @@
-"""README's "Everyday use" lines, run in one fresh clone per test run (conftest's session
-fixture `readme_clone`), each line at most once: tests/test_readme.py runs every line in order
+"""The "Everyday use" lines of docs/USAGE.md (README's ten-line tour is ten of them), run in one
+fresh clone per test run (conftest's session fixture `readme_clone`), each line at most once:
+tests/test_readme.py runs every line in order
 and asserts each exits 0; a test whose own measurement is what a README line does (the same
 command, so the same assertions hold) reads that line's run instead of starting its own, so the
 work is done once per test run whichever test asks first. Such a line must not read what an
@@ -14,16 +15,30 @@ import sys
 from pathlib import Path
 
 # Lines other tests read (and so may run before the lines above them): each reads nothing an
-# earlier line wrote. test_readme.py checks every entry is a README line.
+# earlier line wrote. test_readme.py checks every entry is an everyday line.
 INDEPENDENT = (
     "scalelab versions alexnet",  # tests/test_versions.py
     "scalelab ceilings --quick",  # tests/test_ceilings.py (on a host without a GPU)
 )
 
 
-def everyday_commands(readme: str) -> list[tuple[str, bool]]:
-    """(shell command, needs a GPU) per line of the Everyday-use block, continuations joined."""
-    block = readme.split("## Everyday use", 1)[1].split("```", 2)[1]
+USAGE = Path("docs") / "USAGE.md"  # holds the everyday block; README.md its tour
+
+
+def everyday_commands(usage: str) -> list[tuple[str, bool]]:
+    """(shell command, needs a GPU) per line of docs/USAGE.md's Everyday-use block."""
+    return block_commands(usage, "## Everyday use")
+
+
+def tour_commands(readme: str) -> list[tuple[str, bool]]:
+    """The same for README's ten-line tour."""
+    return block_commands(readme, "## A ten-line tour")
+
+
+def block_commands(text: str, heading: str) -> list[tuple[str, bool]]:
+    """(shell command, needs a GPU) per line of the first code block under heading,
+    continuations joined."""
+    block = text.split(heading, 1)[1].split("```", 2)[1]
     joined = re.sub(r"\\\n\s*", " ", block)
     out = []
     for line in joined.strip().splitlines():
@@ -40,7 +55,7 @@ class ReadmeClone:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.commands = everyday_commands((path / "README.md").read_text())
+        self.commands = everyday_commands((path / USAGE).read_text())
         self.env = {**os.environ, "PYTHONPATH": str(path / "src")}
         self.env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{self.env['PATH']}"
         self._done: dict[str, subprocess.CompletedProcess] = {}

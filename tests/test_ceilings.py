@@ -42,6 +42,19 @@ def _positive(x):
     return isinstance(x, float) and math.isfinite(x) and x > 0
 
 
+def test_each_ceilings_warning_is_said_once(cpu_ceilings, request):
+    """In the summary's WARNING lines; stderr counts them in one short line (it once repeated
+    them all joined into one line of ~1,000 characters)."""
+    if torch.cuda.is_available() or not can_clone():
+        pytest.skip("reads the README clone's CPU run")
+    done = request.getfixturevalue("readme_clone").run("scalelab ceilings --quick")
+    warnings = C.load_ceilings(cpu_ceilings[0]).get("warnings") or []
+    for warning in warnings:
+        assert (done.stdout + done.stderr).count(warning) == 1, warning
+    said = [line for line in done.stderr.splitlines() if "ceilings: warning" in line]
+    assert len(said) == (1 if warnings else 0) and all(len(line) < 160 for line in said)
+
+
 def test_cpu_ceilings_are_plausible(cpu_ceilings):
     path, out, given = cpu_ceilings
     data = C.load_ceilings(path)

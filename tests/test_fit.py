@@ -129,15 +129,30 @@ def test_cli_proposes_the_fewest_stages(cli, tmp_path):
     # the model's budget per stage is 90% of 500 MiB = 450 MiB, so three fit on a stage.
     assert answer["stages"] == 2 and sum(answer["balance"]) == 2 * 2 + 1 + 2 + 2 * 4 + 2 + 1
     assert all(b <= 0.9 * 500 * MiB for b in answer["stage_bytes"])
-    assert "fewest stages that fit: 2" in stdout
+    assert "estimated not to fit one device; fewest stages that fit (modelled): 2" in stdout
     assert json.dumps(rec)  # a plain JSON record
+
+
+def test_a_try_the_fake_allocator_refused_is_an_estimate_not_an_out_of_memory():
+    from scalelab.cli.commands.fit import fit_verdict
+    from scalelab.orchestration.fit import EstimatedLimit, FitPoint
+
+    trial = EstimatedLimit(MiB, estimate=lambda cfg: (MiB, MiB))
+    with pytest.raises(torch.OutOfMemoryError) as refused:
+        trial(RunConfig(workload="deepstack"))
+    point = FitPoint(convs=3, fcs=3, batch=8, fits=False, error=str(refused.value))
+    assert fit_verdict(point) == "over the limit (estimated, not run)"
+    ran = FitPoint(convs=3, fcs=3, batch=8, fits=False, error="CUDA out of memory. Tried ...")
+    assert fit_verdict(ran) == "out of memory"
+    assert fit_verdict(FitPoint(2, 2, 8, True, seconds=float("nan"))) == "fits (estimated, not run)"
 
 
 def test_cli_fit_refusals(cli):
     # No --mem-limit on CPU: the machine's available memory, tries estimated, not run.
     code, out, err = cli("fit", "deepstack", "--find", "stack", "--most", "4")
     assert code == 0 and "available memory" in err
-    assert "largest (n, n) stack that trains: 4" in out
+    assert "largest (n, n) stack estimated to fit: 4 (estimated, not run)" in out
+    assert "trains" not in out and "out of memory" not in err  # estimates are called estimates
     code, _, err = cli("fit", "vgg16", "--find", "stack", "--mem-limit", "1GB")
     assert code == 2 and "--find batch" in err
 

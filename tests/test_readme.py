@@ -1,6 +1,8 @@
-"""Every line of README's "Everyday use" runs, as written, in a fresh clone (the data sets
-beside it as `../shared/data`, as on this project's machines): exit 0 and no internal error.
-Lines marked `(GPU)` run only where a GPU is present. Slow (a few minutes on 2 cores).
+"""Every line of docs/USAGE.md's "Everyday use" runs, as written, in a fresh clone (the data
+sets beside it as `../shared/data`, as on this project's machines): exit 0 and no internal
+error. README's ten-line tour is ten of those lines, so it runs with them; README's test
+command is what .ci/run runs. Lines marked `(GPU)` run only where a GPU is present. Slow
+(several minutes on 2 cores).
 
 The clone and each line's run are shared with the rest of the test run (conftest's
 `readme_clone`, tests/readme_lines.py): a line another test reads (readme_lines.INDEPENDENT,
@@ -9,21 +11,40 @@ both tests assert on that one run."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 from conftest import ROOT, SHARED_DATA
-from readme_lines import INDEPENDENT, everyday_commands
+from readme_lines import INDEPENDENT, USAGE, everyday_commands, tour_commands
 
 
 def test_the_readme_block_is_parsed():
-    commands = everyday_commands((ROOT / "README.md").read_text())
+    commands = everyday_commands((ROOT / USAGE).read_text())
     assert commands[0] == ("scalelab list", False)
     assert ("scalelab run vgg16 --batch 2 --device cuda --dtype bf16", True) in commands
     predict = next(c for c, _ in commands if c.startswith("scalelab predict resnet18"))
     assert predict.endswith("--calibrate benchmarks/results")
     for prefix in INDEPENDENT:  # each line another test reads is one README line, CPU-only
         assert [gpu for c, gpu in commands if c.startswith(prefix)] == [False], prefix
+
+
+def test_the_readme_tour_is_ten_everyday_lines_in_their_order():
+    """So the tour runs (test below) without a run of its own: the same lines, CPU-only."""
+    tour = [c for c, _ in tour_commands((ROOT / "README.md").read_text())]
+    everyday = [c for c, gpu in everyday_commands((ROOT / USAGE).read_text()) if not gpu]
+    assert len(tour) == 10 and all(c in everyday for c in tour), set(tour) - set(everyday)
+    assert tour == sorted(tour, key=everyday.index)  # later lines read what earlier ones wrote
+
+
+def test_ci_runs_the_readme_test_command_exactly():
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```\n(.*?)\n```", readme.split("## Two commands", 1)[1], re.S)
+    test_command = next(b for b in blocks if "pytest" in b)
+    assert '".[mpich,test,hf]"' in test_command  # transformers: the hf extra
+    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()
+    assert ci[-1] == test_command
 
 
 @pytest.mark.slow

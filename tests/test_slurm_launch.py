@@ -208,7 +208,7 @@ def test_mpi_extra_is_mpi4py_only():
     assert [d.split(">")[0] for d in extras["mpi"]] == ["mpi4py"]
     assert any(d.startswith("mpich") for d in extras["mpich"])
     readme = (Path(__file__).parents[1] / "README.md").read_text()
-    assert '".[mpich,plot]"' in readme and '".[mpich,test]"' in readme
+    assert '".[mpich,plot]"' in readme and '".[mpich,test,hf]"' in readme
 
 
 def test_a_rank_aborted_by_a_dead_peer_stays_quiet_when_the_step_is_cancelled(

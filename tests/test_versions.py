@@ -37,8 +37,10 @@ def test_versions_runs_every_available_strategy_on_the_same_inputs(readme_clone)
         assert label in stdout
     serial = next(r for r in recs if r["strategy"] == "serial")
     assert serial["relerr"] == 0.0
-    if not torch.cuda.is_available():
-        assert "skipped mpi-gpu (V4): no CUDA GPU" in stdout
+    if not torch.cuda.is_available():  # one line of reasons with counts; the list in the records
+        (line,) = [line for line in stdout.splitlines() if line.startswith("skipped")]
+        assert re.fullmatch(r"skipped \d+ variants: .*no CUDA GPU on this machine \(\d+\).*", line)
+        assert recs[0]["versions_skipped"]["mpi-gpu (V4)"] == "no CUDA GPU on this machine"
 
 
 def test_unavailable_variants_say_why():
@@ -218,8 +220,11 @@ def test_versions_train_checks_every_data_parallel_strategy_on_cpu_ranks(cli, tm
     for label in ("local cpu", "ddp cpu", "mpi-dp"):
         row = next(line for line in table.splitlines() if line.startswith(label + " "))
         assert row.endswith("passed"), row
-    for label in ("pipeline torch cpu", "tensor dtensor cpu", "fsdp cpu"):
-        assert f"skipped {label}: on CPU ranks with --all" in stdout
+    (skipped,) = [line for line in stdout.splitlines() if line.startswith("skipped")]
+    assert re.search(r"on CPU ranks with --all \(\d+\)", skipped), skipped  # one line for all
+    assert {"pipeline torch cpu", "tensor dtensor cpu", "fsdp cpu"} <= {
+        k for k, v in recs[0]["versions_skipped"].items() if "--all" in v
+    }
     assert "FAILED" not in stdout and "failed" not in table
 
 
@@ -265,7 +270,21 @@ def test_versions_on_two_gpus_runs_every_gpu_strategy(cli, tmp_path, group):
     assert len(recs) == len(labels) and all(r["check_passed"] for r in recs)
     assert all(r["config"]["device"] == "cuda" for r in recs)
     if group == "sharded" and torch.cuda.device_count() < 4:
-        assert "skipped dp x tp cuda: needs 4 GPUs" in stdout
+        assert "needs 4 GPUs" in stdout and "dp x tp cuda" in recs[0]["versions_skipped"]
+
+
+def test_skipped_variants_fold_into_one_line_with_counts_and_refusals_keep_theirs():
+    from scalelab.cli.commands.versions import skipped_lines
+
+    skipped = {"a": "no CUDA GPU", "b": "no CUDA GPU", "c": "on CPU ranks with --all"}
+    refusal = {"d": "tensor --engine torch: convnet marks no Linear pair to shard"}
+    text = skipped_lines({**skipped, **refusal}, set(refusal), verbose=0)
+    assert text.splitlines() == [
+        f"skipped d: {refusal['d']}",
+        "skipped 3 variants: no CUDA GPU (2); on CPU ranks with --all (1) (-v: each)",
+    ]
+    every = skipped_lines({**skipped, **refusal}, set(refusal), verbose=1).splitlines()
+    assert every[:2] == ["skipped a: no CUDA GPU", "skipped b: no CUDA GPU"] and len(every) == 4
 
 
 def test_only_keeps_the_variants_it_names_and_refuses_text_no_label_holds(cli, tmp_path):

@@ -152,6 +152,17 @@ def _split_rules(cfg: Any) -> None:
 def _pipeline_rules(cfg: Any) -> None:
     _known(cfg.schedule, SCHEDULES["torch"], "--schedule")
     _known(cfg.placement, PLACEMENTS, "--placement")
+    _balance_form(cfg.balance)
+
+
+def _balance_form(spec: str) -> None:
+    """--balance is 'auto' or layer counts >= 1 (planning/partition.py checks them against
+    the model's layers and stages, once the model is built)."""
+    if spec.strip() == "auto":
+        return
+    parts = [part.strip() for part in spec.split(",")]
+    if not all(part.isdigit() and int(part) >= 1 for part in parts):
+        raise UsageError(f"--balance must be 'auto' or layer counts like 5,7; got {spec!r}")
 
 
 def _pipeline_when_read(cfg: Any) -> None:

@@ -1,6 +1,6 @@
 """Errors that the CLI turns into one line and an exit code, never a traceback.
 
-The exit-code contract (enforced in `scalelab.cli.main`, documented in README):
+The exit-code contract (enforced in `scalelab.cli.main`, documented in docs/USAGE.md, "Exit codes"):
 0 ok; 1 the check (or a scripted performance reference) failed, or the run failed after work
 started (a dead rank, non-finite weights, out of memory) with a `failed` record; 2 bad input or
 a refused configuration: one line on stderr, nothing written; 3 internal error (a bug).

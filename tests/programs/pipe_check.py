@@ -127,7 +127,8 @@ def config(name: str, kw: dict, stages: int, strategy: str) -> RunConfig:
     kw = {k: v for k, v in kw.items() if k != "record"}
     kw = {**SHAPES[name], **kw, "quiet": True, "iters": 1, "warmup": 1, "seed": 3, "stages": stages}
     if kw.get("balance") == "even":
-        kw["balance"] = even_balance(name, RunConfig(workload=name, **kw), stages)
+        kw["balance"] = even_balance(name, RunConfig(workload=name, **{**kw, "balance": "auto"}),
+                                     stages)  # fmt: skip
     if strategy == "pipeline":
         kw.update(strategy="pipeline", stages=stages, ranks=stages, save_weights="unused")
     return RunConfig(workload=name, **kw)

@@ -234,11 +234,11 @@ def roofline_section(records: list[dict[str, Any]], ceilings: dict | None, page:
         ]
     else:
         parts.append(html.note("Per-layer roofline: needs --per-layer runs and ceilings."))
-    parts.append(_system_roofline(records, page))
+    parts.append(_system_roofline(records, ceilings, page))
     return "roofline", "Roofline", "\n".join(parts)
 
 
-def _system_roofline(records: list[dict[str, Any]], page: Page) -> str:
+def _system_roofline(records: list[dict[str, Any]], ceilings: dict | None, page: Page) -> str:
     if not sysroof.training_runs(records):
         return html.note("System roofline: needs distributed training runs (e.g. mlp, mpi-dp).")
     peaks = sysroof.estimate_peaks(records)
@@ -248,8 +248,10 @@ def _system_roofline(records: list[dict[str, Any]], page: Page) -> str:
         f"P_mpi = {_rate(peaks.p_mpi)} (pooled over {peaks.runs} runs)"
     )
     if peaks.beta_Bps:
-        fit = f"alpha = {peaks.alpha_s * 1e6:.1f} us, beta = {peaks.beta_Bps:.3g} B/s"
+        fit = f"alpha = {peaks.alpha_s * 1e6:.1f} us, beta = {peaks.beta_Bps / 1e9:.3g} GB/s"
         lead += f"; all-reduce fit {fit}"
+    backend = sysroof.ceiling_backend(records)
+    disagree = sysroof.against_ceilings(peaks, ceilings, backend)  # one quantity, two figures
     fmts = {
         c: ".3g"
         for c in (
@@ -268,6 +270,7 @@ def _system_roofline(records: list[dict[str, Any]], page: Page) -> str:
     return (
         "<h3>System (the MNIST seed's model)</h3>"
         + html.note(lead)
+        + html.warning_list(disagree)
         + html.table(pts.drop(columns=["id"]), fmts)
         + page.csv(pts, "roofline_system.csv")
         + page.figure(
@@ -288,8 +291,12 @@ def convergence_section(records: list[dict[str, Any]], page: Page) -> Section:
     final = convergence.final_table(records)
     if final.empty:
         return "convergence", "Convergence", html.note("No training runs.")
-    fmts = {"wall_s": ".2f", "final_loss": ".4f", "final_accuracy": ".4f"}
-    body = html.table(final, fmts)
+    labels = {"final_loss": "training loss", "final_accuracy": "held-out accuracy"}
+    fmts = {"wall_s": ".2f", "training loss": ".4f", "held-out accuracy": ".4f"}
+    body = html.note(
+        "training loss: the mean over the last epoch's steps; held-out accuracy: on the "
+        "held-out items after the last epoch (--heldout-size)."
+    ) + html.table(final.rename(columns=labels), fmts)
     curves = convergence.convergence_frame(records)
     body += page.figure("convergence", "Training loss and held-out accuracy per epoch.", curves)
     return "convergence", "Convergence", body
@@ -303,6 +310,11 @@ def memory_section(records: list[dict[str, Any]], page: Page) -> Section:
     body = ""
     if not df.empty:
         df = df.dropna(axis=1, how="all")
+        if not {"peak_MB", "power_W"} & set(df.columns) and nvml.empty:
+            body += html.note(
+                "No memory or power measured: the allocator's peak and NVML's power are "
+                "CUDA-only; below, each layer's time and output size."
+            )
         fmts = {"ms": ".3f", "out_MB": ".3f", "peak_MB": ".2f", "power_W": ".1f"}
         body += html.note(
             "--per-layer: median time per call, output size, and the allocator's peak while the "

@@ -30,13 +30,29 @@ def environment_section(records: list[dict[str, Any]]) -> Section:
         "git_dirty",
     ]
     rows: dict[str, dict[str, Any]] = {}
-    for rec in records:
+    for rec in records:  # one row per host: a run that left a field unset (a one-process
+        # run loads no MPI library) does not make the host a second row
         env = {k: (rec.get("env") or {}).get(k) for k in keys}
-        env["git_commit"] = (env["git_commit"] or rec.get("git_commit") or "")[:10]
-        row = rows.setdefault(repr(sorted(env.items())), {**env, "runs": 0})
+        env["git_commit"] = (env["git_commit"] or rec.get("git_commit") or "")[:10] or None
+        row = rows.setdefault(str(env["hostname"]), {"runs": 0})
         row["runs"] += 1
-    df = pd.DataFrame(list(rows.values()))
+        for k, v in env.items():
+            seen = row.setdefault(k, [])
+            if v is not None and v not in seen:
+                seen.append(v)
+    df = pd.DataFrame(
+        [{k: _merged(v) for k, v in row.items()} for row in rows.values()],
+        columns=[*keys, "runs"],
+    )
     return "env", "Environment", html.table(df.dropna(axis=1, how="all"), text_cols=set(keys))
+
+
+def _merged(values: Any) -> Any:
+    """A field's distinct values over a host's records: one value as itself, several joined
+    (two torch versions on one host are worth seeing), none as missing."""
+    if not isinstance(values, list):
+        return values
+    return None if not values else values[0] if len(values) == 1 else " / ".join(map(str, values))
 
 
 def ceilings_section(ceilings: dict[str, Any] | None, records: list[dict[str, Any]]) -> Section:

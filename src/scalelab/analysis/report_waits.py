@@ -29,9 +29,10 @@ def with_phases(df: pd.DataFrame, records: list[dict[str, Any]]) -> pd.DataFrame
 
 
 def waits_section(records: list[dict[str, Any]], page: Any) -> tuple[str, str, str]:
-    runs = [r for r in records if r.get("timeline")][-MAX_RUNS:]
+    # one rank has nothing to wait for: its bar would be all compute
+    runs = [r for r in records if r.get("timeline") and int(r.get("ranks", 1)) > 1][-MAX_RUNS:]
     if not runs:
-        note = "No run carries a timeline (run with --timeline or --trace)."
+        note = "No multi-rank run carries a timeline (run with --timeline or --trace)."
         return "waits", "Waiting vs working", html.note(note)
     parts = [
         html.note(
@@ -50,6 +51,12 @@ def waits_section(records: list[dict[str, Any]], page: Any) -> tuple[str, str, s
             f"straggler: {'none' if who is None else f'rank {who}'}; comm/compute overlap per "
             f"rank: {overlap}"
         ))  # fmt: skip
+        bars = rank_breakdown(rec)
+        ms = bars.pivot(index="rank", columns="part", values="seconds") * 1e3
+        ms.index = ms.index.map(str)
+        parts.append(
+            html.table(ms.reset_index(), {c: ".3f" for c in ms.columns}, text_cols={"rank"})
+        )
         parts.append(page.figure("wait_bars", "Compute, transfer and wait per rank.",
-                                 rank_breakdown(rec), title))  # fmt: skip
+                                 bars, title))  # fmt: skip
     return "waits", "Waiting vs working", "\n".join(parts)

@@ -243,3 +243,49 @@ def above_model(row: dict[str, Any]) -> str:
     against a model of 1.90e10, unflagged), else ""."""
     top = max(row["measured"], row["measured_phases"])
     return ABOVE_MODEL if top > row["model"] * (1 + ABOVE_SLACK) else ""
+
+
+# Two figures of one quantity further apart than this factor contradict each other: flagged.
+DISAGREE = 2.0
+
+
+def ceiling_backend(records: list[dict[str, Any]]) -> str:
+    """The ceilings' `comm` entry the training runs' all-reduces went over."""
+    runs = training_runs(records)
+    if runs and all(r.get("strategy") == "mpi-dp" for r in runs):
+        return "mpi"
+    gpu = any((r.get("config") or {}).get("device") == "cuda" for r in runs)
+    return "nccl" if gpu else "gloo"
+
+
+def against_ceilings(
+    peaks: SystemPeaks, ceilings: dict[str, Any] | None, backend: str
+) -> list[str]:
+    """The runs' all-reduce fit beside the measured ceiling of the same all-reduce: one line
+    per figure more than DISAGREE x apart, with why they differ."""
+    fit = ((ceilings or {}).get("comm") or {}).get(backend, {}).get("allreduce") or {}
+    if peaks.alpha_s is None or peaks.beta_Bps is None or not fit:
+        return []
+    ranks = (ceilings or {})["comm"][backend].get("ranks", "?")
+    pairs = (
+        ("latency (alpha)", peaks.alpha_s, fit["alpha_s"], lambda v: f"{v * 1e6:.3g} us"),
+        ("bandwidth (beta)", peaks.beta_Bps, fit["beta_Bps"], lambda v: f"{v / 1e9:.3g} GB/s"),
+    )
+    out = []
+    for what, runs, ceiling, fmt in pairs:
+        apart = runs / ceiling if runs > 0 and ceiling > 0 else math.inf
+        if max(apart, 1 / apart) > DISAGREE:
+            out.append(
+                f"all-reduce {what}: the training runs' fit {fmt(runs)} disagrees with the "
+                f"Ceilings' {backend} x{ranks} {fmt(ceiling)} ({_apart(apart)}): the fit "
+                f"reads the runs' whole all-reduce phase (waiting for the slower rank, the "
+                f"copies around the call) at {peaks.runs} runs' few message sizes; the "
+                f"ceiling times bare all-reduces over a range of sizes"
+            )
+    return out
+
+
+def _apart(ratio: float) -> str:
+    if not math.isfinite(ratio) or ratio <= 0:
+        return "one of them not positive"
+    return f"{max(ratio, 1 / ratio):.3g}x apart"

@@ -1,6 +1,6 @@
 """`scalelab` entry point: subcommands, and the one place errors become exit codes.
 
-The contract (README "Exit codes"): 0 ok; 1 the check failed or the run failed after work
+The contract (docs/USAGE.md, "Exit codes"): 0 ok; 1 the check failed or the run failed after work
 started (one line, a `failed` record); 2 bad input or a refused configuration (one line on
 stderr, nothing written); 3 internal error (a bug: one line, SCALELAB_DEBUG=1 for the traceback).
 """
@@ -8,11 +8,13 @@ stderr, nothing written); 3 internal error (a bug: one line, SCALELAB_DEBUG=1 fo
 from __future__ import annotations
 
 import argparse
+import difflib
 import faulthandler
 import logging
 import os
 import sys
 import typing
+import warnings
 
 from scalelab import __version__
 from scalelab.cli.base import COMMANDS
@@ -23,9 +25,43 @@ from scalelab.instrument.timer import HUB
 
 log = logging.getLogger("scalelab")
 
+# Third-party warnings that tell a scalelab user nothing they can act on, each printed once per
+# rank otherwise: (message regex, category). torch's own pipelining tracer checks
+# `isinstance(spec, LeafSpec)`, which torch >= 2.10 deprecates.
+QUIET_WARNINGS = ((r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning),)
+
+
+def quiet_third_party_warnings() -> None:
+    """Every process runs main() (ranks too: launchers start `python -m scalelab run`), so the
+    filter holds in every rank."""
+    for message, category in QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
+
 
 class OneLineParser(argparse.ArgumentParser):
-    """Bad flags give one line naming the problem and exit code 2 (argparse prints usage too)."""
+    """Bad flags give one line naming the problem and exit code 2 (argparse prints usage too);
+    an unknown option names the closest one the command takes."""
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}{self._closest(parsed, extras)}")
+        return parsed
+
+    def _closest(self, parsed: argparse.Namespace, extras: list[str]) -> str:
+        """' (did you mean --strategy?)' for the first unknown option with a close match
+        among the chosen subcommand's options."""
+        parser: argparse.ArgumentParser = self
+        for action in self._actions:  # the subcommand's own parser holds its options
+            if isinstance(action, argparse._SubParsersAction):
+                parser = action.choices.get(getattr(parsed, action.dest, None), self)
+        known = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+        for extra in extras:
+            if extra.startswith("--"):
+                near = difflib.get_close_matches(extra.split("=", 1)[0], known, n=1)
+                if near:
+                    return f" (did you mean {near[0]}?)"
+        return ""
 
     def error(self, message: str) -> typing.NoReturn:
         sys.stderr.write(f"{self.prog}: error: {message}\n")
@@ -96,6 +132,7 @@ def setup_logging(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    quiet_third_party_warnings()
     watch_for_hangs()
     args = build_parser().parse_args(argv)
     args.argv = list(argv)  # a launcher re-runs exactly this command line on every rank

@@ -148,6 +148,7 @@ class Demo:
             "image_size": IMAGE,
             "iters": 2 if self.quick else 4,
             "warmup": 1,
+            "timeline": True,  # every rank's phases on one clock: the report's waits per rank
             **self.device(),
         }
         if strategy == "mpi":  # CPU ranks whatever the machine has

@@ -199,6 +199,9 @@ def estimate_bytes(cfg: RunConfig) -> tuple[int, int]:
     return params, acts
 
 
+FAKE_ALLOCATOR = "fake allocator"  # how its refusals start: an estimate, not a run
+
+
 class EstimatedLimit:
     """The fake allocator (see the module docstring). inner: the trial that runs a step that
     fits (None: report the estimate only, seconds NaN)."""
@@ -218,7 +221,7 @@ class EstimatedLimit:
         if self.live + nbytes > self.limit:
             free = self.limit - self.live
             raise torch.OutOfMemoryError(
-                f"fake allocator: tried to allocate {nbytes / 2**20:.1f} MiB with "
+                f"{FAKE_ALLOCATOR}: tried to allocate {nbytes / 2**20:.1f} MiB with "
                 f"{free / 2**20:.1f} MiB free of a {self.limit / 2**20:.1f} MiB limit"
             )
         self.live += nbytes

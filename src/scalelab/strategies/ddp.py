@@ -70,7 +70,7 @@ def per_rank_batch(cfg: RunConfig, world: int) -> int:
     if cfg.batch % world:
         raise UsageError(
             f"--batch {cfg.batch} (the global batch) does not divide over {world} ranks "
-            f"(ddp gives every rank the same share); use a multiple of {world}"
+            f"({cfg.strategy} gives every rank the same share); use a multiple of {world}"
         )
     return cfg.batch // world
 

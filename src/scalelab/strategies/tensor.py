@@ -94,7 +94,9 @@ def slice_for(t: torch.Tensor, dim: int | None, rows: slice) -> torch.Tensor:
 
 
 @STRATEGIES.register(
-    "tensor", "model-parallel MLP over MPI ranks: W1 rows / W2 columns split, one Allreduce a step"
+    "tensor",
+    "tensor parallel: --engine torch shards any model's Linear pairs and attention heads "
+    "(DTensor, torchrun); the default engine splits the MLP's W1 rows / W2 columns over MPI ranks",
 )
 class TensorParallel(OnMPIRanks):
     name = "tensor"

@@ -108,8 +108,12 @@ def run(args: argparse.Namespace) -> int:
         data["warnings"] = [*data.get("warnings", []), *busy]
     C.write_ceilings(args.out, data)
     print(format_summary(data, args.out))
-    if data.get("warnings"):
-        sys.stderr.write("scalelab ceilings: warning: " + "; ".join(data["warnings"]) + "\n")
+    if data.get("warnings"):  # said in full once, in the summary's WARNING lines above
+        n = len(data["warnings"])
+        sys.stderr.write(
+            f"scalelab ceilings: warning: {n} figure(s) suspect: the summary's WARNING lines "
+            f"and the file's `warnings` say which\n"
+        )
     if args.comm_only:
         coll.print_collectives(data)
     return 0

@@ -40,7 +40,13 @@ from scalelab.cli.options import (
 from scalelab.comm.base import even_counts
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
-from scalelab.orchestration.fit import DeviceTrial, EstimatedLimit, FitPoint, Search
+from scalelab.orchestration.fit import (
+    FAKE_ALLOCATOR,
+    DeviceTrial,
+    EstimatedLimit,
+    FitPoint,
+    Search,
+)
 from scalelab.orchestration.jobs import relaunch
 from scalelab.planning import partition as part
 from scalelab.planning import profiling
@@ -141,11 +147,26 @@ def _progress(quiet: bool):
 
 
 def fit_verdict(point: FitPoint) -> str:
-    """`fits, 3.2 ms`; a try that was estimated, not run, has no time to print (not `nan ms`)."""
+    """`fits, 3.2 ms`; a try that was estimated, not run, has no time to print (not `nan ms`)
+    and says it was estimated, whichever way it went (the fake allocator refused it)."""
     if not point.fits:
-        return "out of memory"
-    ran = point.seconds is not None and math.isfinite(point.seconds)
-    return f"fits, {point.seconds * 1e3:.1f} ms" if ran else "fits (estimated, not run)"
+        estimated = (point.error or "").startswith(FAKE_ALLOCATOR)
+        return "over the limit (estimated, not run)" if estimated else "out of memory"
+    return f"fits, {point.seconds * 1e3:.1f} ms" if _ran(point) else "fits (estimated, not run)"
+
+
+def _ran(point: FitPoint) -> bool:
+    return point.seconds is not None and math.isfinite(point.seconds)
+
+
+def _largest(points: list[FitPoint], what: str, value: int, **key: int) -> str:
+    """'largest batch that runs: 8', or '... estimated to fit: 8 (estimated, not run)' where
+    that try was only charged against the limit."""
+    point = next((p for p in points if p.fits and all(getattr(p, k) == v for k, v in key.items())),
+                 None)  # fmt: skip
+    if point is not None and _ran(point):
+        return f"largest {what}: {value}"
+    return f"largest {what.split(' that ')[0]} estimated to fit: {value} (estimated, not run)"
 
 
 # --- the three searches -------------------------------------------------------------------
@@ -177,12 +198,13 @@ def _find_ranks(cfg: RunConfig, args: argparse.Namespace) -> int:
 
 def _find_stack(search: Search, cfg: RunConfig, args, device, limit) -> dict[str, Any]:
     convs, fcs = search.stack(args.most)
-    return {"convs": convs, "fcs": fcs, "line": f"largest (n, n) stack that trains: {convs}"}
+    line = _largest(search.points, "(n, n) stack that trains", convs, convs=convs, fcs=fcs)
+    return {"convs": convs, "fcs": fcs, "line": line}
 
 
 def _find_batch(search: Search, cfg: RunConfig, args, device, limit) -> dict[str, Any]:
     batch = search.batch(args.most)
-    return {"batch": batch, "line": f"largest batch that runs: {batch}"}
+    return {"batch": batch, "line": _largest(search.points, "batch that runs", batch, batch=batch)}
 
 
 def _find_stages(search: Search, cfg: RunConfig, args, device, limit) -> dict[str, Any]:
@@ -199,8 +221,11 @@ def _find_stages(search: Search, cfg: RunConfig, args, device, limit) -> dict[st
         return {"stages": None, "line": f"no split into <= {args.max_stages} stages fits"}
     counts = part.balance_auto(profiles, k, mem(k))
     est = [mem(k).stage_bytes(profiles[a:b], s) for s, (a, b) in enumerate(part.bounds(counts))]
+    tried = search.points[-1] if search.points else None
+    estimated = tried is not None and (tried.error or "").startswith(FAKE_ALLOCATOR)
     line = (
-        f"does not fit one device; fewest stages that fit: {k} (balance "
+        f"{'estimated not to fit' if estimated else 'does not fit'} one device; fewest stages "
+        f"that fit (modelled): {k} (balance "
         f"{','.join(map(str, counts))}, modelled GiB per stage "
         f"{', '.join(f'{b / 2**30:.2f}' for b in est)})"
     )

@@ -167,7 +167,10 @@ def _base(args: argparse.Namespace) -> RunConfig:
     return base
 
 
-def _run_all(todo: list[Variant], base: RunConfig, args: argparse.Namespace, tag: str) -> Rows:
+def _run_all(
+    todo: list[Variant], base: RunConfig, args: argparse.Namespace, tag: str, skipped: dict
+) -> Rows:
+    """Every record carries the variants skipped here (`versions_skipped`: label -> why)."""
     rows = []
     with tempfile.TemporaryDirectory(prefix="scalelab-versions-") as tmp:
         for i, v in enumerate(todo, 1):
@@ -175,6 +178,7 @@ def _run_all(todo: list[Variant], base: RunConfig, args: argparse.Namespace, tag
             rec = run_variant(v, base, Path(tmp), args.timeout)
             if "schema" in rec:
                 rec["versions"] = tag
+                rec["versions_skipped"] = skipped
                 append_record(args.out, rec)
             rows.append((v, rec))
     return rows
@@ -192,15 +196,14 @@ def run(args: argparse.Namespace) -> int:
     tag = uuid.uuid4().hex[:12]
     todo = _selected(variants(args.ranks, base.train), args.only)
     plan = [(v, unavailable(v, base, args.all)) for v in todo]
-    ran = _run_all([v for v, why in plan if why is None], base, args, tag)
+    skipped = {v.label: why for v, why in plan if why is not None}
+    ran = _run_all([v for v, why in plan if why is None], base, args, tag, skipped)
     rows = [(v, r) for v, r in ran if r.get("status") != REFUSED]
     refused = {v.label: r["error"] for v, r in ran if r.get("status") == REFUSED}
     print(_title(base))
     print(baseline_line(rows))
     print(format_train_table(rows) if base.train else format_table(rows))
-    for v, why in plan:
-        if why is not None or v.label in refused:
-            print(f"skipped {v.label}: {why or refused[v.label]}")
+    print(skipped_lines({**skipped, **refused}, set(refused), args.verbose), end="")
     ok = [r for _, r in rows if r.get("status") in FINISHED]
     if not base.train:
         digests = {r["digest"] for r in ok}
@@ -212,6 +215,22 @@ def run(args: argparse.Namespace) -> int:
     if failed:
         print(f"check-failed: {failed} of {len(rows)} runs disagree with the float64 reference")
     return 1 if bad else 0
+
+
+def skipped_lines(skipped: dict[str, str], refused: set[str], verbose: int) -> str:
+    """A refusal (the strategy's own, for this workload) gets its line; what this machine or
+    mode cannot run folds into one line of reasons with counts, every variant with -v."""
+    if verbose:
+        return "".join(f"skipped {label}: {why}\n" for label, why in skipped.items())
+    lines = [f"skipped {label}: {skipped[label]}\n" for label in skipped if label in refused]
+    counts: dict[str, int] = {}
+    for label, why in skipped.items():
+        if label not in refused:
+            counts[why] = counts.get(why, 0) + 1
+    if counts:
+        reasons = "; ".join(f"{why} ({n})" for why, n in counts.items())
+        lines.append(f"skipped {sum(counts.values())} variants: {reasons} (-v: each)\n")
+    return "".join(lines)
 
 
 COMMANDS.register("versions", "every strategy this machine can run, one comparison table")(

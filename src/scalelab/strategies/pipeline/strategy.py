@@ -34,6 +34,7 @@ from scalelab.comm.torchdist import TorchDistComm
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
 from scalelab.instrument.timer import EventTimer, timed_iterations
+from scalelab.planning import partition as part
 from scalelab.planning import profiling
 from scalelab.planning.preserve import kept_state
 from scalelab.planning.schedule import SCHEDULES
@@ -70,12 +71,18 @@ class PipelineStrategy(TorchStrategy):
 
     @classmethod
     def preflight(cls, cfg: RunConfig) -> int:
-        """Before any rank starts: a training loss no stage of the scheduled engine holds
-        (the check validate makes on every rank, so no launcher starts for it)."""
-        if cfg.train and placement_name(cfg) == "scheduled":
-            from scalelab.workloads import WORKLOADS
+        """Before any rank starts: a training loss no stage of the scheduled engine holds,
+        and a --balance or --cut that does not cut this model's layers into --stages (the
+        checks the ranks make, so no launcher starts for them)."""
+        if placement_name(cfg) != "scheduled":
+            return cfg.batch
+        from scalelab.workloads import WORKLOADS
 
-            _check_trainable(WORKLOADS.get(cfg.workload)(cfg), get_precision(cfg.dtype))
+        workload = WORKLOADS.get(cfg.workload)(cfg)
+        if cfg.train:
+            _check_trainable(workload, get_precision(cfg.dtype))
+        if cfg.balance.strip() != "auto" or cfg.cut is not None:  # the model only then
+            part.given_counts(cfg.balance, cfg.cut, _layer_paths(workload), cfg.stages)
         return cfg.batch
 
     @classmethod
@@ -308,3 +315,13 @@ def _check_trainable(workload: Workload, precision) -> None:
             f"pipeline: {workload.name}'s loss looks at the whole model (regularisation), "
             "which no single stage holds; pipeline trains plain cross-entropy workloads"
         )
+
+
+def _layer_paths(workload: Workload) -> list[str | None]:
+    """The model's layer paths, from a model on the meta device (shapes only: no weights to
+    allocate, VGG-16's 0.5 GB included); a factory that cannot build there is built as is."""
+    try:
+        with torch.device("meta"):
+            return [layer.path for layer in workload.layers(workload.build_model())]
+    except Exception:  # a user's factory that reads files, a traced forward on real inputs
+        return [layer.path for layer in workload.layers(workload.build_model())]
