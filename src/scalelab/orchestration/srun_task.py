@@ -52,6 +52,7 @@ CONT_WAIT_S = 2.0  # scancel's SIGTERM after its SIGCONT
 # where a rank was killed to name it and cancel the step (torchrun notices a dead worker,
 # stops its others and reports: seconds).
 AGENT_GRACE_S = 20.0
+FORWARD_S = 1.0  # a stop signal goes on to the launcher when its ranks still run this later
 WATCHED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCONT)
 
 
@@ -199,11 +200,19 @@ def is_node_agent(launcher: str | None, nnodes: int) -> bool:
 def agent(
     start: Callable[[], jobs.JobOutcome], cfg: RunConfig, results: Path | None
 ) -> tuple[int, dict | None]:
-    """Run this node's torchrun (start(), which prints nothing) and end as the step should:
-    the node where a rank died names it once, records it and cancels the step; the others
-    stay quiet once stopped; a refusal is said by task 0 only; nothing waits without bound."""
+    """Run this node's launcher (start(), which prints nothing: torchrun, or mpiexec for a
+    one-task step's ranks) and end as the step should: the node where a rank died names it
+    once, records it and cancels the step; the others stay quiet once stopped; a refusal is
+    said by task 0 only; a stop (scancel, the time limit) goes on to the launcher, which
+    stops its ranks, and is recorded with its cause; nothing waits without bound."""
     stopped: list[int] = []
-    previous = {s: signal.signal(s, lambda n, _f: stopped.append(n)) for s in WATCHED}
+
+    def stop(n: int, _frame) -> None:
+        stopped.append(n)
+        if n in (signal.SIGTERM, signal.SIGINT):
+            threading.Timer(FORWARD_S, _forward, (n,)).start()
+
+    previous = {s: signal.signal(s, stop) for s in WATCHED}
     before = _lines(results)
     _prepare_record()
     try:
@@ -214,8 +223,29 @@ def agent(
             signal.signal(s, handler)
 
 
+def _forward(sig: int) -> None:
+    """A stop that reached this task alone (`kill` of it; scancel and the time limit signal
+    every process of the step, and the ranks, which keep no handler, are gone by now): send
+    it on to the launcher, which stops its ranks. Not at once: a second SIGTERM while
+    torchrun stops its workers breaks its shutdown into a traceback."""
+    launchers = _children(os.getpid())
+    if any(_children(pid) for pid in launchers):
+        for pid in launchers:
+            with contextlib.suppress(OSError):
+                os.kill(pid, sig)
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError, ValueError):
+            out += [int(p) for p in (task / "children").read_text().split()]
+    return out
+
+
 def _agent_outcome(outcome, stopped, cfg, results, before: int) -> int:
     task0 = os.environ.get("SLURM_PROCID", "0") == "0"
+    alone = slurm.step_tasks() == 1  # no peer task to name a death or cancel the step
     if outcome.code == 0:
         return 0
     if stopped:
@@ -224,7 +254,7 @@ def _agent_outcome(outcome, stopped, cfg, results, before: int) -> int:
         if task0:
             _say(outcome.message)
         return 2
-    if not outcome.killed:  # a peer's death, most likely: let its node's agent say it
+    if not outcome.killed and not alone:  # a peer's death, most likely: its agent says it
         _wait_for(stopped, AGENT_GRACE_S)
         if stopped:
             return _stopped(stopped, task0, cfg, results, before)
@@ -235,7 +265,8 @@ def _agent_outcome(outcome, stopped, cfg, results, before: int) -> int:
     _say(line)
     if results is not None and (outcome.killed or (task0 and _lines(results) == before)):
         _record(cfg, results, line)
-    _end_step()
+    if not alone:
+        _end_step()
     return outcome.code
 
 
