@@ -84,7 +84,11 @@ def test_mpi_spatial_across_two_nodes_equals_one_node(slurm_conf, tmp_path):
         ["-N2", "-n2", "--ntasks-per-node=1", "--mpi=pmi2"], [*ALEXNET, "--out", str(two)], tmp_path
     )
     assert proc.returncode == 0, proc.stderr
-    proc = scalelab_srun(["-N1", "-n2", "--mpi=pmi2"], [*ALEXNET, "--out", str(one)], tmp_path)
+    # On n1 by name: left to Slurm, a 1-node job goes to whichever node is free, and under
+    # load the previous test's job may still be completing on n1 (its ranks being killed):
+    # then this one ran on n2 and `node_list == "n1"` failed (in 1 full CI run; never alone).
+    one_node = ["-N1", "-n2", "--nodelist=n1", "--mpi=pmi2"]
+    proc = scalelab_srun(one_node, [*ALEXNET, "--out", str(one)], tmp_path)
     assert proc.returncode == 0, proc.stderr
     a, b = one_record(two), one_record(one)
     assert a["ranks"] == a["config"]["ranks"] == 2 and a["config"]["threads"] == 1

@@ -13,7 +13,13 @@ with the task's environment and file descriptors unchanged (PMI_FD included), an
   mpiexec: a refusal (every rank refuses alike) is printed by task 0 only;
 - the parent itself signalled (scancel, a time limit, the step ended by a dead peer): quiet;
   so is a child that aborted (SIGABRT) or failed because a peer died, once the dead rank's
-  task cancels the step (PEER_GRACE_S).
+  task cancels the step (PEER_GRACE_S); the MPI library's own abort stack is kept back;
+- a peer task on this node killed (its watcher gone, so nobody names its rank): the parents
+  on that node watch each other's folders and the step's task list, and one of them names
+  it, records it and cancels the step.
+
+A one-task step that starts its own ranks (`srun -n1 scalelab run ... --ranks 2`) runs its
+launcher under `agent`, as a node's torchrun: a stop is passed on, recorded and exits 143.
 
 The parent does not start ranks (srun did); it is what torchrun's per-node agent is to its
 workers, for one worker.
@@ -52,6 +58,9 @@ CONT_WAIT_S = 2.0  # scancel's SIGTERM after its SIGCONT
 # where a rank was killed to name it and cancel the step (torchrun notices a dead worker,
 # stops its others and reports: seconds).
 AGENT_GRACE_S = 20.0
+# MPICH's error stack: `internal_Scatterv_c(149)....: MPI_Scatterv(...) failed`, its abort.
+MPI_ABORT = re.compile(r"^\w+\(\d+\)\.*:|Fatal error in |MPI_Abort|OFI poll failed")
+PUMP_DRAIN_S = 5.0
 PEER_POLL_S = 0.5  # how often a watcher looks for a killed task of its step on its node
 FORWARD_S = 1.0  # a stop signal goes on to the launcher when its ranks still run this later
 WATCHED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCONT)
@@ -86,10 +95,20 @@ def watch(argv: list[str], cfg: RunConfig, results: Path | None) -> tuple[int, d
         # The rank dies with its watcher (SIGKILL on the watcher's death): a killed task
         # leaves no rank behind it, running on after scancel.
         child = subprocess.Popen(
-            cmd, env=env, close_fds=False, preexec_fn=jobs.dies_with_parent(signal.SIGKILL)
+            cmd,
+            env=env,
+            close_fds=False,
+            stderr=subprocess.PIPE,
+            preexec_fn=jobs.dies_with_parent(signal.SIGKILL),
         )
+        held: list[str] = []
+        pump = threading.Thread(target=_pump, args=(child.stderr, held), daemon=True)
+        pump.start()
         code = _wait_watching_peers(child, step, stopped, cfg, results)
         ended = time.time()
+        pump.join(timeout=PUMP_DRAIN_S)
+        if code and code > 0 and not stopped and not jobs.notes(Path(folder)):
+            _say("".join(held).rstrip("\n"))  # nothing else explains the failure
         if code is None:  # a peer task died: named, recorded, the step cancelled; our rank
             _clean(step, Path(folder))  # first: its PMI abort may SIGKILL this task at once
             child.kill()  # waits for the dead one (in MPI_Init it may not heed a SIGTERM)
@@ -110,6 +129,20 @@ def _clean(step: Path, folder: Path) -> None:
             marker.unlink()
     with contextlib.suppress(OSError):
         step.rmdir()  # the last task of the step on this node
+
+
+def _pump(source, held: list[str]) -> None:
+    """The rank's stderr on to this task's, but for its MPI library's abort (MPICH's error
+    stack, `Abort(N) on node`, `MPI_Abort`): a peer's death makes it, and the dead rank's
+    watcher names that death in one line; `held` keeps it for a failure nobody explains."""
+    for raw in iter(source.readline, b""):
+        line = raw.decode(errors="replace")
+        if MPI_ABORT.search(line) or any(p.search(line) for p in jobs.NOISE):
+            held.append(line)
+        else:
+            with contextlib.suppress(OSError, ValueError):
+                sys.stderr.write(line)
+                sys.stderr.flush()
 
 
 # --- the step's tasks on this node watch each other ------------------------------------------
@@ -153,6 +186,8 @@ def _dead_peer(step: Path, peers: set[int], seen: set[int]) -> tuple[int, Path |
             seen.add(int(rank))
             if not _alive(int(pid)) and folder.exists():  # a watcher removes it on its way out
                 return int(rank), folder
+    if not peers - seen:  # every peer made its folder: the folders say it all
+        return None
     running = _step_tasks_here()
     gone = sorted(peers - seen - running) if running else []
     return (gone[0], None) if gone else None
