@@ -354,7 +354,9 @@ def agent(
     def stop(n: int, _frame) -> None:
         stopped.append(n)
         if n in (signal.SIGTERM, signal.SIGINT):
-            threading.Timer(FORWARD_S, _forward, (n,)).start()
+            later = threading.Timer(FORWARD_S, _forward, (n,))
+            later.daemon = True  # the task may end first: nothing left to pass it to
+            later.start()
 
     previous = {s: signal.signal(s, stop) for s in WATCHED}
     before = _lines(results)
