@@ -33,13 +33,15 @@ def test_the_serial_reference_records_its_blas_thread(cli, tmp_path):
     assert "BLAS" in rec["threads"]["why"]
 
 
-def test_a_given_thread_count_says_srun_only_under_srun(monkeypatch):
-    """The demo's `--threads 1` points on a laptop read 'given (under srun without
-    --threads: ...)'."""
-    monkeypatch.delenv("SLURM_STEP_ID", raising=False)
+def test_the_thread_count_says_where_it_came_from(monkeypatch):
+    """--threads 1 reads 'given by --threads', under srun too; a count taken from the CPUs
+    Slurm gave the task (no --threads) says Slurm, not --threads."""
+    monkeypatch.delenv("SCALELAB_THREADS_FROM_SLURM", raising=False)
     assert T.pick(1, "cpu", 1, 2).why == "given by --threads"
     under = T.given(2, env={"SLURM_STEP_ID": "0"})
-    assert under.threads == 2 and "under srun" in under.why and under.source == "--threads"
+    assert under.threads == 2 and under.source == "--threads" and "srun" not in under.why
+    slurm = T.given(2, env={"SLURM_STEP_ID": "0", "SCALELAB_THREADS_FROM_SLURM": "2"})
+    assert slurm.source == "Slurm" and "CPUs Slurm gave this task" in slurm.why
 
 
 # --- 6. a ceiling that moved between runs ----------------------------------------------------

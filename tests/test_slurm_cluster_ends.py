@@ -43,37 +43,100 @@ def wait_until(what, timeout: float, why: str):
 
 
 @pytest.mark.usefixtures("slurm_conf")
-def test_srun_mpiexec_refused_and_a_killed_watcher_takes_its_rank(tmp_path):
+def test_srun_mpiexec_refused_and_a_killed_task_ends_its_step(tmp_path):
     """`srun -n1 ... --strategy mpi --ranks 2` hung for ever in mpiexec's nested srun: now one
-    line, exit 2. Under `srun -N2 -n2 --mpi=pmi2`, SIGKILL to the task srun started (the
-    watcher of rank 1) used to leave rank 1 running past scancel: it dies with its watcher,
-    and after scancel no process of the job is left."""
+    line, exit 2. Under `srun -N1 -n2 --mpi=pmi2`, SIGKILL to the task srun started for rank 1
+    (its watcher; rank 1 dies with it) left rank 0 waiting in MPI_Init or MPI_Wait until
+    scancel: now rank 0's watcher on the same node names rank 1, n1 and its phase, records it
+    once and cancels the step, and no process of the job is left."""
     out = tmp_path / "r.jsonl"
     proc = slurm(["srun", "-n1", PY, "-m", "scalelab", *ALEXNET, "--ranks", "2"], tmp_path, 120)
     said = [ln for ln in proc.stderr.splitlines() if ln.startswith("scalelab")]
     assert proc.returncode == 2 and len(said) == 1 and "inside an srun step" in said[0]
 
-    token, name = uuid.uuid4().hex, f"w{uuid.uuid4().hex[:8]}"
+    token = uuid.uuid4().hex
     args = [*ALEXNET[:-5], "--iters", "1000000", "--warmup", "0", "--quiet", "--out", str(out)]
-    cmd = ["srun", "-J", name, "-N2", "-n2", "--ntasks-per-node=1", "--mpi=pmi2", PY, "-m"]
+    cmd = ["srun", "-N1", "-n2", "--mpi=pmi2", PY, "-m", "scalelab", *args]
     env = {**os.environ, "SCALELAB_TEST_TOKEN": token}  # OFI, as scalelab takes under pmi2
-    job = subprocess.Popen([*cmd, "scalelab", *args], cwd=tmp_path, env=env, text=True)
+    job = subprocess.Popen(cmd, cwd=tmp_path, env=env, text=True, stderr=subprocess.PIPE)
     try:
         rank = wait_until(
             lambda: [p for p in processes_with(token, "PMI_RANK", "1") if _has_job_dir(p)],
             180,
             "rank 1 never started",
         )[0]
-        wait_past_setup(rank, timeout=180)
         watcher = int(Path(f"/proc/{rank}/stat").read_text().split(") ")[1].split()[1])
-        os.kill(watcher, signal.SIGKILL)
-        wait_until(lambda: not _alive(rank), 15, "rank 1 outlived its watcher")
-        slurm(["scancel", "-n", name], tmp_path)
-        job.wait(timeout=120)
+        os.kill(watcher, signal.SIGKILL)  # at start-up or mid-run, as the load has it
+        _, stderr = job.communicate(timeout=90)  # no scancel: the step ends by itself
         wait_until(lambda: not processes_with(token), 60, "a process of the job was left")
     finally:
         if job.poll() is None:
             job.kill()
+            job.communicate()
+    said = [ln for ln in stderr.splitlines() if ln.startswith("scalelab")]
+    assert len(said) == 1 and re.match(r"scalelab: rank 1 on n1 died during \S+", said[0]), stderr
+    assert "internal_" not in stderr and "MPI_Abort" not in stderr, stderr  # MPICH's own stack
+    (rec,) = read_records(out)
+    assert rec["status"] == "failed" and rec["error"] == said[0].removeprefix("scalelab: ")
+
+
+@pytest.mark.usefixtures("slurm_conf")
+def test_a_one_task_step_that_starts_its_ranks_ends_each_way(tmp_path, mnist_dir):
+    """`srun -N1 -n1 -c2 scalelab run mlp --strategy ddp --ranks 2` (scalelab starts torchrun
+    inside the one task), twice at once: one scancelled (it died of SIGTERM, no record: now
+    exit 143 and a record saying scancel), one with rank 1 SIGKILLed
+    (named on n1, Slurm's node, not `localhost`)."""
+    token = uuid.uuid4().hex
+    env = {**os.environ, "SCALELAB_TEST_TOKEN": token}
+    args = [*MLP_LONG, "--data-dir", str(mnist_dir)]
+    jobs = {}
+    for name in ("cancelled", "killed"):
+        cmd = ["srun", "-J", f"{name}{token[:8]}", "-N1", "-n1", "-c2", PY, "-m", "scalelab"]
+        cmd += [*args, "--out", str(tmp_path / f"{name}.jsonl")]
+        jobs[name] = subprocess.Popen(cmd, cwd=tmp_path, env=env, text=True, stderr=subprocess.PIPE)
+    try:
+        ranks = {}
+        for name in jobs:
+            ranks[name] = wait_until(
+                lambda name=name: [
+                    p
+                    for p in processes_with(token, "RANK", "1")
+                    if _in_step(p, f"{name}{token[:8]}")
+                ],
+                240,
+                f"rank 1 of the {name} step never started",
+            )[0]
+        for pid in ranks.values():
+            wait_past_setup(pid, timeout=240)
+        slurm(["scancel", "-n", f"cancelled{token[:8]}"], tmp_path)
+        os.kill(ranks["killed"], signal.SIGKILL)
+        errs = {name: job.communicate(timeout=120)[1] for name, job in jobs.items()}
+        wait_until(lambda: not processes_with(token), 60, "a process of the jobs was left")
+    finally:
+        for job in jobs.values():
+            if job.poll() is None:
+                job.kill()
+                job.communicate()
+    assert jobs["cancelled"].returncode == 143 and "Traceback" not in errs["cancelled"]
+    (rec,) = read_records(tmp_path / "cancelled.jsonl")
+    assert rec["status"] == "failed" and re.fullmatch(
+        r"step \d+\.0 was stopped by Slurm \(scancel\)", rec["error"]
+    ), rec["error"]
+    said = [ln for ln in errs["killed"].splitlines() if ln.startswith("scalelab")]
+    dead = r"scalelab: rank 1 on n1 died \(signal 9\) during \S+; job aborted after"
+    assert len(said) == 1 and re.match(dead, said[0]), errs["killed"]
+    assert "ChildFailedError" not in errs["killed"] and "Traceback" not in errs["killed"]
+    (rec,) = read_records(tmp_path / "killed.jsonl")
+    assert rec["status"] == "failed" and rec["error"] == said[0].removeprefix("scalelab: ")
+
+
+MLP_LONG = ["run", "mlp", "--train", "--strategy", "ddp", "--ranks", "2", "--epochs", "100000"]
+MLP_LONG += ["--hidden", "16", "--batch", "20", "--train-size", "200", "--heldout-size", "100"]
+MLP_LONG += ["--quiet"]
+
+
+def _in_step(pid: int, name: str) -> bool:
+    return (environ(pid) or {}).get(b"SLURM_JOB_NAME") == name.encode()
 
 
 STUDY = """

@@ -259,3 +259,24 @@ def test_a_rank_killed_before_its_status_page_is_not_rank_minus_one(tmp_path):
            "KILLED BY SIGNAL: 9 (Killed)"]  # fmt: skip
     out = explain(tmp_path, box, 9, time.time(), "mpi")
     assert out.message == "scalelab: a rank on nodeA died (signal 9) during setup", out.message
+
+
+def test_a_killed_peer_task_on_this_node_is_found_once(tmp_path, monkeypatch):
+    """The folders of a step's tasks on one node (task<RANK>.<WATCHER PID>): one whose
+    watcher is alive is not dead, one whose watcher is gone is (once: one watcher claims it);
+    a peer that never made a folder is dead once `scontrol listpids` no longer lists it."""
+    alive = tmp_path / f"task0.{os.getpid()}"
+    gone_proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone_proc.wait()  # reaped: its pid is gone
+    killed = tmp_path / f"task1.{gone_proc.pid}"
+    for folder in (alive, killed):
+        folder.mkdir()
+    listed = {0, 1, 2}
+    monkeypatch.setattr(srun_task, "_step_tasks_here", lambda: set(listed))
+    seen: set[int] = set()
+    assert srun_task._dead_peer(tmp_path, {1, 2}, seen) == (1, killed)
+    assert srun_task._claim(tmp_path, 1) and not srun_task._claim(tmp_path, 1)
+    killed.rename(tmp_path / "elsewhere")
+    assert srun_task._dead_peer(tmp_path, {1, 2}, seen) is None  # task 2 still listed
+    listed.discard(2)  # killed before its watcher made a folder
+    assert srun_task._dead_peer(tmp_path, {1, 2}, seen) == (2, None)

@@ -148,9 +148,10 @@ TELLING = (
 LABEL_KEYS = 4
 
 
-def label(rec: dict[str, Any], keys: list[str] = ()) -> str:
-    """Short human name of a run: workload, strategy, dtype, device and up to LABEL_KEYS of the
-    given config keys (the most telling first; keys the run left unset are not named)."""
+def label(rec: dict[str, Any], keys: list[str] = (), nodes: bool = False) -> str:
+    """Short human name of a run: workload, strategy, dtype, device, its node count when
+    `nodes` (where siblings ran on different node layouts) and up to LABEL_KEYS of the given
+    config keys (the most telling first; keys the run left unset are not named)."""
     cfg = config_of(rec)
     rank = {k: i for i, k in enumerate(TELLING)}
     keys = sorted(
@@ -165,6 +166,8 @@ def label(rec: dict[str, Any], keys: list[str] = ()) -> str:
     ]
     if rec.get("mode") == "train":
         parts.append("train")
+    if nodes:
+        parts.append(f"nodes={nodes_of(rec)}")
     parts += [f"{k}={cfg.get(k)}" for k in keys]
     return " ".join(str(p) for p in parts)
 
@@ -247,12 +250,26 @@ def layer_rows(rec: dict[str, Any]) -> list[dict[str, Any]]:
 
 def sibling_labels(records: list[dict[str, Any]], drop: frozenset[str] = frozenset()) -> list[str]:
     """label() of each record, naming the config keys (outside `drop`) in which it differs
-    from the other records of its workload, strategy and mode (split, hidden, lr, ...)."""
+    from the other records of its workload, strategy and mode (split, hidden, lr, ...), and
+    the node count where they ran on different numbers of nodes (a layout is its own run)."""
     kin: dict[tuple, list[dict[str, Any]]] = {}
     for rec in records:
-        kin.setdefault((rec.get("workload"), rec.get("strategy"), rec.get("mode")), []).append(rec)
+        kin.setdefault(_kin(rec), []).append(rec)
     keys = {k: differing_keys(group, drop) for k, group in kin.items()}
-    return [
-        label(rec, keys[(rec.get("workload"), rec.get("strategy"), rec.get("mode"))])
-        for rec in records
-    ]
+    layouts = {k: len({nodes_of(r) for r in group}) > 1 for k, group in kin.items()}
+    return [label(rec, keys[_kin(rec)], layouts[_kin(rec)]) for rec in records]
+
+
+def _kin(rec: dict[str, Any]) -> tuple:
+    return rec.get("workload"), rec.get("strategy"), rec.get("mode")
+
+
+def distinct(names: list[str]) -> list[str]:
+    """The names with a repeat made distinct (` #2`, ` #3`): labels name at most LABEL_KEYS
+    differing keys, and a dict keyed by them must not keep only the last of two groups."""
+    seen: dict[str, int] = {}
+    out = []
+    for name in names:
+        seen[name] = seen.get(name, 0) + 1
+        out.append(name if seen[name] == 1 else f"{name} #{seen[name]}")
+    return out

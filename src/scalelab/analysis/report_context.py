@@ -8,7 +8,7 @@ from typing import Any
 import pandas as pd
 
 from scalelab.analysis import html, roofline
-from scalelab.analysis.frame import ok_records
+from scalelab.analysis.frame import nodes_of, ok_records
 
 # N ranks more than this x N faster than one `local` process: a contradiction to flag.
 SUPERLINEAR = 1.5
@@ -171,9 +171,12 @@ def _versions_table(recs: list[dict[str, Any]]) -> str:
             }
         )
     df = pd.DataFrame(rows)
+    nodes = [nodes_of(r) for r in recs]
+    if max(nodes) > 1:  # one config on 1 and on 2 nodes: two rows, told apart
+        df.insert(3, "nodes", nodes)
     serial = df.loc[df["strategy"] == "serial", "wall ms"]
     base = serial.iloc[-1] if len(serial) else df["wall ms"].max()
-    df.insert(8, "speedup", base / df["wall ms"])
+    df.insert(df.columns.get_loc("CV") + 2, "speedup", base / df["wall ms"])
     df["warnings"] = [
         "; ".join(x for x in pair if x) for pair in zip(_superlinear(df), df["warnings"])
     ]

@@ -21,7 +21,13 @@ from typing import Any
 
 import pandas as pd
 
-from scalelab.analysis.frame import experiment_key, ok_records, per_iteration, sibling_labels
+from scalelab.analysis.frame import (
+    distinct,
+    experiment_key,
+    ok_records,
+    per_iteration,
+    sibling_labels,
+)
 from scalelab.analysis.phases import phase_breakdown
 from scalelab.errors import UsageError
 
@@ -45,14 +51,15 @@ COLUMNS = [
 
 
 def families(records: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    """Family label -> its finished records; labels name the config keys that tell them apart."""
+    """Family label -> its finished records; labels name the config keys (and node layouts)
+    that tell them apart, and are distinct: no family is merged into or dropped for another."""
     groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for rec in ok_records(records):
         key = experiment_key(rec, SERIES_KEYS) + f"|{rec.get('mode')}"
         groups[key].append(rec)
     # Name each family by the keys that differ from its siblings (same workload and strategy).
     firsts = [g[0] for g in groups.values()]
-    names = sibling_labels(firsts, SERIES_KEYS)
+    names = distinct(sibling_labels(firsts, SERIES_KEYS))
     return dict(zip(names, groups.values()))
 
 

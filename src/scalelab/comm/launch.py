@@ -161,6 +161,8 @@ def settle_config(cfg: RunConfig, launcher: str | None) -> RunConfig:
     if cfg.ranks == 1 and world is not None and world > 1:
         changes["ranks"] = world
     threads = default_threads() if cfg.threads is None else None
+    os.environ.pop(slurm.THREADS_VAR, None)
     if threads is not None:
         changes["threads"] = threads
+        os.environ[slurm.THREADS_VAR] = str(threads)  # the rank says where it came from
     return dataclasses.replace(cfg, **changes) if changes else cfg

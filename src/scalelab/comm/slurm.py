@@ -13,6 +13,9 @@ import re
 import subprocess
 from collections.abc import Mapping
 
+# Set (to the count) where scalelab took the thread count from the CPUs Slurm gave the task,
+# not from --threads: the record then says so.
+THREADS_VAR = "SCALELAB_THREADS_FROM_SLURM"
 RDZV_PORT_BASE = 20000  # per-job rendezvous ports: BASE + job id % SPAN
 RDZV_PORT_SPAN = 20000
 

@@ -19,6 +19,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from scalelab.comm.slurm import THREADS_VAR
 from scalelab.instrument import host_checks
 
 SAMPLE_S = 0.1  # how long the host is watched before a run: long enough for 10 clock ticks
@@ -80,13 +81,13 @@ def pick(user: int | None, device: str, ranks_here: int, default: int) -> Thread
 
 
 def given(user: int, env: dict[str, str] | None = None) -> ThreadChoice:
-    """The user's count; the srun clause only where srun started this task (the demo's
-    --threads 1 runs said "under srun" on a laptop: issue 38's 'say why' taken literally)."""
+    """The count the run was given: by --threads, or (no --threads in a Slurm job) the CPUs
+    Slurm gave the task, which comm.launch.settle_config put in the config."""
     env = os.environ if env is None else env
-    why = "given by --threads"
-    if env.get("SLURM_STEP_ID") is not None:
-        why += " (under srun without --threads: the CPUs Slurm gave each task)"
-    return ThreadChoice(threads=user, source="--threads", why=why)
+    if env.get(THREADS_VAR) == str(user):
+        why = "the CPUs Slurm gave this task (--cpus-per-task, else its share of the node's)"
+        return ThreadChoice(threads=user, source="Slurm", why=why + "; --threads sets it")
+    return ThreadChoice(threads=user, source="--threads", why="given by --threads")
 
 
 def blas() -> ThreadChoice:

@@ -138,7 +138,10 @@ def _write(sink, text: str) -> None:
 
 
 def _torch_failed(captured: list[str]) -> bool:
-    return any("torch/distributed/elastic" in c and "failed" in c for c in captured)
+    """torchrun reported its workers failed, or that it was stopped (its SignalException
+    traceback follows: the stop is said by whoever stopped it)."""
+    said = ("failed", "death signal")
+    return any("torch/distributed/elastic" in c and any(w in c for w in said) for c in captured)
 
 
 def explain(
@@ -320,7 +323,7 @@ def relaunch(launcher: str, ranks: int, argv: list[str]) -> int:
     return relaunch_job(launcher, ranks, argv).code
 
 
-def relaunch_job(launcher: str, ranks: int, argv: list[str]) -> JobOutcome:
+def relaunch_job(launcher: str, ranks: int, argv: list[str], say: bool = True) -> JobOutcome:
     """relaunch, with the one line that explains a failed job (a refusal, a dead rank)."""
     if launcher == "mpi":
         cmd, env = mpiexec_command(ranks)
@@ -329,4 +332,4 @@ def relaunch_job(launcher: str, ranks: int, argv: list[str]) -> JobOutcome:
         cmd, env = torchrun_command(ranks) + ["-m", "scalelab", *argv], dict(os.environ)
     env.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (shared hosts)
     env["SCALELAB_LAUNCHED"] = "1"
-    return run_job(cmd, env, launcher)
+    return run_job(cmd, env, launcher, say=say)

@@ -13,7 +13,13 @@ with the task's environment and file descriptors unchanged (PMI_FD included), an
   mpiexec: a refusal (every rank refuses alike) is printed by task 0 only;
 - the parent itself signalled (scancel, a time limit, the step ended by a dead peer): quiet;
   so is a child that aborted (SIGABRT) or failed because a peer died, once the dead rank's
-  task cancels the step (PEER_GRACE_S).
+  task cancels the step (PEER_GRACE_S); the MPI library's own abort stack is kept back;
+- a peer task on this node killed (its watcher gone, so nobody names its rank): the parents
+  on that node watch each other's folders and the step's task list, and one of them names
+  it, records it and cancels the step.
+
+A one-task step that starts its own ranks (`srun -n1 scalelab run ... --ranks 2`) runs its
+launcher under `agent`, as a node's torchrun: a stop is passed on, recorded and exits 143.
 
 The parent does not start ranks (srun did); it is what torchrun's per-node agent is to its
 workers, for one worker.
@@ -52,6 +58,11 @@ CONT_WAIT_S = 2.0  # scancel's SIGTERM after its SIGCONT
 # where a rank was killed to name it and cancel the step (torchrun notices a dead worker,
 # stops its others and reports: seconds).
 AGENT_GRACE_S = 20.0
+# MPICH's error stack: `internal_Scatterv_c(149)....: MPI_Scatterv(...) failed`, its abort.
+MPI_ABORT = re.compile(r"^\w+\(\d+\)\.*:|Fatal error in |MPI_Abort|OFI poll failed")
+PUMP_DRAIN_S = 5.0
+PEER_POLL_S = 0.5  # how often a watcher looks for a killed task of its step on its node
+FORWARD_S = 1.0  # a stop signal goes on to the launcher when its ranks still run this later
 WATCHED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCONT)
 
 
@@ -70,7 +81,9 @@ def should_watch(launcher: str | None) -> bool:
 def watch(argv: list[str], cfg: RunConfig, results: Path | None) -> tuple[int, dict | None]:
     """Run `scalelab ARGV` as this task's rank: (the task's exit code, the record the rank
     handed over: task 0's)."""
-    folder = tempfile.mkdtemp(prefix="scalelab-task-")
+    step = _step_folder()
+    folder = str(step / f"task{job_status.this_rank()}.{os.getpid()}")
+    os.mkdir(folder)
     env = {**os.environ, CHILD_VAR: "1", job_status.JOB_DIR_VAR: folder}
     stopped: list[int] = []
     previous = {s: signal.signal(s, lambda n, _f: stopped.append(n)) for s in WATCHED}
@@ -82,16 +95,149 @@ def watch(argv: list[str], cfg: RunConfig, results: Path | None) -> tuple[int, d
         # The rank dies with its watcher (SIGKILL on the watcher's death): a killed task
         # leaves no rank behind it, running on after scancel.
         child = subprocess.Popen(
-            cmd, env=env, close_fds=False, preexec_fn=jobs.dies_with_parent(signal.SIGKILL)
+            cmd,
+            env=env,
+            close_fds=False,
+            stderr=subprocess.PIPE,
+            preexec_fn=jobs.dies_with_parent(signal.SIGKILL),
         )
-        code = child.wait()
+        held: list[str] = []
+        pump = threading.Thread(target=_pump, args=(child.stderr, held), daemon=True)
+        pump.start()
+        code = _wait_watching_peers(child, step, stopped, cfg, results)
         ended = time.time()
+        pump.join(timeout=PUMP_DRAIN_S)
+        if code and code > 0 and not stopped and not jobs.notes(Path(folder)):
+            _say("".join(held).rstrip("\n"))  # nothing else explains the failure
+        if code is None:  # a peer task died: named, recorded, the step cancelled; our rank
+            _clean(step, Path(folder))  # first: its PMI abort may SIGKILL this task at once
+            child.kill()  # waits for the dead one (in MPI_Init it may not heed a SIGTERM)
+            child.wait()
+            return (stop_code(stopped) if stopped else 1), None
         outcome = _outcome(Path(folder), code, ended, stopped, cfg, results, before)
         return outcome, jobs.handed_record(Path(folder))
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        _clean(step, Path(folder))
+
+
+def _clean(step: Path, folder: Path) -> None:
+    shutil.rmtree(folder, ignore_errors=True)
+    for marker in step.glob("named*"):  # a dead peer's: the step is over
+        with contextlib.suppress(OSError):
+            marker.unlink()
+    with contextlib.suppress(OSError):
+        step.rmdir()  # the last task of the step on this node
+
+
+def _pump(source, held: list[str]) -> None:
+    """The rank's stderr on to this task's, but for its MPI library's abort (MPICH's error
+    stack, `Abort(N) on node`, `MPI_Abort`): a peer's death makes it, and the dead rank's
+    watcher names that death in one line; `held` keeps it for a failure nobody explains."""
+    for raw in iter(source.readline, b""):
+        line = raw.decode(errors="replace")
+        if MPI_ABORT.search(line) or any(p.search(line) for p in jobs.NOISE):
+            held.append(line)
+        else:
+            with contextlib.suppress(OSError, ValueError):
+                sys.stderr.write(line)
+                sys.stderr.flush()
+
+
+# --- the step's tasks on this node watch each other ------------------------------------------
+# Each watcher keeps its rank's folder at STEP_DIR/task<RANK>.<WATCHER PID> and removes it when
+# it ends, however its rank ended. A folder whose watcher is gone was left by a task that was
+# killed (the task srun started, SIGKILLed: its rank dies with it): its peers, waiting in
+# MPI_Wait or MPI_Init over shared memory, would never notice. A watcher on the same node
+# does, names it from the folder's status page, records it and cancels the step.
+def _step_folder() -> Path:
+    job, step = os.environ.get("SLURM_JOB_ID", "0"), os.environ.get("SLURM_STEP_ID", "0")
+    path = Path(tempfile.gettempdir()) / f"scalelab-step-{job}.{step}"
+    path.mkdir(mode=0o700, exist_ok=True)
+    return path
+
+
+def _wait_watching_peers(
+    child, step: Path, stopped: list[int], cfg: RunConfig, results: Path | None
+) -> int | None:
+    """The child's exit code, or None when a peer task on this node died first (said here).
+    Once Slurm stops the step (`stopped`), peers ending is expected: no longer looked for."""
+    peers = {int(t) for t in os.environ.get("SLURM_GTIDS", "").split(",") if t.isdigit()}
+    peers.discard(job_status.this_rank())
+    seen: set[int] = set()  # peers whose folder this watcher saw: they ended as they should
+    while True:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            return child.wait(timeout=PEER_POLL_S)
+        if stopped or not peers:
+            continue
+        dead = _dead_peer(step, peers, seen)
+        if dead is not None and _claim(step, dead[0]):
+            _say_dead_peer(dead, cfg, results)
+            return None
+
+
+def _dead_peer(step: Path, peers: set[int], seen: set[int]) -> tuple[int, Path | None] | None:
+    """(rank, its folder) of a peer task on this node that was killed: its watcher gone with
+    its folder left, or (killed before it made one) gone from the step's tasks on this node."""
+    for folder in step.glob("task*.*"):
+        rank, _, pid = folder.name[len("task") :].partition(".")
+        if rank.isdigit() and pid.isdigit():
+            seen.add(int(rank))
+            if not _alive(int(pid)) and folder.exists():  # a watcher removes it on its way out
+                return int(rank), folder
+    if not peers - seen:  # every peer made its folder: the folders say it all
+        return None
+    running = _step_tasks_here()
+    gone = sorted(peers - seen - running) if running else []
+    return (gone[0], None) if gone else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0] not in "ZX"
+    except (OSError, IndexError):
+        return False
+
+
+def _step_tasks_here() -> set[int]:
+    """The step's tasks still running on this node (their global ranks; empty when scontrol
+    cannot say)."""
+    step = f"{os.environ.get('SLURM_JOB_ID')}.{os.environ.get('SLURM_STEP_ID')}"
+    try:
+        out = subprocess.run(
+            ["scontrol", "listpids", step], capture_output=True, text=True, timeout=20
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return set()
+    rows = [line.split() for line in out.splitlines()[1:]]
+    return {int(r[4]) for r in rows if len(r) == 5 and r[4].isdigit()}
+
+
+def _claim(step: Path, rank: int) -> bool:
+    """One watcher names a dead peer: the one that creates its marker."""
+    try:
+        os.close(os.open(step / f"named{rank}", os.O_CREAT | os.O_EXCL))
+    except OSError:
+        return False
+    return True
+
+
+def _say_dead_peer(dead: tuple[int, Path | None], cfg: RunConfig, results: Path | None) -> None:
+    rank, folder = dead
+    status = jobs.statuses(folder) if folder is not None else {}
+    line = jobs.dead_line((rank, _node(), None), status, time.time(), vanished=True)
+    if folder is not None:
         shutil.rmtree(folder, ignore_errors=True)
+    _say(line)
+    if results is not None:
+        _record(cfg, results, line)
+    _end_step()
+
+
+def _node() -> str:
+    """This node as Slurm names it (the name a user gave srun -w), else the host's."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def _outcome(
@@ -116,8 +262,7 @@ def _outcome(
         if stopped:
             return _stopped(stopped, rank == 0, cfg, results, before)
     if code < 0:
-        host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-        line = jobs.dead_line((rank, host, -code), jobs.statuses(folder), ended)
+        line = jobs.dead_line((rank, _node(), -code), jobs.statuses(folder), ended)
         _say(line)
         if results is not None:
             _record(cfg, results, line)
@@ -199,11 +344,21 @@ def is_node_agent(launcher: str | None, nnodes: int) -> bool:
 def agent(
     start: Callable[[], jobs.JobOutcome], cfg: RunConfig, results: Path | None
 ) -> tuple[int, dict | None]:
-    """Run this node's torchrun (start(), which prints nothing) and end as the step should:
-    the node where a rank died names it once, records it and cancels the step; the others
-    stay quiet once stopped; a refusal is said by task 0 only; nothing waits without bound."""
+    """Run this node's launcher (start(), which prints nothing: torchrun, or mpiexec for a
+    one-task step's ranks) and end as the step should: the node where a rank died names it
+    once, records it and cancels the step; the others stay quiet once stopped; a refusal is
+    said by task 0 only; a stop (scancel, the time limit) goes on to the launcher, which
+    stops its ranks, and is recorded with its cause; nothing waits without bound."""
     stopped: list[int] = []
-    previous = {s: signal.signal(s, lambda n, _f: stopped.append(n)) for s in WATCHED}
+
+    def stop(n: int, _frame) -> None:
+        stopped.append(n)
+        if n in (signal.SIGTERM, signal.SIGINT):
+            later = threading.Timer(FORWARD_S, _forward, (n,))
+            later.daemon = True  # the task may end first: nothing left to pass it to
+            later.start()
+
+    previous = {s: signal.signal(s, stop) for s in WATCHED}
     before = _lines(results)
     _prepare_record()
     try:
@@ -214,8 +369,29 @@ def agent(
             signal.signal(s, handler)
 
 
+def _forward(sig: int) -> None:
+    """A stop that reached this task alone (`kill` of it; scancel and the time limit signal
+    every process of the step, and the ranks, which keep no handler, are gone by now): send
+    it on to the launcher, which stops its ranks. Not at once: a second SIGTERM while
+    torchrun stops its workers breaks its shutdown into a traceback."""
+    launchers = _children(os.getpid())
+    if any(_children(pid) for pid in launchers):
+        for pid in launchers:
+            with contextlib.suppress(OSError):
+                os.kill(pid, sig)
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError, ValueError):
+            out += [int(p) for p in (task / "children").read_text().split()]
+    return out
+
+
 def _agent_outcome(outcome, stopped, cfg, results, before: int) -> int:
     task0 = os.environ.get("SLURM_PROCID", "0") == "0"
+    alone = slurm.step_tasks() == 1  # no peer task to name a death or cancel the step
     if outcome.code == 0:
         return 0
     if stopped:
@@ -224,7 +400,7 @@ def _agent_outcome(outcome, stopped, cfg, results, before: int) -> int:
         if task0:
             _say(outcome.message)
         return 2
-    if not outcome.killed:  # a peer's death, most likely: let its node's agent say it
+    if not outcome.killed and not alone:  # a peer's death, most likely: its agent says it
         _wait_for(stopped, AGENT_GRACE_S)
         if stopped:
             return _stopped(stopped, task0, cfg, results, before)
@@ -235,7 +411,8 @@ def _agent_outcome(outcome, stopped, cfg, results, before: int) -> int:
     _say(line)
     if results is not None and (outcome.killed or (task0 and _lines(results) == before)):
         _record(cfg, results, line)
-    _end_step()
+    if not alone:
+        _end_step()
     return outcome.code
 
 

@@ -175,6 +175,8 @@ def run_one(args: argparse.Namespace) -> tuple[int, dict[str, Any] | None]:
         return srun_task.watch(args.argv, cfg, results)
     if launcher is not None and cfg.ranks > 1 and not inside_launcher(launcher):
         refuse_nested_launch(launcher, cfg.ranks)
+        if srun_tasks() == 1:  # srun's one task starts the ranks: a stop is recorded, 143
+            return srun_task.agent(lambda: launch(launcher, cfg, args, say=False), cfg, results)
         before = _lines(results)
         outcome = launch(launcher, cfg, args)  # the root rank hands its record over
         code = outcome.code
@@ -259,7 +261,7 @@ def preflight(strategy: type, cfg: RunConfig) -> None:
 
 def launch(launcher: str, cfg: RunConfig, args: argparse.Namespace, say: bool = True) -> JobOutcome:
     if launcher != "torchrun" or (args.nnodes == 1 and args.rdzv_endpoint is None):
-        return relaunch_job(launcher, cfg.ranks, args.argv)
+        return relaunch_job(launcher, cfg.ranks, args.argv, say=say)
     if args.rdzv_endpoint is None or cfg.ranks % args.nnodes:
         raise UsageError(
             f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT and --ranks (all ranks, "
