@@ -111,7 +111,7 @@ def predict(args: argparse.Namespace, network) -> int:
         table, notes = _crosscheck(ctx, template, ranks, table, notes, found)
     summary = bottleneck_summary(table)
     print(_header(template, network))
-    print(_shown(table).to_string(index=False, float_format="{:.4g}".format))
+    print(_shown(table).to_string(index=False, float_format="{:.4g}".format, na_rep="-"))
     print(f"bottleneck: {summary}")
     for note in notes:
         print(f"- {note}")
@@ -232,20 +232,27 @@ def validate(args: argparse.Namespace, network) -> int:
     from scalelab.predict.validate import validate as run_validation
 
     v = run_validation(args.validate, args.ceilings, network, args.drop_warned)
-    pairs = ", ".join(f"{r} -> {c}" for r, c in sorted(v.ceilings.items()))
-    print(f"validate: {args.validate} (ceilings: {pairs})")
+    used = sorted({c.split(" (")[0] for c in v.ceilings.values()})
+    print(f"validate: {args.validate} ({len(v.ceilings)} results files over the ceilings "
+          f"{', '.join(used)}; -o DIR writes every point)")  # fmt: skip
     for results, what in sorted(v.borrowed.items()):
         print(f"  {results} borrowed another host's ceilings: {what}")
     shown = v.table.assign(error=v.table["error_pct"].map(lambda e: f"{e:+.1f}%"))
     shown = shown.drop(columns=["error_pct"])
     print(shown.to_string(index=False, float_format="{:.4g}".format))
     print("skipped:" + ("" if v.skipped else " nothing"))
+    unknown = {w: n for w, n in v.skipped.items() if w.startswith("in no known format")}
     for why, n in sorted(v.skipped.items()):
-        print(f"  {n} {why}")
+        if why not in unknown:
+            print(f"  {n} {why}")
+    if unknown:
+        print(f"  {sum(unknown.values())} files in no known format ({len(unknown)} names)")
     far = v.outside()
     worst = v.table["error_pct"].abs().max()
     print(
-        f"outside 15%: {len(far)} point(s): " + ", ".join(far["source"])
+        f"outside 15%: {len(far)} point(s): "
+        + ", ".join(far["source"][:8])
+        + (f" and {len(far) - 8} more" if len(far) > 8 else "")
         if len(far)
         else f"every point within 15% (worst {worst:.1f}%)"
     )
