@@ -139,6 +139,13 @@ def _run_record(found: Found, path: Path, where: str, rec: dict[str, Any]) -> No
         # copy bandwidth predicted 12.5 ms on one host and 25 ms on another).
         found.skipped["pipeline training runs before host prefetch (gather not modelled)"] += 1
         return
+    steady, steps = rec.get("steady") or {}, rec.get("steps")
+    if cfg.train and steps is not None and int(steps) < 3 and not steady.get("steps"):
+        # one or two steps, no steady part: the first step's warm-up (cuDNN autotuning,
+        # allocator growth, NCCL set-up) is most of the time (a 2-step deepstack pipeline
+        # probe: 31 ms for what its steady step would take a fraction of)
+        found.skipped["training runs of fewer than 3 steps (their warm-up is their time)"] += 1
+        return
     balance = pipe.get("balance")  # the partition the run used
     scenario = Scenario(  # a record's ranks shared one host
         cfg,

@@ -232,36 +232,47 @@ def validate(args: argparse.Namespace, network) -> int:
     from scalelab.predict.validate import validate as run_validation
 
     v = run_validation(args.validate, args.ceilings, network, args.drop_warned)
+    verbose = bool(getattr(args, "verbose", 0))  # scalelab -v: every point and file
     used = sorted({c.split(" (")[0] for c in v.ceilings.values()})
     print(f"validate: {args.validate} ({len(v.ceilings)} results files over the ceilings "
-          f"{', '.join(used)}; -o DIR writes every point)")  # fmt: skip
-    for results, what in sorted(v.borrowed.items()):
-        print(f"  {results} borrowed another host's ceilings: {what}")
-    shown = v.table.assign(error=v.table["error_pct"].map(lambda e: f"{e:+.1f}%"))
-    shown = shown.drop(columns=["error_pct"])
-    print(shown.to_string(index=False, float_format="{:.4g}".format))
-    print("skipped:" + ("" if v.skipped else " nothing"))
-    unknown = {w: n for w, n in v.skipped.items() if w.startswith("in no known format")}
-    for why, n in sorted(v.skipped.items()):
-        if why not in unknown:
-            print(f"  {n} {why}")
-    if unknown:
-        print(f"  {sum(unknown.values())} files in no known format ({len(unknown)} names)")
+          f"{', '.join(used)})")  # fmt: skip
+    if verbose:
+        for results, ceilings in sorted(v.ceilings.items()):
+            print(f"  {results} -> {ceilings}")
+        for results, what in sorted(v.borrowed.items()):
+            print(f"  {results} borrowed another host's ceilings: {what}")
+    elif v.borrowed:
+        print(f"  {len(v.borrowed)} results files borrowed another host's ceilings (-v: which)")
+    fmt = {"float_format": "{:.4g}".format, "na_rep": "-", "index": False}
+    if verbose:
+        shown = v.table.assign(error=v.table["error_pct"].map(lambda e: f"{e:+.1f}%"))
+        print(shown.drop(columns=["error_pct"]).to_string(**fmt))
+    print("per strategy family (MAPE held out = leave-one-out, then in sample):")
+    print(v.families().to_string(float_format="{:.1f}".format, na_rep="-", index=False))
+    _skipped(v.skipped, verbose)
     far = v.outside()
     worst = v.table["error_pct"].abs().max()
-    print(
-        f"outside 15%: {len(far)} point(s): "
-        + ", ".join(far["source"][:8])
-        + (f" and {len(far) - 8} more" if len(far) > 8 else "")
-        if len(far)
-        else f"every point within 15% (worst {worst:.1f}%)"
-    )
+    names = ", ".join(far["source"][:8]) + (f" and {len(far) - 8} more" if len(far) > 8 else "")
+    print(f"outside 15%: {len(far)} point(s): {names}" if len(far)
+          else f"every point within 15% (worst {worst:.1f}%)")  # fmt: skip
     if args.out is not None:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         v.table.to_csv(out / "validate.csv", index=False)
     print(v.summary())
     return 0
+
+
+def _skipped(skipped: dict[str, int], verbose: bool) -> None:
+    """What was passed over, one line a reason; the unknown files folded into a count."""
+    print("skipped:" + ("" if skipped else " nothing"))
+    unknown = {w: n for w, n in skipped.items() if w.startswith("in no known format")}
+    for why, n in sorted(skipped.items()):
+        if verbose or why not in unknown:
+            line = f"  {n} {why}"
+            print(line if verbose or len(line) <= 160 else line[:157] + "...")
+    if unknown and not verbose:
+        print(f"  {sum(unknown.values())} files in no known format ({len(unknown)} names; -v)")
 
 
 COMMANDS.register(
