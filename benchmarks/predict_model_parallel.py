@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -66,7 +67,7 @@ def scalelab(args: list[str], **kw) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, env=env, text=True, **kw)
 
 
-def predict(cal: list[Path], out: Path, gpus: list[int], model: list[str], device: str) -> str:
+def predict(cal: Path, out: Path, gpus: list[int], model: list[str], device: str) -> str:
     """Every target's prediction at `gpus` ranks, one table per target, as one text."""
     parts = []
     for name, (flags, ranks) in TARGETS.items():
@@ -75,9 +76,7 @@ def predict(cal: list[Path], out: Path, gpus: list[int], model: list[str], devic
             continue
         args = ["predict", *model, "--train", "--device", device, *flags, "--batch", str(BATCH),
                 "--ranks", want, "--gpus-per-node", str(max(gpus)),
-                "--ceilings", str(CEILINGS)]  # fmt: skip
-        for c in cal:
-            args += ["--calibrate", str(c)]
+                "--ceilings", str(CEILINGS), "--calibrate", str(cal)]  # fmt: skip
         dest = os.path.relpath(out / name, ROOT)
         done = scalelab([*args, "-o", dest], capture_output=True)
         parts.append(f"## {name}\n$ scalelab {' '.join(args)}\n{done.stdout}{done.stderr}")
@@ -88,11 +87,13 @@ def measure(out: Path, gpus: int, smoke: bool) -> None:
     model, device = (TINY, "cpu") if smoke else (GPT, "cuda")
     common = [*model, "--train", "--device", device, "--batch", str(BATCH), "--train-size",
               str(BATCH * 10), "--epochs", "1", "--quiet"]  # fmt: skip
-    cal = out / "host_calibration.jsonl"
-    scalelab(["run", *common, *HOST_CAL, "--out", str(cal)], check=True)
-    cal_files = [cal] if smoke else [CAL, cal]
+    folder = out / "calibration"  # the committed GPT runs and the host-work run beside them
+    folder.mkdir(parents=True, exist_ok=True)
+    if not smoke:
+        shutil.copy(CAL, folder / CAL.name)
+    scalelab(["run", *common, *HOST_CAL, "--out", str(folder / "host.jsonl")], check=True)
     (out / "predictions_recalibrated.txt").write_text(
-        predict(cal_files, out / "predict", [2, gpus], model, device)
+        predict(folder, out / "predict", [2, gpus], model, device)
     )
     for flags, ranks in TARGETS.values():
         for n in (r for r in ranks if r <= gpus):
@@ -126,7 +127,7 @@ def main() -> None:
     os.chdir(ROOT)  # the committed files' paths below are relative to the checkout
     a.out.mkdir(parents=True, exist_ok=True)
     if a.mode == "predict":
-        text = predict([CAL], a.out / "predict", [2, a.gpus], GPT, "cuda")
+        text = predict(CAL, a.out / "predict", [2, a.gpus], GPT, "cuda")
         (a.out / "predictions.txt").write_text(text)
         print(text)
     else:

@@ -261,7 +261,7 @@ def _row(ctx: Context, point: Measured) -> tuple[dict | None, str]:
     row = {
         "source": point.source,
         "workload": cfg.workload,
-        "strategy": _strategy_label(cfg),
+        "strategy": strategy_label(cfg),
         "ranks": s.ranks,
         "rank_batch": int(s.rank_batch) if float(s.rank_batch).is_integer() else s.rank_batch,
         "measured_ms": point.seconds * 1e3,
@@ -303,7 +303,7 @@ def family(label: str) -> str:
     return label.split(" --")[0]
 
 
-def _strategy_label(cfg) -> str:
+def strategy_label(cfg) -> str:
     label = cfg.strategy
     if cfg.strategy in ("mpi", "mpi-gpu", "nccl"):
         label += f" --split {cfg.split}" + (" --overlap" if cfg.overlap else "")

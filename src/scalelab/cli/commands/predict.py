@@ -52,6 +52,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="results file or folder with one-rank measurements to calibrate compute on",
     )
     p.add_argument(
+        "--bands",
+        default=None,
+        metavar="FILE",
+        help="bands.json from `predict --validate RESULTS -o DIR`: each prediction's "
+        "uncertainty (default: scalelab-results/validate/bands.json when present)",
+    )
+    p.add_argument(
         "--validate",
         default=None,
         metavar="RESULTS",
@@ -109,6 +116,7 @@ def predict(args: argparse.Namespace, network) -> int:
     table, notes = prediction_table(ctx, template, ranks)
     if found is not None:  # the runs it leaned on; the rows RESULTS measured, checked
         table, notes = _crosscheck(ctx, template, ranks, table, notes, found)
+    notes += _trust(ctx, template, ranks, args.bands)
     summary = bottleneck_summary(table)
     print(_header(template, network))
     print(_shown(table).to_string(index=False, float_format="{:.4g}".format, na_rep="-"))
@@ -118,6 +126,15 @@ def predict(args: argparse.Namespace, network) -> int:
     if args.out is not None:
         _write(args, table, notes, summary, template, network)
     return 0
+
+
+def _trust(ctx, template, ranks: list[int], bands: str | None) -> list[str]:
+    """The band from the family's validation errors, and what the predictions extrapolate."""
+    from scalelab.predict.uncertainty import band_note, extrapolations
+    from scalelab.predict.validate import family, strategy_label
+
+    band = band_note(family(strategy_label(template.cfg)), bands)
+    return ([band] if band else []) + extrapolations(ctx.pool, template, ranks)
 
 
 def _ranks(text: str) -> list[int]:
@@ -229,6 +246,7 @@ def _write(args, table, notes, summary, template, network) -> None:
 
 # --- validation ----------------------------------------------------------------------------
 def validate(args: argparse.Namespace, network) -> int:
+    from scalelab.predict.uncertainty import write_bands
     from scalelab.predict.validate import validate as run_validation
 
     v = run_validation(args.validate, args.ceilings, network, args.drop_warned)
@@ -259,6 +277,7 @@ def validate(args: argparse.Namespace, network) -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         v.table.to_csv(out / "validate.csv", index=False)
+        write_bands(v.families(), out / "bands.json")
     print(v.summary())
     return 0
 
