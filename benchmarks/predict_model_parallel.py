@@ -29,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 CAL = Path("benchmarks/results/gpu_s20/gpt_calibration_complete.jsonl")  # from ROOT
 CEILINGS = Path("benchmarks/results/ceilings_h200x4.json")
+BANDS = Path("benchmarks/results/validate/bands.json")  # predict --validate benchmarks/results
 GPT = ["--model", "examples/models/gpt.py:gpt", "--model-arg", "vocab=4096", "--model-arg",
        "seq=512", "--model-arg", "width=768", "--model-arg", "heads=12", "--model-arg",
        "depth=12", "--input-shape", "512", "--input-dtype", "int64", "--vocab", "4096"]  # fmt: skip
@@ -76,7 +77,8 @@ def predict(cal: Path, out: Path, gpus: list[int], model: list[str], device: str
             continue
         args = ["predict", *model, "--train", "--device", device, *flags, "--batch", str(BATCH),
                 "--ranks", want, "--gpus-per-node", str(max(gpus)),
-                "--ceilings", str(CEILINGS), "--calibrate", str(cal)]  # fmt: skip
+                "--ceilings", str(CEILINGS), "--calibrate", str(cal),
+                "--bands", str(BANDS)]  # fmt: skip
         dest = os.path.relpath(out / name, ROOT)
         done = scalelab([*args, "-o", dest], capture_output=True)
         parts.append(f"## {name}\n$ scalelab {' '.join(args)}\n{done.stdout}{done.stderr}")

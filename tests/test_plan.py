@@ -566,3 +566,21 @@ def test_a_larger_machines_ceilings_cap_the_cores_only_where_plan_runs_here(
         with pytest.raises(UsageError, match="2 ranks per node"):
             _spec(too_many, Figures(data, "sixteen.json"))
         assert "ceilings describe" not in caplog.text
+
+
+def test_a_missing_figure_names_a_command_that_pastes(tmp_path):
+    """With the plan's own contention curve beside the ceilings, a missing figure's message
+    still ends in a command a shell runs as printed (the curve's file named before it)."""
+    import shlex
+
+    from scalelab.errors import UsageError
+    from scalelab.plan.calibrate import with_contention
+    from scalelab.predict.figures import Figures
+
+    (tmp_path / "curve.json").write_text(json.dumps({"processes": [1], "slowdown": [1.0]}))
+    figures = with_contention(Figures({}, "c.json"), tmp_path / "curve.json")
+    with pytest.raises(UsageError) as caught:
+        figures.comm_fit("nccl", "allreduce")
+    said, command = str(caught.value).split("; measure it: ")
+    assert "(cpu_concurrency: " in said
+    assert shlex.split(command)[-2:] == ["-o", "c.json"]

@@ -204,10 +204,53 @@ def _usage_error(result, needle):
 def test_cli_validate_ends_with_mape(cli):
     code, out, err = cli("predict", "--validate", FIXTURES)
     assert code == 0, err
-    last = out.strip().splitlines()[-1]
-    assert last.startswith("MAPE: ") and "not used for calibration" in last
-    assert float(last.split()[1].rstrip("%")) <= 10.0
-    assert "every point within 15%" in out
+    lines = out.strip().splitlines()
+    assert lines[-1].startswith("MAPE held out: ") and "leave-one-out" in lines[-1]
+    assert lines[-1].index("held out") < lines[-1].index("in sample")
+    assert float(lines[-1].split()[3].rstrip("%")) > 0  # the calibration points' too
+    assert "every point within 15%" in out and "per strategy family" in out
+    # a terminal's worth: the per-point table and the file lists are behind -v
+    assert len(lines) <= 40 and max(map(len, lines)) <= 200
+    code, verbose, err = cli("predict", "-v", "--validate", FIXTURES)
+    assert code == 0 and len(verbose.splitlines()) > len(lines)
+
+
+def test_held_out_error_predicts_each_calibration_point_without_its_configuration(validation):
+    """Leave-one-out: a point that calibrated nothing keeps its error; a calibration point
+    (its in-sample error ~0 by construction) is predicted from the other runs, so its held-out
+    error is no longer ~0 where another batch calibrates it, or NaN where nothing else does."""
+    t = validation.table
+    predicted = t[t["role"] == "predicted"]
+    assert (predicted["held_out_pct"] == predicted["error_pct"]).all()
+    assert validation.mape(predicted_only=True) <= 10.0
+    cal = t[t["role"].str.startswith("calibration (compute)")]
+    assert len(cal) and (cal["error_pct"].abs() < 1e-6).all()
+    held = cal["held_out_pct"].dropna()
+    assert len(held) and (held.abs() > 1e-3).all()
+    fams = validation.families().set_index("family")
+    assert fams.loc["ddp", "held_out"] == t[t["strategy"] == "ddp"]["held_out_pct"].notna().sum()
+
+
+def test_uncertainty_band_and_extrapolations(tmp_path):
+    """A prediction's band is its family's held-out MAPE from bands.json; it names the ranks
+    beyond the family's measured runs and a pipeline schedule none of them ran."""
+    import pandas as pd
+
+    from scalelab.predict.calibration import MultiPoint, Pool
+    from scalelab.predict.uncertainty import band_note, extrapolations, write_bands
+
+    fams = pd.DataFrame([{"family": "pipeline", "points": 5, "held_out": 4, "loo_mape_pct": 8.04,
+                          "in_sample_mape_pct": 1.0, "worst_loo_pct": 12.0}])  # fmt: skip
+    write_bands(fams, tmp_path / "bands.json")
+    assert band_note("pipeline", str(tmp_path / "bands.json")).startswith("uncertainty: +-8% ")
+    assert "never validated" in band_note("tensor", str(tmp_path / "bands.json"))
+    ran = Scenario(_vgg(engine="torch", ranks=2, stages=2, schedule="gpipe"), 2, 2)
+    pool = Pool(multis=[MultiPoint(ran, 0.05, "pp.jsonl:1")])
+    want = Scenario(_vgg(engine="torch", ranks=2, stages=2, schedule="1f1b"), 2, 8)
+    notes = extrapolations(pool, want, [2, 4])
+    assert notes[0].startswith("extrapolates to 4 ranks") and "most" in notes[0]
+    assert any("--schedule 1f1b" in n for n in notes)
+    assert extrapolations(pool, ran, [2]) == []
 
 
 def test_cli_validate_with_no_held_out_point_says_why(cli, tmp_path):
