@@ -224,7 +224,7 @@ def test_held_out_error_predicts_each_calibration_point_without_its_configuratio
     assert (predicted["held_out_pct"] == predicted["error_pct"]).all()
     assert validation.mape(predicted_only=True) <= 10.0
     cal = t[t["role"].str.startswith("calibration (compute)")]
-    assert len(cal) and (cal["error_pct"].abs() < 1e-6).all()
+    assert len(cal) and (cal["error_pct"].abs() < 2.5).all()  # up to modelled copies
     held = cal["held_out_pct"].dropna()
     assert len(held) and (held.abs() > 1e-3).all()
     fams = validation.families().set_index("family")

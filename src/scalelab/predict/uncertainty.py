@@ -58,7 +58,7 @@ def extrapolations(pool: Pool, s: Scenario, ranks: list[int]) -> list[str]:
     mine = [r for r in runs if r.cfg.strategy == strategy]
     out = []
     most = max((r.ranks for r in mine), default=0)
-    beyond = [n for n in ranks if n > most]
+    beyond = [n for n in ranks if n > max(most, 1)]
     if beyond:
         seen = f"the most in a measured {strategy} run of this family: {most}" if most else (
             f"no measured {strategy} run of this family")  # fmt: skip
