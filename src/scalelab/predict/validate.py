@@ -99,9 +99,11 @@ def validate(
     ceilings: str | None,
     network: NetworkProfile | None,
     drop_warned: bool = False,
+    held_out: bool = True,
 ) -> Validation:
     """drop_warned: leave out the points whose runs carry warnings (oversubscribed, busy
-    host, unstable timing); otherwise they are kept and their warnings shown."""
+    host, unstable timing); otherwise they are kept and their warnings shown. held_out:
+    predict every calibration point again without it (leave-one-out; a third more time)."""
     root = Path(root)
     if not root.exists():
         raise UsageError(f"{root}: no such results file or folder")
@@ -128,7 +130,8 @@ def validate(
             if row is None:
                 found.skipped[why] += 1
             else:
-                rows.append({**row, "held_out_pct": _held_out(ctx, point, row)})
+                loo = _held_out(ctx, point, row) if held_out else math.nan
+                rows.append({**row, "held_out_pct": loo})
     if not rows:
         raise UsageError(f"{root}: no point could be predicted ({dict(found.skipped)})")
     _some_held_out(root, rows)
