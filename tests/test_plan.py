@@ -584,3 +584,17 @@ def test_a_missing_figure_names_a_command_that_pastes(tmp_path):
     said, command = str(caught.value).split("; measure it: ")
     assert "(cpu_concurrency: " in said
     assert shlex.split(command)[-2:] == ["-o", "c.json"]
+
+
+def test_calibrate_missing_names_the_comm_fits_the_ranking_lacks():
+    """A candidate left out for a missing comm fit names its backend; --calibrate-missing
+    measures each such backend once, into the ceilings file, keeping its other figures."""
+    from scalelab.errors import UsageError
+    from scalelab.plan.calibrate import comm_command, lacking_comm
+    from scalelab.predict.figures import Figures
+
+    with pytest.raises(UsageError) as caught:
+        Figures({}, "c.json").comm_fit("nccl", "p2p")
+    statuses = [str(caught.value), "ok", "c.json lacks comm.gloo.allreduce (alpha/beta), ..."]
+    assert lacking_comm(statuses) == ["gloo", "nccl"]
+    assert comm_command("nccl", "c.json")[-3:] == ["--comm-only", "-o", "c.json"]

@@ -107,6 +107,22 @@ def missing(spec: PlanSpec, pool: Pool, cfgs: list[RunConfig], per_node: int) ->
     return _unique(todo)
 
 
+def lacking_comm(statuses: list[str]) -> list[str]:
+    """The backends whose communication fits the ceilings lack, from the ranking's reasons
+    for leaving candidates out (figures.Figures.comm_fit: `... lacks comm.nccl.allreduce`)."""
+    import re
+
+    found = {m for text in statuses for m in re.findall(r"lacks comm\.([\w-]+)\.", str(text))}
+    return sorted(found)
+
+
+def comm_command(backend: str, ceilings: str, ranks: int = 2) -> list[str]:
+    """The command that measures `backend`'s fits into the ceilings file (--comm-only keeps
+    every other figure the file holds)."""
+    return ["scalelab", "ceilings", "--ranks", str(ranks), "--backend", backend, "--comm-only",
+            "-o", ceilings]  # fmt: skip
+
+
 def calibrated_on(cfg: RunConfig) -> RunConfig:
     """The run cfg's compute is calibrated on (predict's strategy model says)."""
     from scalelab.predict.models.base import MODELS
