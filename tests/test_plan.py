@@ -151,29 +151,26 @@ def test_torch_engine_candidates_are_predicted_or_say_why_not():
     assert got["status"].str.contains("tensor parallelism of the mlp only").all()
 
 
-def test_torch_pipeline_candidates_get_one_measured_run_for_their_send_cost():
-    """torch pipelining's cost per transfer has no ceiling: --calibrate-missing adds one
-    2-rank torch-engine pipeline run per family (gpipe, the most micro-batches), besides
-    the one-rank runs; none once the pool holds such a run."""
+def test_torch_pipeline_candidates_get_one_rank_run_for_their_host_work():
+    """torch pipelining's forward host work has no ceiling: --calibrate-missing adds one
+    one-rank, one-stage GPipe torch-engine run per family (at the candidates' micro-batches),
+    besides the plain one-rank runs; none once the pool holds such a run."""
     from scalelab.plan.calibrate import missing
-    from scalelab.predict.calibration import MultiPoint
+    from scalelab.predict.calibration import CalPoint
 
     s = PlanSpec(base=RunConfig(workload="mlp", train=True, hidden=64), ranks_max=2,
                  per_node=2, cores=2, global_batch=32, strategies=("pipeline-torch",))  # fmt: skip
     todo = missing(s, Pool(), cand.candidates(s), 2)
-    multi = [c for c in todo if c.ranks > 1]
-    assert [(c.strategy, c.engine, c.schedule, c.stages, c.microbatches) for c in multi] == [
-        ("pipeline", "torch", "gpipe", 2, 8)
+    assert all(c.ranks == 1 for c in todo)
+    host = [c for c in todo if c.strategy == "pipeline"]
+    assert [(c.engine, c.schedule, c.stages, c.microbatches) for c in host] == [
+        ("torch", "gpipe", 1, 8)
     ]
-    assert all(c.ranks == 1 for c in todo if c not in multi) and len(todo) > len(multi)
-    have = Pool(multis=[MultiPoint(Scenario(multi[0], 2, 2), 0.01, "pp.jsonl:1")])
-    assert not [c for c in missing(s, have, cand.candidates(s), 2) if c.ranks > 1]
-    # the run measured for it is the one the model reads, whatever else the pool holds
-    other = dataclasses.replace(multi[0], schedule="1f1b", microbatches=2)
-    both = Pool(multis=[MultiPoint(Scenario(other, 2, 2), 0.02, "pp.jsonl:0"), *have.multis])
-    interleaved = next(c for c in cand.candidates(s) if c.schedule == "interleaved-1f1b"
-                       and c.threads == multi[0].threads)  # fmt: skip
-    assert both.host_anchor(Scenario(interleaved, 2, 2)).source == "pp.jsonl:1"
+    fam = Scenario(host[0], 1, 2).family()
+    run = CalPoint(fam, "pipeline", None, 32, 0.01, 0.0, "pp.jsonl:1", cfg=host[0],
+                   forward_host_s=0.001)  # fmt: skip
+    assert not [c for c in missing(s, Pool([run]), cand.candidates(s), 2)
+                if c.strategy == "pipeline"]  # fmt: skip
 
 
 def test_a_user_model_left_out_where_its_strategy_refuses_it_names_the_layer(tmp_path):
@@ -569,3 +566,35 @@ def test_a_larger_machines_ceilings_cap_the_cores_only_where_plan_runs_here(
         with pytest.raises(UsageError, match="2 ranks per node"):
             _spec(too_many, Figures(data, "sixteen.json"))
         assert "ceilings describe" not in caplog.text
+
+
+def test_a_missing_figure_names_a_command_that_pastes(tmp_path):
+    """With the plan's own contention curve beside the ceilings, a missing figure's message
+    still ends in a command a shell runs as printed (the curve's file named before it)."""
+    import shlex
+
+    from scalelab.errors import UsageError
+    from scalelab.plan.calibrate import with_contention
+    from scalelab.predict.figures import Figures
+
+    (tmp_path / "curve.json").write_text(json.dumps({"processes": [1], "slowdown": [1.0]}))
+    figures = with_contention(Figures({}, "c.json"), tmp_path / "curve.json")
+    with pytest.raises(UsageError) as caught:
+        figures.comm_fit("nccl", "allreduce")
+    said, command = str(caught.value).split("; measure it: ")
+    assert "(cpu_concurrency: " in said
+    assert shlex.split(command)[-2:] == ["-o", "c.json"]
+
+
+def test_calibrate_missing_names_the_comm_fits_the_ranking_lacks():
+    """A candidate left out for a missing comm fit names its backend; --calibrate-missing
+    measures each such backend once, into the ceilings file, keeping its other figures."""
+    from scalelab.errors import UsageError
+    from scalelab.plan.calibrate import comm_command, lacking_comm
+    from scalelab.predict.figures import Figures
+
+    with pytest.raises(UsageError) as caught:
+        Figures({}, "c.json").comm_fit("nccl", "p2p")
+    statuses = [str(caught.value), "ok", "c.json lacks comm.gloo.allreduce (alpha/beta), ..."]
+    assert lacking_comm(statuses) == ["gloo", "nccl"]
+    assert comm_command("nccl", "c.json")[-3:] == ["--comm-only", "-o", "c.json"]

@@ -12,7 +12,8 @@ agree):
 
 and, when a ddp candidate on several ranks has no measured multi-rank ddp run of its family,
 the smallest of them: DDP's per-step host cost has no ceiling (docs/PREDICT.md); the same for
-a torch-engine pipeline candidate: its runtime's cost per transfer between ranks, and a
+a torch-engine pipeline candidate: its runtime's forward host work (one rank, one stage,
+GPipe, at the candidate's micro-batches), and a
 DTensor candidate of a model of repeated blocks: DTensor's host work per all-reduce. A candidate
 whose rank computes a smaller model is calibrated on that model (the strategy model's
 `calibrated_on`): a tensor rank of the mlp on `tensor --ranks 1` at its shard's ceil(H/N)
@@ -106,6 +107,22 @@ def missing(spec: PlanSpec, pool: Pool, cfgs: list[RunConfig], per_node: int) ->
     return _unique(todo)
 
 
+def lacking_comm(statuses: list[str]) -> list[str]:
+    """The backends whose communication fits the ceilings lack, from the ranking's reasons
+    for leaving candidates out (figures.Figures.comm_fit: `... lacks comm.nccl.allreduce`)."""
+    import re
+
+    found = {m for text in statuses for m in re.findall(r"lacks comm\.([\w-]+)\.", str(text))}
+    return sorted(found)
+
+
+def comm_command(backend: str, ceilings: str, ranks: int = 2) -> list[str]:
+    """The command that measures `backend`'s fits into the ceilings file (--comm-only keeps
+    every other figure the file holds)."""
+    return ["scalelab", "ceilings", "--ranks", str(ranks), "--backend", backend, "--comm-only",
+            "-o", ceilings]  # fmt: skip
+
+
 def calibrated_on(cfg: RunConfig) -> RunConfig:
     """The run cfg's compute is calibrated on (predict's strategy model says)."""
     from scalelab.predict.models.base import MODELS
@@ -114,16 +131,30 @@ def calibrated_on(cfg: RunConfig) -> RunConfig:
 
 
 def _host_anchors(pool: Pool, members: list[RunConfig], per_node: int) -> list[RunConfig]:
-    """Host-side costs have no ceiling (DDP's per step, torch pipelining's per transfer):
+    """Host-side costs have no ceiling (DDP's per step, torch pipelining's per forward):
     one measured multi-rank run per strategy of the family calibrates each, the one
     predict's model reads (Pool.host_anchor)."""
-    todo = []
-    for strategy in sorted({c.strategy for c in members if host_calibrated(c)}):
+    todo = _pipelining_host(pool, members, per_node)
+    for strategy in sorted({c.strategy for c in members if host_calibrated(c)} - {"pipeline"}):
         first = min((c for c in members if c.strategy == strategy and host_calibrated(c)),
                     key=anchor_key)  # fmt: skip
         if pool.host_anchor(Scenario(first, first.ranks, per_node)) is None:
             todo.append(first)
     return todo + _dtensor_anchor(pool, members, per_node)
+
+
+def _pipelining_host(pool: Pool, members: list[RunConfig], per_node: int) -> list[RunConfig]:
+    """torch pipelining's forward host work (predict/models/pipeline.py): one rank, one
+    stage, GPipe (its forwards issued back to back show a host-bound forward), at the first
+    torch-engine pipeline candidate's batch and micro-batches; one GPU suffices."""
+    pipes = [c for c in members if c.strategy == "pipeline" and c.engine == "torch"]
+    if not pipes:
+        return []
+    first = min(pipes, key=anchor_key)
+    if pool.pipelining_host(Scenario(first, first.ranks, per_node)) is not None:
+        return []
+    return [dataclasses.replace(first, ranks=1, stages=1, schedule="gpipe", virtual_stages=1,
+                                dp=1, balance="auto", cut=None)]  # fmt: skip
 
 
 def _dtensor_anchor(pool: Pool, members: list[RunConfig], per_node: int) -> list[RunConfig]:
@@ -267,5 +298,5 @@ def _median_curve(cores: int, repeats: int, kernel, threads: int) -> dict:
 def with_contention(figures: Figures, path: Path) -> Figures:
     """The figures with the curve saved at `path` in place of the ceilings' own."""
     curve = json.loads(path.read_text())
-    where = f"{figures.path} (cpu_concurrency: {path})"
-    return Figures({**figures.data, "cpu_concurrency": curve}, where)
+    return Figures({**figures.data, "cpu_concurrency": curve}, figures.path,
+                   f" (cpu_concurrency: {path})")  # fmt: skip

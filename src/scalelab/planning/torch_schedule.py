@@ -180,15 +180,35 @@ def replay(
     n_stages: int,
     send: float = 0.0,
     device_sync: bool = False,
+    host: Mapping[tuple[int, str], float] | None = None,
 ) -> tuple[float, dict[int, float]]:
-    """(makespan, busy seconds per rank); seconds[(stage, kind)]: one micro-batch's action;
-    send: the seconds one transfer takes between two ranks. Lists holding transfers (COMMS:
-    torch's lowered lists) replay the multi-stage runtime, device_sync: each compute action
-    also waits for every transfer its rank posted before it (scalelab's Clock on a GPU);
-    compute-only lists replay the single-stage one (the module docstring says both)."""
+    """(makespan, busy seconds per rank); seconds[(stage, kind)]: one micro-batch's action
+    on the device; send: the seconds one transfer takes between two ranks. Lists holding
+    transfers (COMMS: torch's lowered lists) replay the multi-stage runtime, device_sync:
+    each compute action also waits for every transfer its rank posted before it (scalelab's
+    Clock on a GPU); compute-only lists replay the single-stage one (the module docstring
+    says both). host[(stage, kind)]: the seconds the rank's Python spends issuing the action
+    (HostLead: the host runs ahead of the device, an action ends no sooner than issued)."""
+    lead = HostLead(host or {}, {r: 0.0 for r in actions})
     if any(a[1] in COMMS for acts in actions.values() for a in acts):
-        return _replay_runtime(actions, seconds, send, device_sync)
-    return _replay_fused(actions, seconds, n_stages, send)
+        return _replay_runtime(actions, seconds, send, device_sync, lead)
+    return _replay_fused(actions, seconds, n_stages, send, lead)
+
+
+class HostLead:
+    """Each rank's host clock. The host issues a rank's actions in order, each taking
+    host[(stage, kind)] seconds, without waiting for the device (a recv over NCCL waits on a
+    stream, not on the host); an action's kernels cannot finish before their last launch, so
+    it ends at max(device start + its device time, host clock after issuing it). A forward
+    through torch's pipelining runtime at a small micro-batch is host-bound this way (the
+    Python of every module call), its backward (autograd's C++ engine) is not."""
+
+    def __init__(self, host: Mapping[tuple[int, str], float], clock: dict[int, float]):
+        self.host, self.clock = host, clock
+
+    def end(self, rank: int, act: Action, device_end: float) -> float:
+        self.clock[rank] += self.host.get((act[0], act[1]), 0.0)
+        return max(device_end, self.clock[rank])
 
 
 def _replay_fused(
@@ -196,6 +216,7 @@ def _replay_fused(
     seconds: Mapping[tuple[int, str], float],
     n_stages: int,
     send: float,
+    lead: HostLead,
 ) -> tuple[float, dict[int, float]]:
     holder = {a[0]: r for r, acts in actions.items() for a in acts}  # stage -> rank
     done: dict[tuple[int, str, int], float] = {}
@@ -214,7 +235,7 @@ def _replay_fused(
                     break
                 start = max([clock[r], *(done[d] + send * (holder[d[0]] != r) for d in needed)])
                 t = seconds.get((act[0], act[1]), 0.0)
-                clock[r] = done[act] = start + t
+                clock[r] = done[act] = lead.end(r, act, start + t)
                 busy[r] += t
                 pos[r] += 1
                 progressed = True
@@ -267,8 +288,10 @@ def _replay_runtime(
     seconds: Mapping[tuple[int, str], float],
     send: float,
     device_sync: bool,
+    lead: HostLead,
 ) -> tuple[float, dict[int, float]]:
     preds = _runtime_preds(actions, device_sync)
+    rank_of = {a: r for r, acts in actions.items() for a in acts}
     after: dict[Action, list[Action]] = {a: [] for a in preds}  # who waits for a
     for a, ps in preds.items():
         for p in ps:
@@ -282,7 +305,7 @@ def _replay_runtime(
         start = max((end[p] for p in preds[a]), default=0.0)
         if a[1] in COMPUTE:
             done = [a]
-            end[a] = start + seconds.get((a[0], a[1]), 0.0)
+            end[a] = lead.end(rank_of[a], a, start + seconds.get((a[0], a[1]), 0.0))
         else:
             ready[a], peer = start, _match(a)
             if peer not in ready:

@@ -41,11 +41,13 @@ class CalPoint:
     layer_times: tuple[tuple[str, float], ...] | None = None  # (step name, seconds)
     warnings: tuple[str, ...] = ()  # the record's run warnings (busy host, unstable timing)
     cfg: RunConfig | None = None  # the run's configuration, where a run record gave it
+    forward_host_s: float | None = None  # torch pipelining: forward actions' s per micro-batch
 
     @property
     def bare(self) -> bool:
         """Whether the point is the bare step its compute law wants (see Pool.candidates)."""
-        return self.strategy != "fsdp" and not (self.cfg is not None and dtensor_run(self.cfg))
+        runtime = self.cfg is not None and (dtensor_run(self.cfg) or pipelining_run(self.cfg))
+        return self.strategy != "fsdp" and not runtime
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,7 @@ class MultiPoint:
     seconds: float
     source: str
     warnings: tuple[str, ...] = ()
+    forward_host_s: float | None = None  # torch pipelining: forward actions' s per micro-batch
 
 
 def unwarned(points: list) -> list:
@@ -112,6 +115,20 @@ class Pool:
         runs = [m for m in self.multi(scenario) if host_calibrated(m.scenario.cfg)]
         return min(runs, key=lambda m: (anchor_key(m.scenario.cfg), m.source), default=None)
 
+    def pipelining_host(self, scenario: Scenario) -> CalPoint | MultiPoint | None:
+        """The torch-engine pipeline run that calibrates the runtime's forward host work
+        (predict/models/pipeline.py: host_forward): a one-rank run of the family (its one
+        stage holds every layer) nearest the scenario's micro-batch, else the host anchor."""
+        fam = scenario.family()
+        ones = [p for p in self.singles if p.family == fam and p.forward_host_s is not None]
+        ones = self._own([p for p in ones if p.cfg is not None and pipelining_run(p.cfg)])
+        if ones:
+            micro = max(scenario.cfg.batch / max(1, scenario.cfg.microbatches), 1e-9)
+            key = lambda p: (abs(math.log(p.batch / p.cfg.microbatches / micro)), p.source)  # noqa: E731
+            return min(ones, key=key)
+        m = self.host_anchor(scenario)
+        return m if m is not None and m.forward_host_s is not None else None
+
     def fsdp_single(self, scenario: Scenario) -> CalPoint | None:
         """The one-rank fsdp run of the scenario's family nearest its per-rank batch (FSDP's
         host cost per step: that run's step less the bare step at its batch), or None."""
@@ -141,6 +158,11 @@ def dtensor_run(cfg: RunConfig) -> bool:
     return cfg.strategy == "tensor" and cfg.engine == "torch"
 
 
+def pipelining_run(cfg: RunConfig) -> bool:
+    """Whether cfg runs torch.distributed.pipelining (`pipeline --engine torch`), any ranks."""
+    return cfg.strategy == "pipeline" and cfg.engine == "torch"
+
+
 def dtensor_calibrated(cfg: RunConfig) -> bool:
     """Whether cfg is a measured DTensor run that calibrates its family's host cost per
     all-reduce of a model of repeated blocks (predict/models/model_parallel.py): tensor
@@ -161,7 +183,8 @@ def dtensor_planned(cfg: RunConfig) -> bool:
 def host_calibrated(cfg: RunConfig) -> bool:
     """Whether cfg pays a host-side cost no ceiling measures, calibrated on one measured
     multi-rank run of its family and strategy: DDP's per step (predict/models/ddp.py), torch
-    pipelining's per transfer between ranks (predict/models/pipeline.py: _hop)."""
+    pipelining's forward host work, where no one-rank torch-engine run gives it
+    (predict/models/pipeline.py: host_forward)."""
     if cfg.ranks < 2:
         return False
     return cfg.strategy == "ddp" or (

@@ -40,11 +40,13 @@ class Figures:
     """Typed access to one ceilings file; `path` goes into error messages."""
 
     data: dict[str, Any]
-    path: str = "ceilings.json"
+    path: str = "ceilings.json"  # the file (the commands printed write to it: a bare path)
+    origin: str = ""  # where figures beside the file's come from, said after its name
 
     def _missing(self, figure: str, how: str) -> UsageError:
         return UsageError(
-            f"{self.path} lacks {figure}, which this prediction needs; measure it: {how}"
+            f"{self.path}{self.origin} lacks {figure}, which this prediction needs; "
+            f"measure it: {how}"
         )
 
     def comm_fit(self, backend: str, op: str) -> tuple[float, float, int]:

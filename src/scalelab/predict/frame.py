@@ -95,7 +95,8 @@ def _row(pred: Prediction, base: Prediction) -> dict:
     row["throughput"] = pred.throughput
     row["speedup"] = pred.throughput / base.throughput if base.feasible is None else math.nan
     t1, tn = base.seconds, pred.seconds
-    row["efficiency"] = t1 / (s.ranks * tn) if s.strong else t1 / tn
+    eff = t1 / (s.ranks * tn) if s.strong else t1 / tn
+    row["efficiency"] = eff if base.feasible is None else math.nan  # no one-rank step to scale
     row.update(pred.extra)
     row["bottleneck"] = bound(pred)[1]
     return row

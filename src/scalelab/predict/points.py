@@ -139,6 +139,13 @@ def _run_record(found: Found, path: Path, where: str, rec: dict[str, Any]) -> No
         # copy bandwidth predicted 12.5 ms on one host and 25 ms on another).
         found.skipped["pipeline training runs before host prefetch (gather not modelled)"] += 1
         return
+    steady, steps = rec.get("steady") or {}, rec.get("steps")
+    if cfg.train and steps is not None and int(steps) < 3 and not steady.get("steps"):
+        # one or two steps, no steady part: the first step's warm-up (cuDNN autotuning,
+        # allocator growth, NCCL set-up) is most of the time (a 2-step deepstack pipeline
+        # probe: 31 ms for what its steady step would take a fraction of)
+        found.skipped["training runs of fewer than 3 steps (their warm-up is their time)"] += 1
+        return
     balance = pipe.get("balance")  # the partition the run used
     scenario = Scenario(  # a record's ranks shared one host
         cfg,
@@ -148,15 +155,31 @@ def _run_record(found: Found, path: Path, where: str, rec: dict[str, Any]) -> No
     )
     seconds = _step_seconds(rec, per_iteration(rec)[1])
     warned = tuple(rec.get("warnings") or ())
+    host = forward_host(rec) if cfg.engine == "torch" else None
     if ranks == 1:
         point = _cal_point(rec, scenario, seconds, phase_scale(rec), where)
-        found.pool(path).singles.append(dataclasses.replace(point, warnings=warned))
+        point = dataclasses.replace(point, warnings=warned, forward_host_s=host)
+        found.pool(path).singles.append(point)
     elif host_calibrated(cfg) or dtensor_calibrated(cfg):
-        found.pool(path).multis.append(MultiPoint(scenario, seconds, where, warned))
+        found.pool(path).multis.append(MultiPoint(scenario, seconds, where, warned, host))
     if cfg.strategy not in MODELS:
         found.skipped[f"{cfg.strategy} runs (no model of that strategy)"] += 1
         return
     found.points.append(Measured(scenario, seconds, where, path, warned))
+
+
+def forward_host(rec: dict[str, Any]) -> float | None:
+    """A torch-engine pipeline record's forward actions, seconds per micro-batch summed
+    over its stages (one replica): what one micro-batch's forward through every layer costs
+    under the runtime where the host bounds it (CUDA events time an action from its first
+    launch to its last kernel's end)."""
+    pipe = rec.get("pipeline") or {}
+    micro = int(pipe.get("microbatches") or 0)
+    rows = [r for r in pipe.get("stage") or [] if not r.get("dp_rank")]
+    forwards = [v for r in rows for k, v in (r.get("action_s") or {}).items() if k.endswith(":F")]
+    if not micro or not forwards:
+        return None
+    return sum(forwards) / micro
 
 
 def _step_seconds(rec: dict[str, Any], default: float) -> float:

@@ -118,6 +118,9 @@ def run(args: argparse.Namespace) -> int:
     figures = _contention(figures, spec, args, out)
     ctx = Context(figures, network, pool)
     ranked = rank.rank(ctx, spec, cfgs)
+    if args.calibrate_missing and _measure_comm(ranked, figures.path):
+        figures = _contention(figures_at(figures.path), spec, args, out)
+        ranked = rank.rank(Context(figures, network, pool), spec, cfgs)
     _print_plan(spec, ranked, figures.path)
     out.mkdir(parents=True, exist_ok=True)
     rank.shown(ranked).to_csv(out / "plan.csv", index=False)
@@ -201,6 +204,23 @@ def _calibrate(spec, pool, cfgs, args, out: Path):
         echo = Progress("calibrate", len(todo) * args.repeats)
         measure_medians(todo, out / "calibration.jsonl", args.repeats, run, echo)
     return _pool(args.calibrate, out)
+
+
+def _measure_comm(ranked, ceilings: str) -> bool:
+    """--calibrate-missing: measure the communication fits whose absence left candidates
+    out, into the ceilings file (so no candidate family is dropped on a fresh machine)."""
+    import subprocess
+
+    from scalelab.plan.calibrate import comm_command, lacking_comm
+
+    backends = lacking_comm(list(ranked["status"]))
+    for backend in backends:
+        command = comm_command(backend, ceilings)
+        print(f"calibrate: {' '.join(command)}", flush=True)
+        done = subprocess.run([sys.executable, "-m", *command[1:]], check=False)
+        if done.returncode != 0:
+            raise UsageError(f"measuring comm.{backend} failed: {' '.join(command)}")
+    return bool(backends)
 
 
 def _contention(figures, spec, args, out: Path):

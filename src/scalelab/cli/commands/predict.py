@@ -52,6 +52,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="results file or folder with one-rank measurements to calibrate compute on",
     )
     p.add_argument(
+        "--bands",
+        default=None,
+        metavar="FILE",
+        help="bands.json from `predict --validate RESULTS -o DIR`: each prediction's "
+        "uncertainty (default: scalelab-results/validate/bands.json when present)",
+    )
+    p.add_argument(
         "--validate",
         default=None,
         metavar="RESULTS",
@@ -109,15 +116,25 @@ def predict(args: argparse.Namespace, network) -> int:
     table, notes = prediction_table(ctx, template, ranks)
     if found is not None:  # the runs it leaned on; the rows RESULTS measured, checked
         table, notes = _crosscheck(ctx, template, ranks, table, notes, found)
+    notes += _trust(ctx, template, ranks, args.bands)
     summary = bottleneck_summary(table)
     print(_header(template, network))
-    print(_shown(table).to_string(index=False, float_format="{:.4g}".format))
+    print(_shown(table).to_string(index=False, float_format="{:.4g}".format, na_rep="-"))
     print(f"bottleneck: {summary}")
     for note in notes:
         print(f"- {note}")
     if args.out is not None:
         _write(args, table, notes, summary, template, network)
     return 0
+
+
+def _trust(ctx, template, ranks: list[int], bands: str | None) -> list[str]:
+    """The band from the family's validation errors, and what the predictions extrapolate."""
+    from scalelab.predict.uncertainty import band_note, extrapolations
+    from scalelab.predict.validate import family, strategy_label
+
+    band = band_note(family(strategy_label(template.cfg)), bands)
+    return ([band] if band else []) + extrapolations(ctx.pool, template, ranks)
 
 
 def _ranks(text: str) -> list[int]:
@@ -229,32 +246,52 @@ def _write(args, table, notes, summary, template, network) -> None:
 
 # --- validation ----------------------------------------------------------------------------
 def validate(args: argparse.Namespace, network) -> int:
+    from scalelab.predict.uncertainty import write_bands
     from scalelab.predict.validate import validate as run_validation
 
     v = run_validation(args.validate, args.ceilings, network, args.drop_warned)
-    pairs = ", ".join(f"{r} -> {c}" for r, c in sorted(v.ceilings.items()))
-    print(f"validate: {args.validate} (ceilings: {pairs})")
-    for results, what in sorted(v.borrowed.items()):
-        print(f"  {results} borrowed another host's ceilings: {what}")
-    shown = v.table.assign(error=v.table["error_pct"].map(lambda e: f"{e:+.1f}%"))
-    shown = shown.drop(columns=["error_pct"])
-    print(shown.to_string(index=False, float_format="{:.4g}".format))
-    print("skipped:" + ("" if v.skipped else " nothing"))
-    for why, n in sorted(v.skipped.items()):
-        print(f"  {n} {why}")
+    verbose = bool(getattr(args, "verbose", 0))  # scalelab -v: every point and file
+    used = sorted({c.split(" (")[0] for c in v.ceilings.values()})
+    print(f"validate: {args.validate} ({len(v.ceilings)} results files over the ceilings "
+          f"{', '.join(used)})")  # fmt: skip
+    if verbose:
+        for results, ceilings in sorted(v.ceilings.items()):
+            print(f"  {results} -> {ceilings}")
+        for results, what in sorted(v.borrowed.items()):
+            print(f"  {results} borrowed another host's ceilings: {what}")
+    elif v.borrowed:
+        print(f"  {len(v.borrowed)} results files borrowed another host's ceilings (-v: which)")
+    fmt = {"float_format": "{:.4g}".format, "na_rep": "-", "index": False}
+    if verbose:
+        shown = v.table.assign(error=v.table["error_pct"].map(lambda e: f"{e:+.1f}%"))
+        print(shown.drop(columns=["error_pct"]).to_string(**fmt))
+    print("per strategy family (MAPE held out = leave-one-out, then in sample):")
+    print(v.families().to_string(float_format="{:.1f}".format, na_rep="-", index=False))
+    _skipped(v.skipped, verbose)
     far = v.outside()
     worst = v.table["error_pct"].abs().max()
-    print(
-        f"outside 15%: {len(far)} point(s): " + ", ".join(far["source"])
-        if len(far)
-        else f"every point within 15% (worst {worst:.1f}%)"
-    )
+    names = ", ".join(far["source"][:8]) + (f" and {len(far) - 8} more" if len(far) > 8 else "")
+    print(f"outside 15%: {len(far)} point(s): {names}" if len(far)
+          else f"every point within 15% (worst {worst:.1f}%)")  # fmt: skip
     if args.out is not None:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         v.table.to_csv(out / "validate.csv", index=False)
+        write_bands(v.families(), out / "bands.json")
     print(v.summary())
     return 0
+
+
+def _skipped(skipped: dict[str, int], verbose: bool) -> None:
+    """What was passed over, one line a reason; the unknown files folded into a count."""
+    print("skipped:" + ("" if skipped else " nothing"))
+    unknown = {w: n for w, n in skipped.items() if w.startswith("in no known format")}
+    for why, n in sorted(skipped.items()):
+        if verbose or why not in unknown:
+            line = f"  {n} {why}"
+            print(line if verbose or len(line) <= 160 else line[:157] + "...")
+    if unknown and not verbose:
+        print(f"  {sum(unknown.values())} files in no known format ({len(unknown)} names; -v)")
 
 
 COMMANDS.register(

@@ -38,6 +38,12 @@ NO_HOST_COST = (
 )
 
 
+EXPOSED = (
+    "allreduce_ms is the exposed all-reduce (what outlasts backward), the part summed into ms; "
+    "allreduce_total_ms is the whole, allreduce_hidden_pct of it hidden under backward"
+)
+
+
 @MODELS.register("ddp", "DistributedDataParallel: bucketed all-reduce under backward")
 class DDPModel(StrategyModel):
     def infeasible(self, scenario: Scenario) -> str | None:
@@ -71,7 +77,11 @@ class DDPModel(StrategyModel):
         phases = {**compute.phases(s.rank_batch), "allreduce": exposed}
         pred = Prediction(s, phases, COMM, compute.sources, list(compute.notes))
         hidden = 100 * (1 - exposed / busy) if busy > 0 else float("nan")
-        pred.extra = {"allreduce_hidden_pct": hidden, "buckets": len(plan)}
+        # allreduce_ms (a phase, summed into ms) is the exposed part; the whole beside it
+        pred.extra = {"allreduce_total_ms": busy * 1e3, "allreduce_hidden_pct": hidden,
+                      "buckets": len(plan)}  # fmt: skip
+        if busy > 0:
+            pred.notes.append(EXPOSED)
         return pred
 
     def host_cost(self, ctx: Context, s: Scenario) -> tuple[float, str | None, str]:

@@ -162,22 +162,23 @@ class PipelineModel(StrategyModel):
     def _predict_stages(self, ctx: Context, s: Scenario) -> Prediction:
         lay = self._layout(ctx, s)
         k, compute = s.ranks, lay.compute
-        hop, source, note = self._hop(ctx, s) if lay.torch and k > 1 else (0.0, None, None)
-        bare_s, busy = lay.replay(0.0)
-        full_s, _ = lay.replay(max(lay.send, hop))
+        host, source, note = self._host(ctx, s, lay) if lay.torch else ({}, None, None)
+        bare_s, busy = lay.replay(0.0, {})
+        hosted_s, _ = lay.replay(0.0, host)
+        full_s, _ = lay.replay(lay.send, host)
         slow = max(range(k), key=lambda r: busy[r])
         phases = {
             "compute": busy[slow],
             "bubble": _clean(bare_s - busy[slow]),
-            "p2p": _clean(full_s - bare_s),
+            "host": _clean(hosted_s - bare_s),
+            "p2p": _clean(full_s - hosted_s),
             "overhead": compute.overhead_s,
         }
         pred = Prediction(s, phases, frozenset({"p2p"}), compute.sources, list(compute.notes))
         pred.notes.append(f"pipeline stages: {lay.counts} layers ({lay.cut_from})")
-        if note is not None:
-            pred.notes.append(note)
+        pred.notes += [n for n in (note, self._refit(ctx, source)) if n]
         if source is not None:
-            pred.calibration[source] = "pipeline send cost"
+            pred.calibration[source.source] = "pipelining host cost"
         mine = [st for st in range(len(lay.held)) if lay.held[st] == slow]
         seconds = sum(lay.t_stage[st] for st in mine)
         where = self._stage_text(s, lay.counts, slow, mine, seconds)
@@ -198,18 +199,18 @@ class PipelineModel(StrategyModel):
         t_stage = [sum(t for t, o in zip(rows, owner) if o == st) for st in range(k * v)]
         fwd = [t * (FORWARD_SHARE if cfg.train else 1.0) for t in t_stage]
         bwd = [t - f for t, f in zip(t_stage, fwd)]
-        if cfg.schedule in SCHEDULES and v == 1:  # scalelab's own op lists (either engine)
-            held = list(range(k))
+        torch = cfg.engine == "torch"
+        if not torch:  # scalelab's own op lists (GPipe, 1F1B)
 
-            def replay_own(send: float) -> tuple[float, list[float]]:
+            def replay_own(send: float, host: dict) -> tuple[float, list[float]]:
                 sim = simulate(cfg.schedule, m, fwd, bwd, cfg.train, send)
                 return sim.makespan, list(sim.busy)
 
-            run = replay_own
-        else:  # torch's order for its multi-stage schedules
+            held, run = list(range(k)), replay_own
+        else:  # torch's order for its schedules, the multi-stage ones with their transfers
             from scalelab.planning.torch_schedule import NO_EVAL, replay, torch_order
 
-            actions = torch_order(cfg.schedule, k, v, m, comms=True)  # with its transfers
+            actions = torch_order(cfg.schedule, k, v, m, comms=True)
             if not cfg.train and cfg.schedule not in NO_EVAL:  # eval(): the forwards alone
                 forward = ("F", "SEND_F", "RECV_F")
                 actions = {r: [a for a in acts if a[1] in forward] for r, acts in actions.items()}
@@ -217,8 +218,8 @@ class PipelineModel(StrategyModel):
             held = [holder[st] for st in range(k * v)]
             seconds = _action_seconds(fwd, bwd, cfg)
 
-            def replay_torch(send: float) -> tuple[float, list[float]]:
-                makespan, busy = replay(actions, seconds, k * v, send)
+            def replay_torch(send: float, host: dict) -> tuple[float, list[float]]:
+                makespan, busy = replay(actions, seconds, k * v, send, host=host)
                 return makespan, [busy[r] for r in range(k)]
 
             run = replay_torch
@@ -226,40 +227,54 @@ class PipelineModel(StrategyModel):
         itemsize = get_precision(s.precision).itemsize
         cuts = [micro * n * itemsize for n in self._cut_elems(s, owner, costs, len(held) - 1)]
         send = self._send(ctx, s, cuts, held) if k > 1 else 0.0
-        torch = cfg.engine == "torch"
         return _Layout(compute, counts, cut_from, t_stage, held, send, run, torch, cuts)
 
-    def _hop(self, ctx: Context, s: Scenario) -> tuple[float, str | None, str]:
-        """(seconds, the run it comes from, a note): what one activation or gradient costs
-        between two ranks under torch's pipelining runtime, calibrated like DDP's host cost
-        on one measured multi-rank torch-engine pipeline run of the family (Pool.host_anchor):
-        the send that makes the replay of that run's
-        schedule last its measured step. The fabric's point-to-point time leaves out the
-        runtime's own work per transfer (its SEND/RECV actions, their requests and waits,
-        in Python): on 4 cores of the H100 host one hop over gloo cost ~1 ms where the
-        ceilings' p2p says 0.05 ms."""
-        m = ctx.pool.host_anchor(s)
-        if m is None:
-            return 0.0, None, NO_HOP
-        hop = ctx.once(("pipeline hop", m.source), lambda: self._fit_hop(ctx, m))
+    def _host(self, ctx: Context, s: Scenario, lay: _Layout) -> tuple[dict, object, str]:
+        """({(stage, "F"): seconds}, the run they come from, a note): the host time torch's
+        pipelining runtime takes to issue one micro-batch's forward through each stage
+        (its Python: every module call, the stage's input and output handling), calibrated
+        on a torch-engine pipeline run of the family (Pool.pipelining_host: a one-rank run
+        first). H = that run's forward actions per micro-batch summed over its stages; a
+        stage issues its share of it, its share of the rows' device time. The backward is
+        autograd's C++ engine and is taken as device-bound. A forward whose device time
+        exceeds its host share is device-bound (the replay takes the later: HostLead)."""
+        point = ctx.pool.pipelining_host(s)
+        if point is None:
+            return {}, None, NO_HOST
+        total = sum(lay.t_stage) or 1.0
+        share = {(st, "F"): point.forward_host_s * t / total for st, t in enumerate(lay.t_stage)}
+        run = point.scenario if isinstance(point, MultiPoint) else Scenario(point.cfg, 1, 1)
         note = (
-            f"torch pipelining send {hop * 1e3:.3g} ms per transfer between ranks, calibrated "
-            f"on {m.source} ({m.scenario.ranks} ranks, --schedule {m.scenario.cfg.schedule}, "
-            f"{m.scenario.rank_batch:g} items per step)"
+            f"torch pipelining forward host work {point.forward_host_s * 1e3:.3g} ms per "
+            f"micro-batch through every layer, from {point.source} ({run.ranks} rank(s), "
+            f"--schedule {run.cfg.schedule}); each stage issues its share of it, ahead of "
+            "its device"
         )
-        return hop, m.source, note
+        return share, point, note
 
-    def _fit_hop(self, ctx: Context, m: MultiPoint) -> float:
-        """The send that makes the replay of m's schedule last its measured step."""
-        lay = self._layout(ctx, m.scenario)
-        target = m.seconds - lay.compute.overhead_s
-        lo, hi = lay.send, max(lay.send, target)
-        if lay.replay(lo)[0] >= target:
-            return lo
-        for _ in range(40):  # the makespan grows with the send: bisect
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if lay.replay(mid)[0] < target else (lo, mid)
-        return (lo + hi) / 2
+    def _refit(self, ctx: Context, point) -> str | None:
+        """A note when the model does not reproduce the run its host cost came from (5%)."""
+        if point is None:
+            return None
+        return ctx.once(("pipelining refit", point.source), lambda: self._refit_note(ctx, point))
+
+    def _refit_note(self, ctx: Context, point) -> str | None:
+        if isinstance(point, MultiPoint):
+            scen, measured = point.scenario, point.seconds
+        else:
+            scen = Scenario(point.cfg, 1, per_node=1)
+            measured = point.compute_s
+        lay = self._layout(ctx, scen)
+        host, _, _ = self._host(ctx, scen, lay)
+        predicted = lay.replay(lay.send, host)[0] + lay.compute.overhead_s
+        off = predicted / measured - 1
+        if abs(off) <= 0.05:
+            return None
+        return (
+            f"the model does not reproduce its pipelining calibration run {point.source}: "
+            f"{predicted * 1e3:.4g} ms against {measured * 1e3:.4g} ms measured ({off:+.0%}); "
+            "its stage times are not what the one-rank law and the host share give"
+        )
 
     def _send(self, ctx: Context, s: Scenario, cuts: list[float], held: list[int]) -> float:
         """One micro-batch's activations over the costliest cut (cuts: bytes per cut, in the
@@ -299,10 +314,11 @@ class PipelineModel(StrategyModel):
         )
 
 
-NO_HOP = (
-    "torch pipelining send cost not calibrated (no measured multi-rank torch-engine pipeline "
-    "run of this family): each transfer costs the fabric's p2p time, which leaves out the "
-    "runtime's own work per transfer (plan --calibrate-missing measures one)"
+NO_HOST = (
+    "torch pipelining host work not calibrated (no torch-engine pipeline run of this family): "
+    "each forward takes its device time, a lower bound at small micro-batches (plan "
+    "--calibrate-missing measures a one-rank run: pipeline --engine torch --ranks 1 "
+    "--schedule gpipe)"
 )
 
 
@@ -316,8 +332,9 @@ class _Layout:
     t_stage: list[float]  # seconds per micro-batch, per stage
     held: list[int]  # the rank of each stage
     send: float  # the fabric's time for one micro-batch's activations over the worst cut
-    replay: Callable[[float], tuple[float, list[float]]]  # send -> (makespan, busy per rank)
-    torch: bool  # --engine torch: its runtime's send cost is calibrated (PipelineModel._hop)
+    # (send, host seconds per (stage, kind)) -> (makespan, device-busy seconds per rank)
+    replay: Callable[[float, dict], tuple[float, list[float]]]
+    torch: bool  # --engine torch: its runtime's host work is calibrated (PipelineModel._host)
     cut_bytes: list[float]  # one micro-batch's activation across each cut
 
 
