@@ -211,7 +211,7 @@ class Trainer:
         self.model.train()
         self.trained_s = 0.0  # training seconds of the finished epochs
         # Every rank starts the clock together: a rank that started late (importing, reading
-        # its data) was charged to the others' first collective (issue 38: rank 0's scatter
+        # its data) was charged to the others' first collective (a loaded host: rank 0's scatter
         # 0.717 s of a 0.858 s one-epoch mpi-dp run), never to the steps.
         self.strategy.comm.barrier()
         while self.pos.epoch < self.cfg.epochs and not self.finished:
