@@ -22,7 +22,7 @@ from scalelab.errors import UsageError
 from scalelab.workloads import shape_cache
 
 if TYPE_CHECKING:
-    from scalelab.workloads.costs import LayerCost
+    from scalelab.workloads.layer_cost import LayerCost
 
 # How a layer acts along the spatial split axis (rows of an image, positions of a text):
 #   window: reads kernel rows per output row (conv, pooling): needs halos of its geometry
