@@ -1,4 +1,5 @@
-"""Issue 38's numbered contradictions, checked on what `scalelab demo` wrote.
+"""Figures the demo prints side by side that could contradict each other, checked on what
+`scalelab demo` wrote.
 
 `audit(out_dir)` reads OUT/runs.jsonl, OUT/ceilings.json, OUT/report/index.html (and
 OUT/demo.log when the run kept one) and returns one row per item: {item, status, evidence},
@@ -27,7 +28,7 @@ from scalelab.analysis.html import esc
 from scalelab.instrument import ceiling_checks
 
 ABSENT, FLAGGED, UNFLAGGED, NA = "absent", "flagged", "CONTRADICTION UNFLAGGED", "n/a"
-SAME_SHAPE = 3.0  # issue 38: c3 and c5 of one shape, 67.8 vs 1.08 ms
+SAME_SHAPE = 3.0  # seen: c3 and c5 of one shape, 67.8 vs 1.08 ms
 SUPERLINEAR = 1.5  # a speedup above 1.5x the rank count: threads or load, not the ranks
 STARTUP = 2.0  # a step time over 2x the steady step: start-up charged to the steps
 MOVED = 0.10  # predict vs a measurement of its own configuration (crosscheck.AGREE)
@@ -133,7 +134,7 @@ def _superlinear(records: list[dict[str, Any]], page: str | None) -> list[str]:
 
 def _superlinear_versions(records: list[dict[str, Any]], page: str | None) -> list[str]:
     """The same inside one `versions` table: an N-rank strategy more than SUPERLINEAR x N
-    faster than the torch `local` run of the same dtype (issue 38: ddp x2 58x local)."""
+    faster than the torch `local` run of the same dtype (seen: ddp x2 58x local)."""
     out = []
     for vid in {r.get("versions") for r in records if r.get("versions")}:
         group = [r for r in ok_records(records) if r.get("versions") == vid]
@@ -382,7 +383,7 @@ def check_attention(records: list[dict[str, Any]]) -> dict[str, str]:
 
 
 def check_nan(page: str | None, log: str | None) -> dict[str, str]:
-    """No 'nan' printed as a number on the page or in the demo's output (issue 38: fit's
+    """No 'nan' printed as a number on the page or in the demo's output (seen: fit's
     'fits, nan ms'); base64 figures are left out."""
     text = re.sub(r'src="data:[^"]*"', "", page or "") + "\n" + (log or "")
     text = re.sub(r"<[^>]+>", " ", text)

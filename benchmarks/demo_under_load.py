@@ -1,6 +1,6 @@
-"""The README's demo under a load generator, then an audit of what it wrote (issue 38).
+"""The README's demo under a load generator, then an audit of what it wrote.
 
-Issue 38 listed numbers the demo's report printed side by side that contradicted each other
+A busy host once showed numbers the demo's report printed side by side that contradicted each other
 on a busy host (threads, per-layer times above the wall, points above their roof or model,
 start-up skew in step times, units, ceilings, predict, attention FLOPs, fit's nan). This
 starts two busy processes per CPU core, runs `scalelab demo --data-dir DATA -o OUT` in a

@@ -9,7 +9,7 @@ record's `replica_max_rel_diff` (rank 1's parameters against rank 0's after trai
 writes OUT_DIR/fast_ddp_probe.json. --cpu: gloo ranks with the captured step run eagerly
 (CUDA graphs need a GPU), to check the script itself. --determinism: eager DDP twice (does it
 repeat itself?), twice under SCALELAB_DETERMINISTIC=1, and the captured step under it against
-that (session 18 on 2x H200: 0.354 apart; 0.0; 0.0).
+that (2x H200: 0.354 apart; 0.0; 0.0).
 
 Worker mode (started by torchrun): `fast_ddp_probe.py --worker VARIANT CPU ARGS...`.
 """
@@ -31,7 +31,7 @@ VARIANTS = {
     "fast": {},
     "fast, gradient_as_bucket_view=False": {"gradient_as_bucket_view": False},
     "fast, static_graph=False": {"static_graph": False},
-    # session 18: is the all-reduce ordered after the copies into its bucket, and the update
+    # is the all-reduce ordered after the copies into its bucket, and the update
     # after the all-reduce? A hook whose all-reduce the hook's stream waits for (async_op off)
     "fast, all-reduce waited for in the hook": {"hook": "sync"},
     "fast, one bucket": {"bucket_cap_mb": 4096},

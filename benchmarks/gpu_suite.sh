@@ -27,15 +27,15 @@ log="$OUT_DIR/gpu_suite_${gpus}gpu.log"
   # the three 2-GPU pipeline tests (94, 73, 62 s) still running at the end.
   par=()
   # --maxschedchunk 1: a free worker takes the next test in order (by default xdist deals
-  # each worker a batch up front, so a long test could still start last: session 19's first
-  # 2-GPU run ended at 290 s with test_pipeline_on_two_gpus_agrees_with_one running).
+  # each worker a batch up front, so a long test could still start last: a 2-GPU run once
+  # ended at 290 s with test_pipeline_on_two_gpus_agrees_with_one running).
   "$PYTHON" -c "import xdist" 2>/dev/null && par=(-n "${WORKERS:-8}" --dist load --maxschedchunk 1)
   # xdist still sends each worker two tests up front and its next one before the current one
-  # ends, so a test queued behind a long one waits for it: session 20's first run ended at
+  # ends, so a test queued behind a long one waits for it: a run once ended at
   # 290 s with test_pipeline_on_two_gpus_agrees_with_one queued behind test_versions' whole
   # 2-GPU table (~280 s), which now runs as three tests (test_versions.GPU_ROWS).
   # The longest tests first (pytest keeps the order of the files it is given), so none
-  # starts last: session 18's 2-GPU run ended at 290 s with test_versions' 2-GPU table,
+  # starts last: a 2-GPU run once ended at 290 s with test_versions' 2-GPU table,
   # started at 71%, still running.
   first=(tests/test_versions.py tests/test_pipeline.py tests/test_ddp.py tests/test_fast_gpu.py)
   rest=()

@@ -3,7 +3,7 @@
     python benchmarks/microbatch_profile.py [OUT_DIR] [--no-compile]
     (OUT_DIR defaults to $OUT or .)
 
-The question behind the pipeline's `--compile` (issue 6): a 2-stage pipeline at M=8 can only
+The question behind the pipeline's `--compile`: a 2-stage pipeline at M=8 can only
 beat one GPU by 1.6x if a micro-batch of 32 costs about what 1/8 of a batch of 256 does.
 Each variant below runs the same training step (bf16 autocast, channels_last, SGD momentum):
 plain at batch 256 and 32; M=8 micro-batches with autocast per micro-batch (what the pipeline

@@ -1,4 +1,4 @@
-"""MPI scaling benchmarks of issue 3, run on the GPU host (16-32 cores, 2 GPUs).
+"""MPI scaling benchmarks, run on the GPU host (16-32 cores, 2 GPUs).
 
     python benchmarks/mpi_scaling.py [OUT_DIR] [--part cpu|gpu|all] [--smoke]
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 9's scaling study on one host of 4 (or 8) GPUs, in device calls of < 10 minutes:
+# The scaling study on one host of 4 (or 8) GPUs, in device calls of < 10 minutes:
 #
 #   benchmarks/multi_gpu_study.sh ddp  [OUT_DIR]   ddp ResNet-18 (torchvision layout and the
 #       CIFAR variant), bf16, --fast: weak 512/GPU and 128/GPU, strong at global 1024 and

@@ -1,7 +1,7 @@
 """VGG-16 on 2 GPUs: every torch.distributed.pipelining schedule (`pipeline --engine torch`)
 against plain PyTorch on one GPU and scalelab's own 1F1B (`--engine scalelab`, 1.80x on
-2 x H200 in docs/PERFORMANCE.md). Needs a host with 2 CUDA GPUs; not run yet (no 2-GPU host
-lent this session). Usage: python benchmarks/pipeline_torch_gpu.py [--out DIR] [--steps N]
+2 x H200 in docs/PERFORMANCE.md). Needs a host with 2 CUDA GPUs.
+Usage: python benchmarks/pipeline_torch_gpu.py [--out DIR] [--steps N]
 
 Each run appends its record (stage times, bubble measured / simulated per schedule, mesh) to
 DIR/runs.jsonl; the table printed at the end is throughput relative to the one-GPU run.

@@ -1,4 +1,4 @@
-"""Pipeline parallelism (issues 6 and 9): VGG-16 training on K GPUs against one GPU, the
+"""Pipeline parallelism: VGG-16 training on K GPUs against one GPU, the
 bubble against (K-1)/(M+K-1), and deepstack stacks that do not fit one GPU.
 
     python benchmarks/pipeline_vgg.py [OUT_DIR] [--stages 2,4] [--no-deepstack] [--full]

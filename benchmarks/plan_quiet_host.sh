@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 24's plans on a quiet host: the three CPU plans of its "Done when" (alexnet inference
+# Three CPU plans on a quiet host (alexnet inference
 # at batch 32 over 1-2 ranks x threads, mlp training on MNIST, a user model), each pinned to
 # 4 cores of a 16-core machine that runs nothing else, and a GPU plan (resnet18-cifar
 # training on one GPU: ddp --ranks 1 plain, --fast, --compile, and mpi-dp). The shared 2-core

@@ -1,5 +1,5 @@
 """The host's cpu_concurrency curve timed on a workload's own step, one curve per rank batch,
-each merged into a copy of a ceilings file for `scalelab predict --ceilings` (issue 40):
+each merged into a copy of a ceilings file for `scalelab predict --ceilings`:
 
     python benchmarks/step_contention.py CEILINGS OUT_DIR --batch 8:8 --batch 4:16 --batch 2:32 \
         [--workload alexnet] [--repeats 3] [--cores N]
@@ -12,7 +12,7 @@ writes OUT_DIR/concurrency_b<B>.json (the curve, as `scalelab plan` measures it)
 OUT_DIR/ceilings_b<B>.json (CEILINGS with that curve as its cpu_concurrency).
 
 Why: `mpi --split batch` over k ranks runs the whole model on batch/k items per rank, and how
-much k ranks slow each other depends on what each runs. Session 17's predictions of AlexNet at
+much k ranks slow each other depends on what each runs. Predictions of AlexNet at
 8, 16 and 32 CPU ranks on a 32-core host used the ceilings' convolution curve and missed by
 -8%, -30% and -44%: the convolution read 0.79-1.2x at 8-32 processes where the runs implied
 1.09, 1.50 and 2.17. So a prediction at k ranks reads the curve of k processes each running

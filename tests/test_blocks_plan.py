@@ -121,7 +121,7 @@ def test_dtensor_host_cost_is_calibrated_on_one_measured_run_of_the_family():
 
 
 def test_dtensor_host_cost_is_calibrated_on_a_one_rank_tensor_run(cli, tmp_path):
-    """Issue 40's one-GPU calibration: a plain one-rank run and a one-rank `tensor --engine
+    """The one-GPU calibration: a plain one-rank run and a one-rank `tensor --engine
     torch` run (DTensor over a one-device mesh: every sharded op still dispatches, each
     all-reduce over a group of one) of the same GPT at the same batch. The plain run stays
     the compute calibration; the tensor run's step beyond it, per all-reduce, is DTensor's

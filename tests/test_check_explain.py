@@ -1,4 +1,4 @@
-"""The inference check explains itself (issue 37): where the error entered, a bound that fits
+"""The inference check explains itself: where the error entered, a bound that fits
 the model, one verdict under every launcher, and MPI loaded only where it is used.
 
 Models (tests/programs/check_nets.py) lose precision on purpose: a Linear computed in bf16

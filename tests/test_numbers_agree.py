@@ -1,5 +1,5 @@
-"""Issue 38: a figure scalelab prints agrees with the figures beside it, or carries a flag
-saying which assumption broke. One test (or a few) per numbered case of the issue, on
+"""A figure scalelab prints agrees with the figures beside it, or carries a flag
+saying which assumption broke. One test (or a few) per kind of disagreement seen, on
 constructed records or cheap real runs (tiny fp64 models, one thread)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Issue 38 under the demo: what `benchmarks/demo_under_load.py` (the README's demo beside two
-busy processes per core, then an audit of every numbered contradiction) found unflagged, each
+"""Figures that agree under the demo: what `benchmarks/demo_under_load.py` (the README's demo
+beside two busy processes per core, then an audit of every contradiction) found unflagged, each
 fixed here on constructed inputs or a tiny run; and the audit itself, which must be able to
 fail (a constructed demo folder with an unflagged rank skew)."""
 
@@ -62,7 +62,7 @@ def _ceilings(fp32: float, copy: float, spread: float = 0.03, **top) -> dict:
 
 
 def test_a_ceiling_that_moved_beyond_its_spread_is_named():
-    """Issue 38's two `ceilings --quick` runs minutes apart: fp32 GEMM 194 vs 94.8 GF/s,
+    """Two `ceilings --quick` runs seen minutes apart: fp32 GEMM 194 vs 94.8 GF/s,
     memory copy 46.7 vs 6.41 GB/s (the blocks of each run agreeing within a few percent)."""
     old, new = _ceilings(1.94e11, 4.67e10), _ceilings(9.48e10, 6.41e9)
     got = {m["what"]: m for m in CC.moved(new, old)}

@@ -476,7 +476,7 @@ def _cli(tmp_path, *args):
     out = tmp_path / "runs.jsonl"
     cmd = [sys.executable, "-m", "scalelab", "run", *args, "--out", str(out)]
     try:
-        # bounded well inside the GPU suite's 300 s: in session 19 a 2-GPU run of this file
+        # bounded well inside the GPU suite's 300 s: once a 2-GPU run of this file
         # (62 s alone) was still running when the suite was killed, its output lost with it
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     except subprocess.TimeoutExpired as e:

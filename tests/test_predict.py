@@ -349,7 +349,7 @@ def test_bottleneck_is_named_per_row(cli):
     assert "network-bound past 1 ranks: all-reduce" in bottleneck
 
 
-# --- the 4x H200 host (issue 9's study), added when that machine was lent ----------------------
+# --- the 4x H200 host's study ------------------------------------------------------------------
 FOUR_GPUS = Path(__file__).parent / "fixtures" / "predict_h200x4"
 
 
@@ -514,7 +514,7 @@ def test_pipeline_two_gpipe_stages_against_the_hand_formula():
     assert "slowest stage: rank 0 of 2, cast..conv3_3" in bound(pred)[1]
 
 
-# --- issue 8's done-criterion over the repository's own benchmark results -----------------------
+# --- predict's accuracy bar over the repository's own benchmark results ------------------------
 RESULTS = Path(__file__).parents[1] / "benchmarks" / "results"
 
 
@@ -528,7 +528,7 @@ def test_committed_results_within_bound_on_the_criterions_scope():
     deepstack measurement to calibrate on: their roofline bound is listed as such (it reads
     ~40% short), outside the MAPE and the bound."""
     v = validate(RESULTS, None, None, held_out=False)
-    # Issue 40's held-out rounds (benchmarks/results/gpu_s17-20/, files s17_* to s20_*)
+    # The held-out GPU studies (benchmarks/results/gpu_s17-20/, files s17_* to s20_*)
     # are judged against their own targets in docs/PERFORMANCE.md (benchmarks/compare_s17.py,
     # each error said); their records calibrate nothing here and lie outside this scope.
     round_ = v.table["source"].str.startswith(("s17_", "s18_", "s19_", "s20_"))
@@ -541,7 +541,7 @@ def test_committed_results_within_bound_on_the_criterions_scope():
     # -17%); the bound here is on what the model predicts, not on those
     t = v.scored[v.scored["role"] != "calibration (pipelining host cost)"]
     cpu = t["strategy"].str.startswith("mpi ")
-    # fsdp (issue 36's bar, 10%) on its own: met on the GPT it was measured on (2x H100 and
+    # fsdp (its own bar, 10%) on its own: met on the GPT it was measured on (2x H100 and
     # 2x H200), missed on the 1e9-parameter stack of 62 small units, whose step is FSDP's host
     # work, ~2.2x per unit on two ranks what one rank shows (-18% to -55%, docs/PERFORMANCE.md)
     fsdp = t[t["strategy"] == "fsdp"]
@@ -586,7 +586,7 @@ def test_torchs_multi_stage_schedules_are_replayed_from_torchs_order():
     """VGG-16 over 2 ranks, 8 micro-batches, under torch's schedules on GPUs: the replay of
     torch's own lowered lists over the S x V stages. Interleaving V = 2 stages per rank keeps
     the work (compute within the cut's imbalance) and shrinks the bubble below 1F1B's, towards
-    (K - 1) / V stage-times (session 20 measured 79.95 ms against 156.92 with the timing sync
+    (K - 1) / V stage-times (measured 79.95 ms against 156.92 with the timing sync
     the engine had before, which held the ranks in lock-step; tests/test_torch_pipelining.py
     replays both); it pays a send at every one of the 2K - 1 cuts; the V-shaped zbv holds
     stages 0 and 3 on rank 0. GPipe and 1F1B (fused transfers) keep the prediction of
@@ -727,7 +727,7 @@ def test_spatial_tail_prediction_gathers_the_maps_and_sums_nothing():
 
 
 def test_profiled_runs_calibrate_nothing():
-    """A --trace run's times carry torch.profiler's overhead (issue 40's traced 2-GPU resnet18
+    """A --trace run's times carry torch.profiler's overhead (a traced 2-GPU resnet18
     step read as 70 ms of DDP host cost per step): such records are skipped, and said."""
     from scalelab.predict.points import discover
 

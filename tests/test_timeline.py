@@ -1,4 +1,4 @@
-"""Issue 23, where the time went across ranks: span recording, wait/transfer attribution
+"""Where the time went across ranks: span recording, wait/transfer attribution
 checked against closed forms, the Chrome trace against the Trace Event Format (and HTA's
 parser when installed), and real ranks: a 3-rank mpi spatial run with a rank slowed on
 purpose, a 2-rank ddp gloo run's bucket all-reduces, a 2-stage gloo pipeline's micro-batches

@@ -195,8 +195,8 @@ def test_torchs_lowered_lists_replay_the_runtime(name, v):
     assert sends == sorted((s, "SEND_F", i) for s in crossing for i in range(m))
 
 
-def test_the_runtime_replay_accounts_for_session_18s_interleaved_step():
-    """Session 18's VGG-16 interleaved 1F1B step on 2 H200s (8 micro-batches, V = 2): its
+def test_the_runtime_replay_accounts_for_a_measured_interleaved_step():
+    """A measured VGG-16 interleaved 1F1B step on 2 H200s (8 micro-batches, V = 2): its
     ranks computed 76 and 74 ms of a 156 ms span. Replayed with the record's own per-stage
     times and free transfers: the dependency replay gives 78 ms (bubble 0.045, what predict
     said); torch's lowered lists with the engine's device-wide sync give 128 ms, and 0.6 ms

@@ -1,4 +1,4 @@
-"""`run --train --check` (issue 37): training under a strategy against the same steps in one
+"""`run --train --check`: training under a strategy against the same steps in one
 float64 process, weights and buffers compared; and the timing passes that must leave no
 trace in the model (the pipeline's --balance auto and --rebalance passes in training mode).
 """

@@ -15,7 +15,7 @@ import pandas as pd
 from scalelab.analysis.frame import label, layer_rows, ok_records, per_iteration
 
 COLUMNS = ["run", "layer", "kind", "ms", "out_MB", "peak_MB", "power_W", "flag"]
-# The row that makes a run's layers add up to the wall they are shown with (issue 38: AlexNet's
+# The row that makes a run's layers add up to the wall they are shown with (seen: AlexNet's
 # layer medians summed to 492 ms in a 286.85 ms wall, and nothing said so).
 REST = "(wall - layers)"
 EXCEEDS = "layers exceed the wall"

@@ -114,7 +114,7 @@ def _ceiling_rows(c: dict[str, Any]) -> list[tuple[str, str, str]]:
 
 
 def _mib(nbytes: Any, tail: str = "") -> str:
-    """', 16 MiB' (the working set of a copy ceiling: issue 38's demo showed torch's copy at
+    """', 16 MiB' (the working set of a copy ceiling: a demo showed torch's copy at
     16 MiB, 22.6 GB/s, beside NumPy's at 8 MiB per thread, 38.8 GB/s: cache vs memory)."""
     return f", {nbytes / (1 << 20):g} MiB{tail}" if isinstance(nbytes, int) and nbytes else ""
 
@@ -192,7 +192,7 @@ def _versions_table(recs: list[dict[str, Any]]) -> str:
 def _superlinear(df: pd.DataFrame) -> list[str]:
     """Per row: a note when N ranks ran more than SUPERLINEAR x N faster than the table's
     torch `local` run of the same dtype and device. On a busy host N ranks get N shares of
-    the CPUs against local's one (issue 38: `ddp --ranks 2` 58x `local`; the demo beside two
+    the CPUs against local's one (seen: `ddp --ranks 2` 58x `local`; the demo beside two
     busy processes per core: mpi x2 4.5x local, each row warned only 'host busy')."""
     keys = list(zip(df["dtype"], df["device"]))
     base = {

@@ -1,4 +1,5 @@
-"""The report's pieces for issue 23: runs.csv with the phases flattened, and the section
+"""The report's pieces for where the time went across ranks: runs.csv with the phases
+flattened, and the section
 "Waiting vs working": per run with a timeline, each rank's compute, transfer and wait as a
 stacked bar, with the straggler and comm/compute overlap (analysis/waits.py)."""
 

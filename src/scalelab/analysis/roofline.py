@@ -45,7 +45,7 @@ LAYER_COLUMNS = [
 UNDER_MEASURED = "ceiling under-measured"
 # Layers of one run doing the same work (kind, FLOPs, bytes within BYTES_NEAR: AlexNet's c3
 # and c5, whose biases differ by 128 floats) should take
-# about the same time; beyond this ratio one of them was disturbed (issue 38: 67.8 vs 1.08 ms).
+# about the same time; beyond this ratio one of them was disturbed (seen: 67.8 vs 1.08 ms).
 SAME_SHAPE_RATIO = 3.0
 BYTES_NEAR = 0.05
 

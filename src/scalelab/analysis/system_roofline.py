@@ -239,7 +239,7 @@ def system_points(records: list[dict[str, Any]], peaks: SystemPeaks) -> pd.DataF
 
 
 def above_model(row: dict[str, Any]) -> str:
-    """The flag of a point above its model (issue 38: H=512, B=800 measured 2.03e10 FLOP/s
+    """The flag of a point above its model (seen: H=512, B=800 measured 2.03e10 FLOP/s
     against a model of 1.90e10, unflagged), else ""."""
     top = max(row["measured"], row["measured_phases"])
     return ABOVE_MODEL if top > row["model"] * (1 + ABOVE_SLACK) else ""

@@ -8,14 +8,14 @@ above their roof. These relations hold on any machine, so a violation means unde
 - n cores >= one core, for the NumPy GEMM and copy (n threads could idle all but one);
 - measured <= datasheet (GEMM per dtype, memory copy read + write) where a peak is cited;
 - on a CPU, torch's fp64 GEMM >= NumPy's fp64 GEMM on one core (torch has at least that core:
-  issue 38's 20.8 GF/s below NumPy's 46.3 was torch's threads waiting for busy cores).
+  a loaded host's 20.8 GF/s below NumPy's 46.3 was torch's threads waiting for busy cores).
 
 Each GEMM and copy figure is the best of repeated blocks; one whose blocks spread more than
 UNSTABLE (the median block that much slower than the best) is named in `warnings` too.
 
 Across runs: a GEMM or copy figure that moved from the file it replaces (same host, device
 and --quick) by more than its blocks' spread allows (and at least MOVED) is named in
-`warnings` and listed in `moved` (issue 38: two `ceilings --quick` runs minutes apart gave
+`warnings` and listed in `moved` (seen: two `ceilings --quick` runs minutes apart gave
 fp32 GEMM 194 vs 94.8 GF/s, memory copy 46.7 vs 6.41 GB/s, and neither said so).
 
 `scalelab ceilings` re-measures the sections a violation names (up to RETRIES more passes,

@@ -83,7 +83,7 @@ def best_and_spread(
     """(seconds of one call, as seconds_per_call; the spread of the plan.repeats blocks: the
     median block over the best, less one). A ceiling is the best block, and the spread says
     how far the others fell from it: two `ceilings --quick` runs minutes apart gave an fp32
-    GEMM of 194 and 94.8 GF/s (issue 38), and a large spread is the sign within one run."""
+    GEMM of 194 and 94.8 GF/s on one loaded host), and a large spread is the sign within one run."""
     calls = calls_filling(fn, sync, plan.block_s)
     timings, _ = timed_iterations(_block(fn, calls), PhaseTimer(sync), 1, plan.repeats)
     walls = sorted(timings.walls)

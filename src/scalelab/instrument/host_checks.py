@@ -211,7 +211,7 @@ RANK_WALL_SLACK_S = 0.002
 
 def rank_wall_warning(wall: float, rank_walls: Sequence[float | None] | None) -> list[str]:
     """A rank whose wall is well above the run's wall (rank 0's): the ranks started or ran
-    apart, and the record's wall and throughput are rank 0's view of it (issue 38: a rank's
+    apart, and the record's wall and throughput are rank 0's view of it (seen: a rank's
     0.624 s beside the record's 0.241 s, unflagged)."""
     walls = [(r, w) for r, w in enumerate(rank_walls or []) if w is not None]
     if not walls or not wall:

@@ -2,7 +2,7 @@
 
 torch's default is one thread per physical core, whatever else the host runs. On a busy host
 those threads spin waiting for cores their peers' threads hold: a small CNN's check on a
-2-core host under load took 91.96 ms at torch's default and 1.15 ms at one thread (issue 38).
+2-core host under load took 91.96 ms at torch's default and 1.15 ms at one thread.
 So a run without --threads takes the CPUs free for it: the CPUs its job may use on this host
 (host_checks.cpu_allowance), minus what other processes kept busy over a short sample of
 /proc/stat, shared by the ranks on the host; never more than torch's own default, never

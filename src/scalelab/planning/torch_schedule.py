@@ -31,20 +31,20 @@ Replay, two runtimes:
   it has finished (the NCCL stream waits for the compute stream at issue), and completes
   `send` seconds after both ends started; a compute waits for its recv.
   `device_sync` replays a run whose compute actions were each timed between two
-  `torch.cuda.synchronize()`, as scalelab's torch engine did up to session 19 (commit 553a549;
-  it has timed them with CUDA events since): a device-wide sync also waits for every transfer
+  `torch.cuda.synchronize()`, as scalelab's torch engine once did (it
+  times them with CUDA events now): a device-wide sync also waits for every transfer
   posted before it, NCCL's included, so there a compute waits for all of them. torch's
   lowering posts a rank's recv when the SENDER's compute is lowered, often well before the
   rank needs it, and a send completes only when the peer reaches its recv: each compute then
   waits for the peer's progress, the ranks move in lock-step.
-Why (VGG-16, 2x H200, 8 micro-batches of 32, interleaved 1F1B over V = 2, session 18's
-record, its own per-action times): the ranks compute 76 and 74 ms of a 156 ms step. The
+Why (VGG-16, 2x H200, 8 micro-batches of 32, interleaved 1F1B over V = 2, a
+record's own per-action times): the ranks compute 76 and 74 ms of a 156 ms step. The
 dependency replay (the first rule) gives 78 ms, bubble 0.045; the runtime rule without the
 sync 78 ms too (the FIFO alone costs nothing while transfers are free); with the sync 128 ms
 with free transfers, 157 ms at 0.6 ms per transfer. Transfers at ~400 GB/s over that run's
 cuts (205, 51 and 26 MB per micro-batch) and 0.2 ms of host work per action put each of the
 64 actions where the record's timeline has it, within 0.33 ms rms (one clock offset per rank).
-Timed with CUDA events instead (session 20, the same configuration on another 2x H200) the
+Timed with CUDA events instead (the same configuration on another 2x H200) the
 step took 79.95 ms against 156.92 ms with the sync, in the same call.
 A rank's bubble is 1 - (its seconds of compute) / (the makespan).
 

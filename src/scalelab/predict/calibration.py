@@ -64,7 +64,7 @@ class MultiPoint:
 
 def unwarned(points: list) -> list:
     """The points whose runs carry no warning, when there are any: a run warned busy or
-    unstable (a local run at CV 87%) calibrated a 17x-off prediction in issue 38."""
+    unstable (a local run at CV 87%) calibrated a 17x-off prediction on a loaded host."""
     return [p for p in points if not p.warnings] or points
 
 

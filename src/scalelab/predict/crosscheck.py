@@ -1,7 +1,7 @@
 """`predict --calibrate RESULTS`: which measured runs a prediction leaned on, and the
 prediction against any measurement of the very configuration it predicts in RESULTS.
 
-Issue 38: `predict --calibrate` gave 203.7 ms for a 2-rank configuration whose own
+Why: `predict --calibrate` once gave 203.7 ms for a 2-rank configuration whose own
 measurement in the same file was 12.12 ms, having calibrated on a local run warned at CV 87%,
 and said neither. Now the runs it used are named (with their warnings), and a predicted row
 whose configuration was measured shows that measurement and, beyond AGREE, a flag.

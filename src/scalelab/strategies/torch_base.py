@@ -53,7 +53,7 @@ class TorchStrategy(Strategy):
             torch.is_deterministic_algorithms_warn_only_enabled(),
         )
         # No --threads on a CPU: the CPUs free for this run, shared by the ranks here, rather
-        # than torch's one thread per core (50-200x slower on a busy host: issue 38).
+        # than torch's one thread per core (50-200x slower on a busy 2-core host).
         self.thread_choice = threads.pick(
             cfg.threads,
             self.device.type,

@@ -24,7 +24,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -32,7 +32,22 @@ from scalelab.config import RunConfig
 from scalelab.errors import UsageError
 
 if TYPE_CHECKING:
-    from scalelab.train.loop import Trainer
+    from scalelab.results import TrainHistory
+    from scalelab.train.host import TrainHost
+    from scalelab.train.steps import TrainStep
+    from scalelab.train.train_plan import Position, TrainPlan
+
+
+class Trainer(Protocol):
+    """What a checkpoint reads and restores of the loop's trainer (train/loop.Trainer)."""
+
+    cfg: RunConfig
+    plan: TrainPlan
+    pos: Position
+    history: TrainHistory
+    stepper: TrainStep
+    strategy: TrainHost
+
 
 FORMAT = "scalelab.ckpt/1"
 DEFAULT_DIR = Path("scalelab-results") / "checkpoints"

@@ -16,8 +16,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -36,6 +35,12 @@ from scalelab.train.sources import (  # noqa: F401  (batch_order: re-exported, a
     batch_slices,
 )
 from scalelab.train.steps import TorchStep, TrainStep, grad_scaler, train_step  # noqa: F401
+from scalelab.train.train_plan import (  # noqa: F401  (re-exported: the strategies' import)
+    Position,
+    StateExport,
+    StateImport,
+    TrainPlan,
+)
 from scalelab.workloads.base import Inputs, Workload
 
 if TYPE_CHECKING:
@@ -45,35 +50,6 @@ if TYPE_CHECKING:
 def total_steps(n: int, batch: int, epochs: int, limit: int | None) -> int:
     steps = epochs * len(batch_slices(n, batch))
     return steps if limit is None else min(steps, limit)
-
-
-# --- what a strategy may change about training -----------------------------------------------
-StateExport = Callable[[nn.Module, torch.optim.Optimizer], "tuple[dict, dict] | None"]
-StateImport = Callable[[nn.Module, torch.optim.Optimizer, dict, dict], None]
-
-
-@dataclass
-class TrainPlan:
-    """How one strategy trains. `default_plan` is the one-process plan.
-
-    module: the bare model under any wrapper (DDP, compile, a channels_last adapter); its
-        state_dict keys are the workload's, so checkpoints load anywhere.
-    export_state / import_state: the whole (model, optimizer) state as on one process;
-        export is collective and returns None off the root rank. None: module.state_dict().
-    n_train: training items (the data order's length), recorded in checkpoints.
-    epoch_end: called on every rank after each epoch's evaluation (compare-devices snapshots).
-    """
-
-    source: BatchSource
-    evaluate: Callable[[nn.Module], float]
-    module: nn.Module
-    prepare: Callable[[torch.Tensor], torch.Tensor]
-    loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
-    n_train: int
-    export_state: StateExport | None = None
-    import_state: StateImport | None = None
-    epoch_end: Callable[[int, nn.Module], None] | None = None
-    notes: dict[str, Any] = field(default_factory=dict)
 
 
 def require_labels(train: Inputs | None, heldout: Inputs | None) -> None:
@@ -157,16 +133,6 @@ class TrainProgress:
         self.bar.milestone(done, **fields)
 
 
-@dataclass
-class Position:
-    """Where training stands: epoch, step within it, and the epoch's partial sums."""
-
-    epoch: int = 0
-    step: int = 0
-    loss_sum: torch.Tensor | None = None  # summed (loss * items) of this epoch, on the device
-    items: int = 0  # items of this epoch so far, all ranks
-
-
 class Trainer:
     """One rank's training run: steps, epochs, guards, checkpoints and resume."""
 
@@ -219,7 +185,7 @@ class Trainer:
         self.model.train()
         self.trained_s = 0.0  # training seconds of the finished epochs
         # Every rank starts the clock together: a rank that started late (importing, reading
-        # its data) was charged to the others' first collective (issue 38: rank 0's scatter
+        # its data) was charged to the others' first collective (a loaded host: rank 0's scatter
         # 0.717 s of a 0.858 s one-epoch mpi-dp run), never to the steps.
         self.strategy.comm.barrier()
         while self.pos.epoch < self.cfg.epochs and not self.finished:

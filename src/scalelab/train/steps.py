@@ -18,7 +18,7 @@ from scalelab.workloads.base import Workload
 
 if TYPE_CHECKING:
     from scalelab.train.host import TrainHost
-    from scalelab.train.loop import TrainPlan
+    from scalelab.train.train_plan import TrainPlan
 
 
 def grad_scaler(strategy: TrainHost) -> torch.amp.GradScaler:

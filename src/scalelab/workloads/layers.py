@@ -19,9 +19,10 @@ import torch
 from torch import nn
 
 from scalelab.errors import UsageError
+from scalelab.workloads import shape_cache
 
 if TYPE_CHECKING:
-    from scalelab.workloads.costs import LayerCost
+    from scalelab.workloads.layer_cost import LayerCost
 
 # How a layer acts along the spatial split axis (rows of an image, positions of a text):
 #   window: reads kernel rows per output row (conv, pooling): needs halos of its geometry
@@ -122,7 +123,21 @@ def layer_shapes(
     layers: Sequence[Layer], item_shape: tuple[int, ...]
 ) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """(input, output) shape per item of every layer: the layers run on an empty meta tensor of
-    one item (no arithmetic, no memory; the modules should be on the meta device or be glue)."""
+    one item (no arithmetic, no memory; the modules should be on the meta device or be glue).
+    Kept on disk across processes by workloads/shape_cache.py (the probe costs ~1 s)."""
+    key = shape_cache.key([x.name for x in layers], [x.module for x in layers], item_shape)
+    cached = shape_cache.lookup(key) if key else None
+    if cached is not None and len(cached) == len(layers):
+        return cached
+    out = _probe(layers, item_shape)
+    if key:
+        shape_cache.store(key, out)
+    return out
+
+
+def _probe(
+    layers: Sequence[Layer], item_shape: tuple[int, ...]
+) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     x, out = torch.empty((1, *item_shape), device="meta"), []
     for layer in layers:
         y = layer.module(x)

@@ -103,7 +103,7 @@ def attention_counted() -> Iterator[None]:
     """torch's fast path off while FLOPs are counted: in eval under no_grad,
     nn.MultiheadAttention and nn.TransformerEncoderLayer run one fused op
     (`_native_multi_head_attention`, `_transformer_encoder_layer_fwd`) that FlopCounterMode
-    does not count (an encoder's attention counted 0 FLOPs, issue 38). Off, the same
+    does not count (an encoder's attention counted 0 FLOPs). Off, the same
     projections and attention run as the linear and scaled_dot_product_attention ops it
     counts: the same arithmetic the fused path does."""
     mha = getattr(torch.backends, "mha", None)

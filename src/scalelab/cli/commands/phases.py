@@ -23,7 +23,7 @@ def format_run(rec: dict, table, summary: dict) -> str:
         MB=table["bytes"] / 1e6,
     ).drop(columns=[c for c in table.columns if c.endswith("_s")] + ["bytes"])
     head = f"run {rec.get('id')}: {rec.get('workload')} {rec.get('strategy')} x{rec.get('ranks')}"
-    # MB to 4 significant digits: a 12 kB scatter at 3 decimals read 0.000 MB (issue 38)
+    # MB to 4 significant digits: a 12 kB scatter at 3 decimals read 0.000 MB
     mb = {"MB": lambda v: "-" if v != v else f"{v:.4g}"}
     body = shown.to_string(index=False, float_format="{:.3f}".format, na_rep="-", formatters=mb)
     lines = [head, body if len(shown) else "  no communication phases in the timed iterations"]

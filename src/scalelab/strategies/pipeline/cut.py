@@ -20,20 +20,18 @@ from scalelab.workloads.base import Inputs
 from scalelab.workloads.layers import Layer
 
 if TYPE_CHECKING:
-    from scalelab.strategies.pipeline.strategy import PipelineStrategy
+    from scalelab.strategies.pipeline.host import PipelineHost
 
 __all__ = ["initial_plan", "make_lanes", "probe_shapes", "rebalance"]
 
 
-def _say(s: PipelineStrategy, done: int, total: int, what: str) -> None:
+def _say(s: PipelineHost, done: int, total: int, what: str) -> None:
     """A line on the root before each slow setup stage (CPU: seconds to minutes each)."""
     if s.is_root and not s.cfg.quiet:
         print(f"pipeline setup {done}/{total}: {what}", file=sys.stderr, flush=True)
 
 
-def initial_plan(
-    s: PipelineStrategy, layers: list[Layer], sample: torch.Tensor | None
-) -> StagePlan:
+def initial_plan(s: PipelineHost, layers: list[Layer], sample: torch.Tensor | None) -> StagePlan:
     """The cut before any --rebalance round: --balance as given, or auto on the root."""
     cfg = s.cfg
     counts = part.given_counts(cfg.balance, cfg.cut, [x.path for x in layers], cfg.stages)
@@ -46,7 +44,7 @@ def initial_plan(
     return plan
 
 
-def auto_counts(s: PipelineStrategy, plan: StagePlan, sample: torch.Tensor) -> None:
+def auto_counts(s: PipelineHost, plan: StagePlan, sample: torch.Tensor) -> None:
     """Root: measure every layer on one micro-batch, then split by time within memory."""
     cfg = s.cfg
     n = even_counts(len(sample), cfg.microbatches)[0]
@@ -62,7 +60,7 @@ def auto_counts(s: PipelineStrategy, plan: StagePlan, sample: torch.Tensor) -> N
     plan.counts = part.balance_auto(plan.profile, cfg.stages, plan.mem)
 
 
-def rebalance(s: PipelineStrategy, sample: torch.Tensor | None) -> None:
+def rebalance(s: PipelineHost, sample: torch.Tensor | None) -> None:
     """--rebalance R: time the cut in a real pipelined pass, re-cut the profile fitted to
     every cut timed so far (partition.rebalance), time the new cut; at most R times. Keep
     the fastest cut timed (the smallest slowest stage). A re-cut that lands on a cut
@@ -85,7 +83,7 @@ def rebalance(s: PipelineStrategy, sample: torch.Tensor | None) -> None:
             return
 
 
-def time_stage(s: PipelineStrategy, sample: torch.Tensor | None) -> float:
+def time_stage(s: PipelineHost, sample: torch.Tensor | None) -> float:
     """This stage's forward (+ backward) seconds per micro-batch inside a real pipelined
     pass of the sample batch, schedule and point-to-point and all (training: zero labels,
     no optimizer step, the gradients dropped). The second of two passes counts: the first
@@ -112,7 +110,7 @@ def time_stage(s: PipelineStrategy, sample: torch.Tensor | None) -> float:
     return (lap.get("forward", 0.0) + lap.get("backward", 0.0)) / min(s.cfg.microbatches, n)
 
 
-def probe_shapes(s: PipelineStrategy, stage: nn.Module, sample: torch.Tensor | None) -> list[Meta]:
+def probe_shapes(s: PipelineHost, stage: nn.Module, sample: torch.Tensor | None) -> list[Meta]:
     """Each stage's output (per-item shape, dtype), learnt by running one item through
     stage after stage (stage r > 0 on zeros of the shape stage r-1 announced)."""
     metas: list[Any] = []

@@ -27,11 +27,11 @@ from scalelab.train.sources import BatchSource, Step, batch_order, batch_slices
 from scalelab.workloads.base import Inputs, Workload
 
 if TYPE_CHECKING:
-    from scalelab.strategies.pipeline.strategy import PipelineStrategy
+    from scalelab.strategies.pipeline.host import PipelineHost
 
 
 def train_pipelined(
-    s: PipelineStrategy, workload: Workload, model: nn.Module, data: tuple | None
+    s: PipelineHost, workload: Workload, model: nn.Module, data: tuple | None
 ) -> RunOutput:
     train, heldout = data if s.is_root else (None, None)
     if s.is_root:
@@ -58,7 +58,7 @@ def train_pipelined(
     return out
 
 
-def evaluate(s: PipelineStrategy, heldout: Inputs | None, n_held: int) -> float:
+def evaluate(s: PipelineHost, heldout: Inputs | None, n_held: int) -> float:
     """Held-out accuracy through the pipeline (untimed: its phases are discarded)."""
     s.placed.module.eval()
     correct = 0
@@ -77,7 +77,7 @@ class RootBatches(BatchSource):
     ranks' steps carry only the size. `started`: when the current step began waiting for its
     batch (the step's wall counts that wait: the root's host work is part of the period)."""
 
-    def __init__(self, s: PipelineStrategy, train: Inputs | None, n_train: int) -> None:
+    def __init__(self, s: PipelineHost, train: Inputs | None, n_train: int) -> None:
         self.s, self.train, self.n_train = s, train, n_train
         self.global_batch = s.cfg.batch
         self.started = time.perf_counter()
@@ -132,7 +132,7 @@ class ScheduledStep(TrainStep):
     """One pipelined optimizer step; keeps every step's wall, phases and (CUDA) phase spans."""
 
     def __init__(
-        self, s: PipelineStrategy, workload: Workload, model: nn.Module, source: RootBatches
+        self, s: PipelineHost, workload: Workload, model: nn.Module, source: RootBatches
     ) -> None:
         self.s, self.model, self.source = s, model, source
         self.loss_here = s.placed.ctx.last

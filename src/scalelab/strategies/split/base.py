@@ -8,7 +8,7 @@ differ between them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 from torch import nn
@@ -18,11 +18,27 @@ from scalelab.registry import Registry
 from scalelab.workloads.base import Inputs, Workload
 
 if TYPE_CHECKING:
-    from scalelab.strategies.split.strategy import SplitStrategy
+    from scalelab.comm.base import Comm
+    from scalelab.instrument.timer import PhaseTimer
+    from scalelab.precision import Precision
+    from scalelab.strategies.split.transport import Transport
 
 # Activation memory one forward pass may use (largest layer's input + output); bigger local
 # batches run as several passes so that charcnn at 32k texts per GPU fits (about 2 MB/text).
 PASS_BUDGET_BYTES = 4 << 30
+
+
+class SplitHost(Protocol):
+    """What a split reads of the strategy running it (split/strategy.SplitStrategy, which
+    imports the splits, so they name this instead of it)."""
+
+    cfg: RunConfig
+    comm: Comm
+    timer: PhaseTimer
+    wire: Transport
+    precision: Precision
+
+    def forward(self, workload: Workload, model: nn.Module, x: torch.Tensor) -> torch.Tensor: ...
 
 
 class Split:
@@ -30,7 +46,7 @@ class Split:
 
     name: ClassVar[str]
 
-    def __init__(self, strategy: SplitStrategy, workload: Workload) -> None:
+    def __init__(self, strategy: SplitHost, workload: Workload) -> None:
         self.strategy = strategy
         self.workload = workload
         self.cfg = strategy.cfg
