@@ -126,7 +126,10 @@ def _on_threads(n: int, fn) -> list:
             results[r] = exc
             mt.ProcessLocalGroup.exception_handle(exc)
         finally:
-            dist.destroy_process_group()
+            try:
+                dist.destroy_process_group()
+            except AttributeError:  # torch 2.11's threaded world lacks `comms`: nothing to free
+                pass
 
     threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(n)]
     try:
