@@ -24,11 +24,26 @@ pytestmark = [
 ]
 
 
+# torch before 2.13 cannot pipeline two of Hugging Face's models, whatever the device (checked
+# on CPU ranks with torch 2.11): its unflatten asserts on LlamaForCausalLM's rotary autocast
+# block (scalelab refuses that in one line, naming torch), and its stages ask a received int64
+# tensor (GPT-2's positions) to require grad
+OLD_TORCH = tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13)
+TORCH_LIMITS = {("hf_llama", "pipe"), ("hf_gpt2", "pipe")} if OLD_TORCH else set()
+
+
 def test_the_zoo_on_two_gpus_checks_and_trains(tmp_path):
-    recs, weights = launch(2, runs(TWO, 2, "fp32", {"device": "cuda"}), tmp_path, timeout=240)
+    todo = {
+        k: v
+        for k, v in runs(TWO, 2, "fp32", {"device": "cuda"}).items()
+        if not any(k.startswith(f"{m}-") and k.endswith(f"-{h}") for m, h in TORCH_LIMITS)
+    }
+    recs, weights = launch(2, todo, tmp_path, timeout=240)
     failed = []
     for name in MODELS:
         for how in TWO:
+            if (name, how) in TORCH_LIMITS:
+                continue
             keys = [f"{name}-train-{how}"] + ([] if how in TRAIN_ONLY else [f"{name}-{how}"])
             failed += [(k, recs[k].get("relerr")) for k in keys if not recs[k]["check_passed"]]
             assert relerr(weights[f"{name}-train-{how}"], initial(name, "fp32")) > 1e-4, name

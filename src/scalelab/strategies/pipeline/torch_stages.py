@@ -59,15 +59,25 @@ class OwnedOutput(nn.Module):
     output is a view: a cut ending at `flatten` ([N, C, 1, 1] -> [N, C]) did that. The auto
     balancer is timed, so such a cut came and went with the machine's load: the rank raised,
     left, and its peer reported gloo's "Connection closed by peer" mid-schedule. The copy is
-    the size of the activation the stage sends anyway; the parameters are the piece's own."""
+    the size of the activation the stage sends anyway; the parameters are the piece's own.
 
-    def __init__(self, piece: nn.Module) -> None:
+    Every stage's output is also laid out contiguously: torch 2.11's stage checks its output's
+    strides against the traced ones, and a model returning `logits[:, -1]` (a strided view,
+    (N, V) with stride (T*V, 1)) was refused there ("stride mismatch: expected (40, 1) actual
+    (320, 1)") while torch 2.13 passes it."""
+
+    def __init__(self, piece: nn.Module, own: bool = True) -> None:
         super().__init__()
         self.piece = piece
+        self.own = own
 
     def forward(self, *args: Any) -> Any:
         out = self.piece(*args)
-        return out.clone() if isinstance(out, torch.Tensor) and out._is_view() else out
+        if not isinstance(out, torch.Tensor):
+            return out
+        if not out.is_contiguous():
+            return out.contiguous()  # a copy: neither a view nor strided
+        return out.clone() if self.own and out._is_view() else out
 
 
 class _ToNHWC(torch.autograd.Function):
@@ -231,13 +241,13 @@ def build_pass(
     torch's refusals (a micro-batch count a schedule cannot take) become one-line errors.
     The stages in `whole_backward` run their whole backward in one action
     (whole_backward_stages says why); under the split backward every stage but the last
-    hands on an output of its own (OwnedOutput says why); channels_last: each piece runs in
-    NHWC (ChannelsLast says how)."""
+    hands on an output of its own, and every stage a contiguous one (OwnedOutput says why);
+    channels_last: each piece runs in NHWC (ChannelsLast says how)."""
     split = name in SPLIT_BACKWARD
     if channels_last:
         pieces = {i: ChannelsLast(mod) for i, mod in pieces.items()}
     stages = [
-        PipelineStage(OwnedOutput(mod) if split and i < n_stages - 1 else mod, i, n_stages,
+        PipelineStage(OwnedOutput(mod, own=split and i < n_stages - 1), i, n_stages,
                       device, group=group,
                       dw_builder=_no_weight_step if i in whole_backward else None)
         for i, mod in pieces.items()

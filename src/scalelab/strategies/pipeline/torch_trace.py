@@ -69,6 +69,11 @@ def trace_pieces(
     except RuntimeError as exc:
         why = str(exc.__cause__ or exc).strip().splitlines()[0]
         raise UsageError(f"pipeline: torch's tracer cannot export the model: {why}") from None
+    except AssertionError as exc:  # torch 2.11's unflatten on an HF Llama's autocast block
+        raise UsageError(
+            f"pipeline: torch {torch.__version__}'s tracer cannot split the model "
+            f"({str(exc).strip().splitlines()[0]}); torch 2.13 splits it"
+        ) from None
     finally:
         model.to("cpu")
         for name, forward in saved.items():  # annotate_split_points wrapped their forwards
