@@ -168,3 +168,13 @@ def test_hf_without_transformers_names_the_extra(tmp_path, monkeypatch, cli):
                        "int64", "--vocab", "40", "--out", str(tmp_path / "runs.jsonl"))  # fmt: skip
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert 'pip install "scalelab[hf]"' in err and not (tmp_path / "runs.jsonl").exists()
+
+
+def test_predict_and_plan_give_a_token_models_tokens_per_second():
+    from scalelab.predict.frame import tokens_per_s
+
+    root = PROGRAMS.parents[1]
+    gpt = RunConfig(workload="model", model=f"{root / 'examples/models/gpt.py'}:gpt",
+                    input_shape="16", input_dtype="int64", vocab=64)  # fmt: skip
+    assert tokens_per_s(gpt, 10.0) == 160.0  # 10 sequences/s of 16 tokens
+    assert tokens_per_s(RunConfig(workload="alexnet"), 10.0) is None

@@ -24,7 +24,7 @@ from scalelab.errors import UsageError
 from scalelab.plan.applies import refusal
 from scalelab.plan.memory import device_bytes
 from scalelab.plan.space import PlanSpec
-from scalelab.predict.frame import bound, predict_one
+from scalelab.predict.frame import bound, predict_one, tokens_per_s
 from scalelab.predict.models import Context
 from scalelab.predict.scenario import Prediction, Scenario
 
@@ -120,6 +120,9 @@ def _row(ctx: Context, spec: PlanSpec, cfg: RunConfig) -> dict:
     }
     if pred is not None:
         row.update(ms=pred.seconds * 1e3, throughput=pred.throughput)
+        tokens = tokens_per_s(cfg, pred.throughput)
+        if tokens is not None:
+            row["tokens_per_s"] = tokens
         row.update(bottleneck=bound(pred)[1], basis=basis(pred))
     return row
 

@@ -11,8 +11,9 @@ import math
 
 import pandas as pd
 
+from scalelab.config import RunConfig
 from scalelab.predict.models import Context, model_for
-from scalelab.predict.scenario import Prediction, Scenario
+from scalelab.predict.scenario import Prediction, Scenario, build_workload
 
 LABELS = {
     "launch": "per-step fixed cost (kernel launches, host work)",
@@ -80,6 +81,12 @@ def _phase_rank(col: str) -> int:
     return ORDER.index(phase) if phase in ORDER else len(ORDER)
 
 
+def tokens_per_s(cfg: RunConfig, throughput: float) -> float | None:
+    """A token model's tokens per second at `throughput` items per second (None otherwise)."""
+    per_item = build_workload(cfg).tokens_per_item
+    return throughput * per_item if per_item else None
+
+
 def _row(pred: Prediction, base: Prediction) -> dict:
     s = pred.scenario
     row = {
@@ -93,6 +100,9 @@ def _row(pred: Prediction, base: Prediction) -> dict:
     row["ms"] = pred.seconds * 1e3
     row.update({f"{k}_ms": v * 1e3 for k, v in pred.phases.items()})
     row["throughput"] = pred.throughput
+    tokens = tokens_per_s(s.cfg, pred.throughput)
+    if tokens is not None:
+        row["tokens_per_s"] = tokens
     row["speedup"] = pred.throughput / base.throughput if base.feasible is None else math.nan
     t1, tn = base.seconds, pred.seconds
     eff = t1 / (s.ranks * tn) if s.strong else t1 / tn

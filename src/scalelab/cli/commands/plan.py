@@ -28,7 +28,8 @@ DEFAULT_OUT = Path("scalelab-results") / "plan"
 CHOSEN = {"ranks", "strategy", "split", "threads", "global_batch", "dtype", "amp", "stages",
           "microbatches", "schedule", "nonblocking", "bucket_mb", "grad_compress", "engine",
           "virtual_stages", "dp", "tp"}  # fmt: skip
-SHOWN = ["rank", "candidate", "ms", "throughput", "efficiency", "mem_MiB", "bottleneck", "basis"]
+SHOWN = ["rank", "candidate", "ms", "throughput", "tokens_per_s", "efficiency", "mem_MiB",
+         "bottleneck", "basis"]  # fmt: skip
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
