@@ -296,7 +296,7 @@ def _point_job(tmp_path, study, srun_body, *extra, helper_first=""):
         '#!/bin/bash\n[ "$2" = scalelab.cli.slurm_point ] || exit 0\n'
         f"{helper_first}\n"
         'printf "%s\\n" "${@:3}" > "$(mktemp -p "$ARGS_DIR" helper-XXXX)"\n'
-        '[ "$3" = prepare ] && exit 1 || exit 0\n'
+        '[ "$3" = prepare ] && { touch "$4"; exit 1; } || exit 0\n'
     )
     for f in own.iterdir():
         f.chmod(0o755)
@@ -326,8 +326,14 @@ def test_a_step_srun_fails_itself_leaves_a_failed_record(tmp_path, study):
     with no record: the step's last srun or scalelab line becomes the failed record's reason."""
     said = "srun: error: Couldn't find the specified plugin name for mpi/bogus"
     script, env, args_dir = _point_job(tmp_path, study, f'echo "{said}" >&2; exit 1')
-    proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
+    tmp = tmp_path / "tmp"  # a SIGKILLed watcher's empty step folder goes with the job
+    (tmp / "scalelab-step-4242.0").mkdir(parents=True)
+    (tmp / "scalelab-step-4242.1" / "task0.7").mkdir(parents=True)
+    proc = subprocess.run(
+        ["bash", str(script)], env={**env, "TMPDIR": str(tmp)}, capture_output=True, text=True
+    )
     assert proc.returncode == 1 and said in proc.stderr
+    assert [p.name for p in tmp.iterdir()] == ["scalelab-step-4242.1"]  # and its prepared file
     done, failed = _helper_calls(args_dir)
     assert done[0] == "prepare" and failed[:2] == [
         "failed",
