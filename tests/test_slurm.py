@@ -296,7 +296,7 @@ def _point_job(tmp_path, study, srun_body, *extra, helper_first=""):
         '#!/bin/bash\n[ "$2" = scalelab.cli.slurm_point ] || exit 0\n'
         f"{helper_first}\n"
         'printf "%s\\n" "${@:3}" > "$(mktemp -p "$ARGS_DIR" helper-XXXX)"\n'
-        '[ "$3" = done ] && exit 1 || exit 0\n'
+        '[ "$3" = prepare ] && { touch "$4"; exit 1; } || exit 0\n'
     )
     for f in own.iterdir():
         f.chmod(0o755)
@@ -310,7 +310,7 @@ def _point_job(tmp_path, study, srun_body, *extra, helper_first=""):
 def _helper_calls(args_dir):
     return sorted(
         (p.read_text().splitlines() for p in args_dir.glob("helper-*")),
-        key=lambda c: c[0] != "done",
+        key=lambda c: c[0] != "prepare",
     )
 
 
@@ -326,14 +326,20 @@ def test_a_step_srun_fails_itself_leaves_a_failed_record(tmp_path, study):
     with no record: the step's last srun or scalelab line becomes the failed record's reason."""
     said = "srun: error: Couldn't find the specified plugin name for mpi/bogus"
     script, env, args_dir = _point_job(tmp_path, study, f'echo "{said}" >&2; exit 1')
-    proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
+    tmp = tmp_path / "tmp"  # a SIGKILLed watcher's empty step folder goes with the job
+    (tmp / "scalelab-step-4242.0").mkdir(parents=True)
+    (tmp / "scalelab-step-4242.1" / "task0.7").mkdir(parents=True)
+    proc = subprocess.run(
+        ["bash", str(script)], env={**env, "TMPDIR": str(tmp)}, capture_output=True, text=True
+    )
     assert proc.returncode == 1 and said in proc.stderr
+    assert [p.name for p in tmp.iterdir()] == ["scalelab-step-4242.1"]  # and its prepared file
     done, failed = _helper_calls(args_dir)
-    assert done[0] == "done" and failed[:2] == [
+    assert done[0] == "prepare" and failed[:2] == [
         "failed",
         f"the job step exited with code 1: {said}",
     ]
-    assert failed[2:] == done[1:]  # the same point
+    assert failed[2:] == done[2:]  # the same point
 
 
 def test_the_early_time_warning_lets_the_point_run_on(tmp_path, study):
@@ -353,7 +359,7 @@ def test_the_early_time_warning_lets_the_point_run_on(tmp_path, study):
         script, env, args_dir = _point_job(tmp_path, study, srun)
         proc = subprocess.Popen(["bash", str(script)], env=env, start_new_session=True)
         try:
-            while not list(args_dir.glob("helper-*")):  # the traps are set: `done` was asked
+            while not list(args_dir.glob("helper-*")):  # the traps are set: `prepare` was asked
                 time.sleep(0.05)
             for sig in signals:
                 time.sleep(0.5)
@@ -362,9 +368,9 @@ def test_the_early_time_warning_lets_the_point_run_on(tmp_path, study):
         finally:
             os.killpg(proc.pid, signal.SIGKILL)
         calls = _helper_calls(args_dir)
-        assert [c[0] for c in calls] == ["done"] + (["stopped"] if reason else [])
+        assert [c[0] for c in calls] == ["prepare"] + (["stopped"] if reason else [])
         assert reason is None or calls[1][:2] == reason, calls  # the warning came first
-        assert reason is None or calls[1][2:] == calls[0][1:]  # the same point
+        assert reason is None or calls[1][2:] == calls[0][1:]  # the same point, its prepared file
 
 
 # Slurm stopping a job signals every process of it: `kill -TERM 0` in the stand-ins (the
@@ -378,7 +384,7 @@ ONCE += '[ "$3" = {} ] && once && kill -TERM 0'
     [
         # requeued while srun launched the step: srun failed at once ("Job credential
         # revoked"), the SIGTERM came as `point_helper failed` ran, and killed it
-        ("exit 1", ONCE.format("failed"), (), ["done", "stopped"]),
+        ("exit 1", ONCE.format("failed"), (), ["prepare", "stopped"]),
         # stopped while a setup line ran, before the point's traps: recorded once it is known
         ("exit 0", "", ("--setup", "kill -TERM $$"), ["stopped"]),
     ],
@@ -401,7 +407,7 @@ def test_a_job_stopped_as_its_step_ends_records_the_stop(
             os.killpg(proc.pid, signal.SIGKILL)
     got = _helper_calls(args_dir)
     assert [c[0] for c in got] == calls, got
-    assert got[-1][1] == "" and got[-1][2:] == _argv_of(script)  # not warned; the point
+    assert got[-1][1] == "" and got[-1][3:] == _argv_of(script)  # not warned; the point
 
 
 def _argv_of(script):

@@ -41,7 +41,9 @@ COMM_ENV = """\
 # check failed, a failure, a dead rank named by its watcher) or, when the step left none (srun
 # itself failed, a refusal, a signal), a failed record with the step's last scalelab or srun
 # line; `point_helper failed` writes nothing where this attempt has a record. A job stopped by
-# SIGTERM records why (`point_helper stopped` asks scontrol: its time limit, scancel, requeued).
+# SIGTERM records why (`point_helper stopped` asks scontrol: its time limit, scancel, requeued)
+# within Slurm's KillWait: it reads the record `point_helper prepare` wrote to $prepared at the
+# start, not parsing the point again (that imports torch: seconds on a loaded node).
 # USR1 (--signal ahead of the limit) only notes that the limit is near: the point runs on,
 # and may still finish. srun runs in the
 # background so the traps fire at once (bash runs traps only between foreground commands).
@@ -52,7 +54,7 @@ COMM_ENV = """\
 RUN_POINT = """\
 point_helper() { "$PY" -m scalelab.cli.slurm_point "$@"; }
 stopped() {
-  point_helper stopped "$near_limit" "${args[@]}" || true
+  point_helper stopped "$near_limit" "$prepared" "${args[@]}" || true
   exit 143
 }
 warned() { near_limit=1; woken=1; }
@@ -61,7 +63,7 @@ run_point() {
   trap stopped TERM
   trap warned USR1
   [ -z "$stop_early" ] || stopped
-  if point_helper done "${args[@]}"; then
+  if point_helper prepare "$prepared" "${args[@]}"; then
     echo "scalelab: this point has an ok record already: skipped"
     return 0
   fi
@@ -106,6 +108,11 @@ def preamble(opts: SlurmOptions, lay: Layout) -> list[str]:
         # Stopped (or warned) before run_point's traps are set (the setup lines can take a
         # while): noted here, and run_point records the stop once the point is known.
         'near_limit="" stop_early=""',
+        # What a stop records, written by `point_helper prepare`; gone with the script, and
+        # with it the empty step folders of watchers SIGKILLed as a step ended (this node's).
+        'prepared="${TMPDIR:-/tmp}/scalelab-point-${SLURM_JOB_ID:-0}.$$.json"',
+        'trap \'rm -f "$prepared" "$prepared.part"; rmdir "${TMPDIR:-/tmp}"/scalelab-step-'
+        '"${SLURM_JOB_ID:-0}".* 2>/dev/null || true\' EXIT',
         "trap 'stop_early=1' TERM",
         "trap 'near_limit=1' USR1",
         f"cd {shlex.quote(str(opts.workdir))}",

@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-import json
 import os
 import signal
 import subprocess
@@ -45,6 +44,7 @@ from scalelab.comm.launch import mpiexec_command, refuse_nested_launch, torchrun
 from scalelab.config import RunConfig, upgrade_record_config
 from scalelab.errors import UsageError
 from scalelab.orchestration.jobs import NOISE
+from scalelab.orchestration.point_key import key_of
 from scalelab.outputs import inside
 from scalelab.record import append_record, failed_record, read_records
 from scalelab.record_schema import FINISHED
@@ -105,15 +105,17 @@ class Point:
 def config_key(config: dict[str, Any]) -> str:
     """Identity of a resolved config. Fields a record predates take their defaults and fields
     it has that RunConfig lost are dropped, so records survive new config fields."""
-    fields = {f.name: f for f in dataclasses.fields(RunConfig)}
-    config = upgrade_record_config(config)
-    full = {}
-    for name, f in fields.items():
-        if name in IGNORED_IN_MATCH:
-            continue
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        full[name] = config.get(name, default)
-    return json.dumps(full, sort_keys=True, default=str)
+    return key_of(upgrade_record_config(config), match_defaults())
+
+
+def match_defaults() -> dict[str, Any]:
+    """Each RunConfig field a point's identity counts, with its default."""
+    out = {}
+    for f in dataclasses.fields(RunConfig):
+        if f.name not in IGNORED_IN_MATCH:
+            dflt = f.default_factory if f.default_factory is not dataclasses.MISSING else None
+            out[f.name] = dflt() if dflt is not None else f.default
+    return out
 
 
 # --- reading a study -----------------------------------------------------------------------
