@@ -3,6 +3,10 @@ chooses by default, held by what the record says and by the one-process referenc
 
 - compile_blocks compiles each block in place (state_dict keys unchanged), a model without a
   block stack is left to the whole-model path; fsdp's "auto" reshards every unit but the last;
+- the scope and the numerics are torch.compile's graphs, not Inductor's CPU code: the ranks
+  and the float64 check run `--compile-backend aot_eager` (the same dynamo + AOTAutograd
+  graphs, forward and backward, run without code generation); one local run compiles
+  with Inductor itself, at a tiny GPT (two blocks, width 8);
 - on 2 gloo ranks in float64, ddp --compile and fsdp --compile (blocks compiled before DDP /
   fully_shard wrap them) train what one eager float64 process trains (`--check`), and the
   record names the per-block scope, the graphs built and fsdp's units, policy and reshard list;
@@ -33,6 +37,7 @@ GPT = dict(
     model_arg=("vocab=32", "seq=8", "width=16", "heads=2", "depth=2"), input_shape="8",
     input_dtype="int64", vocab=32, train=True, train_size=16, heldout_size=4, batch=8,
     epochs=1, lr=0.2, momentum=0.9, seed=5, quiet=True, threads=1, check=True, compile=True,
+    compile_backend="aot_eager",
 )  # fmt: skip
 
 
@@ -45,7 +50,8 @@ def test_blocks_compile_in_place_and_a_chain_without_blocks_is_left_whole():
     model = mod.gpt(depth=3)
     keys = list(model.state_dict())
     notes = compile_blocks(model)
-    assert notes == {"scope": "per-block", "blocks": 3, "block_types": ["Block"]}
+    assert notes == {"scope": "per-block", "blocks": 3, "block_types": ["Block"],
+                     "backend": "inductor"}  # fmt: skip
     assert list(model.state_dict()) == keys  # in place: no _orig_mod prefix
     assert all(b._compiled_call_impl is not None for b in model.blocks)
     assert model._compiled_call_impl is None and model.head._compiled_call_impl is None
@@ -85,7 +91,7 @@ def test_compiled_ddp_and_fsdp_train_what_one_eager_process_trains(tmp_path):
         rec = recs[name]
         assert rec["status"] == "ok" and rec["check_passed"], (name, rec.get("relerr"))
         assert rec["compile"]["scope"] == "per-block" and rec["compile"]["blocks"] == 2
-        assert rec["compile"]["graphs"] >= 1
+        assert rec["compile"]["graphs"] >= 1 and rec["compile"]["backend"] == "aot_eager"
     fsdp = recs["fsdp"]["fsdp"]
     assert fsdp["units"] == 3 and fsdp["reshard_after_forward"] == [True, False, True]
     assert fsdp["mp_policy"] == {"param_dtype": None, "reduce_dtype": None}
@@ -96,10 +102,13 @@ def test_compiled_ddp_and_fsdp_train_what_one_eager_process_trains(tmp_path):
 
 @pytest.mark.slow
 def test_local_compile_with_amp_passes_its_check(tmp_path):
-    cfg = RunConfig(**{**GPT, "strategy": "local", "amp": "bf16", "steps": 1})
+    tiny = ("vocab=32", "seq=8", "width=8", "heads=2", "depth=2")
+    fields = {**GPT, "model_arg": tiny, "compile_backend": "inductor"}
+    cfg = RunConfig(**{**fields, "strategy": "local", "amp": "bf16", "steps": 1})
     rec = execute(cfg, tmp_path / "r.jsonl").record
     assert rec["status"] == "ok" and rec["check_passed"], rec.get("relerr")
     assert rec["precision"] == "bf16" and rec["compile"]["scope"] == "per-block"
+    assert rec["compile"]["backend"] == "inductor" and rec["compile"]["graphs"] >= 1
 
 
 @pytest.mark.gpu

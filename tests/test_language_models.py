@@ -25,7 +25,7 @@ from scalelab.workloads.base import WORKLOADS
 ZOO = PROGRAMS / "zoo.py"
 LM = dict(workload="model", input_shape="8", input_dtype="int64", vocab=40, quiet=True,
           threads=1, dtype="fp64")  # fmt: skip
-TRAIN = dict(train=True, train_size=32, heldout_size=8, batch=8, epochs=1, lr=0.2, check=True)
+TRAIN = dict(train=True, train_size=16, heldout_size=8, batch=8, epochs=1, lr=0.2, check=True)
 LLAMA = {"model": f"{ZOO}:hf_llama", "model_arg": ["lm=True", "seq=8"]}
 HF_LLAMA = {"model": "hf:llama", "model_arg": ["hidden_size=16", "intermediate_size=48",
                                                "head_dim=4"]}  # fmt: skip

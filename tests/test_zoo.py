@@ -5,7 +5,10 @@ ranks (gloo) in float64.
 
 References: the same module in float64 in one process (inference --check: relerr <= 1e-12);
 the same steps trained by `local` in one fp64 process (weights within 1e-10 after 2 steps, and
-moved from where they began). One torchrun launch per rank count (tests/zoo_runs.py).
+moved from where they began). One torchrun launch per rank count (tests/zoo_runs.py). The
+ranks' training runs skip their own --check: it would replay the same fp64 training in one
+process on rank 0, which the module's one-process runs already did (its weights are the
+reference compared here).
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ def _check(recs: dict, weights: dict, reference: dict, ways: list[str]) -> None:
                 rec = recs[f"{name}-{how}"]
                 assert rec["check_passed"] and rec["relerr"] <= 1e-12, (name, how, rec["relerr"])
             key = f"{name}-train-{how}"
-            assert recs[key]["check_passed"], key
+            assert recs[key]["status"] == "ok", key
             assert relerr(weights[key], reference[name]) < 1e-10, key
 
 
@@ -68,12 +71,12 @@ def test_two_ranks_ddp_fsdp_pipeline_equal_one_process(tmp_path, one_process):
         todo[f"nanogpt-train-{sched}"] = {**TRAIN, **MODELS["nanogpt"], **PIPE, "ranks": 2,
                                           "dtype": "fp64", "schedule": sched, **fields,
                                           "model_arg": DEEP, "microbatches": 4}  # fmt: skip
-    recs, weights = launch(2, todo, tmp_path)
+    recs, weights = launch(2, _without_train_check(todo), tmp_path)
     _check(recs, weights, one_process[1], list(TWO))
     deep = _deep_reference(tmp_path)
     for sched in SCHEDULES:
         key = f"nanogpt-train-{sched}"
-        assert recs[key]["check_passed"], key
+        assert recs[key]["status"] == "ok", key
         assert relerr(weights[key], deep) < 1e-10, key
         tied = weights[key]
         assert tied["lm_head.weight"].data_ptr() == tied["transformer.wte.weight"].data_ptr()
@@ -81,7 +84,7 @@ def test_two_ranks_ddp_fsdp_pipeline_equal_one_process(tmp_path, one_process):
 
 @pytest.mark.mpi
 def test_dp2_by_pp2_equals_one_process(tmp_path, one_process):
-    recs, weights = launch(4, runs(FOUR, 4, "fp64"), tmp_path)
+    recs, weights = launch(4, _without_train_check(runs(FOUR, 4, "fp64")), tmp_path)
     _check(recs, weights, one_process[1], list(FOUR))
 
 
@@ -99,6 +102,11 @@ def test_pipeline_stages_default_to_ranks_over_dp():
     for extra, stages in (([], 4), (["--dp", "2"], 2), (["--stages", "2", "--dp", "2"], 2)):
         args = build_parser().parse_args([*base, *extra])
         assert config_from_args(args, workload=workload_name(args)).stages == stages, extra
+
+
+def _without_train_check(todo: dict) -> dict:
+    """The training runs without --check (the one-process weights are their reference)."""
+    return {k: {**v, "check": False} if v.get("train") else v for k, v in todo.items()}
 
 
 def _deep_reference(out) -> dict:

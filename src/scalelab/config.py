@@ -208,6 +208,13 @@ class RunConfig:
         "pipeline: each stage).",
         section="compile",
     )
+    compile_backend: str = opt(
+        "inductor",
+        "--compile: torch.compile's backend. inductor generates kernels; aot_eager traces the "
+        "same graphs (forward and backward) and runs them without generating code, in a "
+        "fraction of inductor's compile time on a CPU.",
+        section="compile",
+    )
     workers: int = opt(0, "ddp: DataLoader worker processes.", section="ddp")
     # --- fsdp (strategies/fsdp.py): torch's fully_shard ---------------------------------------
     reshard_after_forward: str = opt(

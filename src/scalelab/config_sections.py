@@ -24,6 +24,9 @@ from scalelab.precision import PRECISIONS
 
 DEVICES = ("cpu", "cuda")
 ENGINES = ("scalelab", "torch")
+# torch.compile backends: inductor generates kernels; aot_eager traces forward and backward
+# through AOTAutograd as inductor does, then runs the traced graphs eagerly (no codegen)
+COMPILE_BACKENDS = ("inductor", "aot_eager")
 HALF = (None, "bf16", "fp16")
 PLACEMENTS = ("pipeline", "manual")
 # Schedules by engine (strategies/pipeline_schedule.py, pipeline_torch_stages.py; a test
@@ -181,6 +184,10 @@ def _engine_rules(cfg: Any) -> None:
     _known(cfg.engine, ENGINES, "--engine")
 
 
+def _compile_rules(cfg: Any) -> None:
+    _known(cfg.compile_backend, COMPILE_BACKENDS, "--compile-backend")
+
+
 SECTIONS: dict[str, Section] = {
     s.name: s
     for s in (
@@ -219,7 +226,7 @@ SECTIONS: dict[str, Section] = {
                 rules=_fsdp_rules, when_read=_fsdp_when_read),
         Section("mpi-dp", "mpi-dp"),
         Section("layout", "memory layout (ddp, pipeline)"),
-        Section("compile", "torch.compile (local, ddp, fsdp, pipeline)"),
+        Section("compile", "torch.compile (local, ddp, fsdp, pipeline)", rules=_compile_rules),
         Section("fast", "fast path (local, ddp)"),
         Section("pipeline", "pipeline", {
             "stages": (1, 4096), "microbatches": (1, BIG), "rebalance": (0, 100)},

@@ -27,26 +27,28 @@ from torch import nn
 from scalelab.workloads.blocks import every_block
 
 
-def compile_blocks(module: nn.Module) -> dict[str, Any] | None:
-    """Compile each repeated block of module in place; what was compiled, or None (and
-    nothing compiled) when the model has no repeated blocks."""
+def compile_blocks(module: nn.Module, backend: str = "inductor") -> dict[str, Any] | None:
+    """Compile each repeated block of module in place with torch.compile's backend; what was
+    compiled, or None (and nothing compiled) when the model has no repeated blocks."""
     blocks = [b for b in every_block(module) if b is not module]
     if not blocks:
         return None
     for block in blocks:
-        block.compile()
+        block.compile(backend=backend)
     kinds = sorted({type(b).__name__ for b in blocks})
-    return {"scope": "per-block", "blocks": len(blocks), "block_types": kinds}
+    return {"scope": "per-block", "blocks": len(blocks), "block_types": kinds, "backend": backend}
 
 
-def compile_whole(module: nn.Module, in_place: bool = False) -> tuple[nn.Module, dict[str, Any]]:
+def compile_whole(
+    module: nn.Module, in_place: bool = False, backend: str = "inductor"
+) -> tuple[nn.Module, dict[str, Any]]:
     """The whole module compiled, and what was compiled: a wrapper (its state_dict keys are
     its `_orig_mod`'s), or with in_place the module itself (fsdp shards it afterwards)."""
-    notes = {"scope": "whole", "blocks": 0, "block_types": []}
+    notes = {"scope": "whole", "blocks": 0, "block_types": [], "backend": backend}
     if in_place:
-        module.compile()
+        module.compile(backend=backend)
         return module, notes
-    return torch.compile(module), notes
+    return torch.compile(module, backend=backend), notes
 
 
 def compiled_graphs() -> int:

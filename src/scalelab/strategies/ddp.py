@@ -202,7 +202,7 @@ class DDPStrategy(TorchDistStrategy):
         repeated blocks is compiled whole, DDP and all (DDPOptimizer splits it at buckets)."""
         cfg, net = self.cfg, module
         if cfg.compile:
-            self.compile_notes = compile_blocks(module)
+            self.compile_notes = compile_blocks(module, cfg.compile_backend)
         whole = cfg.compile and self.compile_notes is None
         if cfg.channels_last:
             net = ChannelsLast(net)
@@ -226,7 +226,7 @@ class DDPStrategy(TorchDistStrategy):
                 torch.cuda.current_stream().wait_stream(side)
             self.register_hooks(net, whole)
         if whole:
-            net, self.compile_notes = compile_whole(net)
+            net, self.compile_notes = compile_whole(net, backend=self.cfg.compile_backend)
         return net
 
     def register_hooks(self, net: DistributedDataParallel, whole: bool = False) -> None:

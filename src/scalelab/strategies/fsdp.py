@@ -98,9 +98,11 @@ class FSDPStrategy(DDPStrategy):
         from scalelab.strategies.fsdp_comm import CommTimer  # torch's fsdp internals, as above
 
         if self.cfg.compile:  # before fully_shard, as torchtitan: dynamo skips FSDP's hooks
-            self.compile_notes = compile_blocks(module)
+            self.compile_notes = compile_blocks(module, self.cfg.compile_backend)
             if self.compile_notes is None:
-                module, self.compile_notes = compile_whole(module, in_place=True)
+                module, self.compile_notes = compile_whole(
+                    module, in_place=True, backend=self.cfg.compile_backend
+                )
         kw = {"mesh": self.mesh, "mp_policy": self.mp_policy()}
         found = units.shard_units(module, workload.layers(module))
         policy = units.reshard_policy(self.cfg.reshard_after_forward, len(found))

@@ -123,9 +123,9 @@ class TorchStrategy(Strategy):
             return model
         from scalelab.strategies.compile_scope import compile_blocks, compile_whole
 
-        self.compile_notes = compile_blocks(model)
+        self.compile_notes = compile_blocks(model, self.cfg.compile_backend)
         if self.compile_notes is None:
-            model, self.compile_notes = compile_whole(model)
+            model, self.compile_notes = compile_whole(model, backend=self.cfg.compile_backend)
         return model
 
     def compile_record(self) -> dict:

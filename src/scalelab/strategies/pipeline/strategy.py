@@ -171,7 +171,11 @@ class PipelineStrategy(TorchStrategy):
         # elementwise kernels than in its convolutions (H100: 43 of 77 ms a step at batch
         # 256), and micro-batches of 32 pay them again per micro-batch. Shapes are static:
         # every micro-batch size compiles once (dynamic shapes would give up the fusions).
-        run = torch.compile(stage, dynamic=False) if cfg.compile else stage
+        run = (
+            torch.compile(stage, dynamic=False, backend=cfg.compile_backend)
+            if cfg.compile
+            else stage
+        )
         ctx = StageContext(
             rank=comm.rank,
             stages=comm.size,
