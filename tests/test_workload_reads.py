@@ -28,7 +28,7 @@ REFUSED = {
 # A non-default value for every shape option.
 GIVEN = {"image_size": 32, "num_classes": 5, "hidden": 8, "convs": 3, "fcs": 3,
          "swap_relu_pool": True, "model": "m:f", "model_arg": ("a=1",), "input_shape": "3,8,8",
-         "input_dtype": "int64", "vocab": 7}  # fmt: skip
+         "input_dtype": "int64", "vocab": 7, "tokenizer": "tok"}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", WORKLOADS.names())
