@@ -40,3 +40,25 @@ def test_a_model_the_tracer_cannot_split_is_one_line_naming_torch(monkeypatch):
         UsageError, match=re.escape(f"torch {torch.__version__}'s tracer cannot split")
     ):
         torch_trace.trace_pieces(model, torch.randn(2, 2), ["1"], [0], torch.device("cpu"))
+
+
+def test_a_stage_receiving_a_non_floating_tensor_is_refused_on_torch_before_2_13(monkeypatch):
+    """Torch 2.11's stages ask what they receive to require grad: GPT-2's bool causal mask
+    crossing the cut is refused before any rank runs; torch 2.13 takes it."""
+    graph = torch.fx.Graph()
+    mask = graph.placeholder("expand_1")
+    mask.meta["val"] = torch.zeros(2, 1, 8, 8, dtype=torch.bool)
+    graph.output(mask)
+    stage = torch.fx.GraphModule(nn.Module(), graph)
+
+    class Pipe:
+        num_stages = 2
+
+        def get_stage_module(self, i: int) -> torch.fx.GraphModule:
+            return stage
+
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    with pytest.raises(UsageError, match="stage 1 receives expand_1, a bool"):
+        torch_trace._received_are_floating(Pipe())
+    monkeypatch.setattr(torch, "__version__", "2.13.0")
+    torch_trace._received_are_floating(Pipe())  # nothing refused

@@ -84,9 +84,27 @@ def trace_pieces(
                 mod.forward = forward
     if pipe.num_stages != len(starts) + 1:
         raise UsageError(f"pipeline: the tracer made {pipe.num_stages} stages of {len(starts) + 1}")
+    _received_are_floating(pipe)
     pieces = {i: pipe.get_stage_module(i) for i in ids}
     tied = [_hold_the_models_own(model, pipe, uses) for uses in pipe.replicated_params]
     return Traced({i: piece.to(device) for i, piece in pieces.items()}, tied)
+
+
+def _received_are_floating(pipe: Any) -> None:
+    """Torch before 2.13 asks every tensor a stage receives to require grad, which a bool or
+    integer one cannot (GPT-2's causal mask, (N, 1, T, T) bool, crosses its cut): refused here
+    in one line, before any rank runs, rather than in the ranks' first step."""
+    if tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 13):
+        return
+    for i in range(1, pipe.num_stages):
+        for node in pipe.get_stage_module(i).graph.nodes:
+            val = node.meta.get("val") if node.op == "placeholder" else None
+            if isinstance(val, torch.Tensor) and not val.is_floating_point():
+                raise UsageError(
+                    f"pipeline: stage {i} receives {node.name}, a {str(val.dtype)[6:]} "
+                    f"{tuple(val.shape)} tensor, which torch {torch.__version__}'s stages "
+                    "cannot receive (they ask it to require grad); torch 2.13 can"
+                )
 
 
 def _hold_the_models_own(model: nn.Module, pipe: Any, uses: dict[str, str]) -> Tied:
