@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Speed against peers on one GPU, in one device call: bench runs in separate processes, each under the time left
-# before a shared deadline, so the call as a whole ends inside the device tool's 10 minutes.
+# Speed against peers on one GPU, in one device call: bench runs in separate processes, each
+# under the time left before a shared deadline, so the call ends inside the device's 10 minutes.
 #
 #   benchmarks/speed_vs_peers.sh OUT_DIR SECONDS "WORKLOAD ARGS..." ["WORKLOAD ARGS..." ...]
 #
