@@ -5,7 +5,7 @@
 #   benchmarks/pipeline_hang_probe.sh OUT_DIR
 set -u
 cd "$(dirname "$0")/.."
-source benchmarks/round_steps.sh "$1" 540
+source benchmarks/device_steps.sh "$1" 540
 C=(deepstack --device cuda --dtype fp64 --batch 6 --image-size 16 --convs 4 --fcs 2 --num-classes 10)
 P=(--strategy pipeline --ranks 2 --stages 2 --microbatches 3)
 T=(--train --steps 2 --train-size 12 --heldout-size 6)

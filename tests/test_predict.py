@@ -529,8 +529,8 @@ def test_committed_results_within_bound_on_the_criterions_scope():
     ~40% short), outside the MAPE and the bound."""
     v = validate(RESULTS, None, None, held_out=False)
     # The held-out GPU studies (benchmarks/results/gpu_s17-20/, files s17_* to s20_*)
-    # are judged against their own targets in docs/PERFORMANCE.md (benchmarks/compare_s17.py,
-    # each error said); their records calibrate nothing here and lie outside this scope.
+    # were each compared with the predictions of their day when measured (that comparison is in
+    # git history); their records calibrate nothing here and lie outside this scope.
     round_ = v.table["source"].str.startswith(("s17_", "s18_", "s19_", "s20_"))
     v.table = v.table[~round_]  # `scored` follows the table
     bounds = v.table[v.table["role"] == UNCALIBRATED]
