@@ -531,7 +531,11 @@ def test_committed_results_within_bound_on_the_criterions_scope():
     # The held-out GPU studies (benchmarks/results/gpu_s17-20/, files s17_* to s20_*)
     # were each compared with the predictions of their day when measured (that comparison is in
     # git history); their records calibrate nothing here and lie outside this scope.
-    round_ = v.table["source"].str.startswith(("s17_", "s18_", "s19_", "s20_"))
+    # So is the model-parallel study on 4x H200 (heldout_*, its own README compares it), and
+    # the transformer speed benchmark's bf16 runs at GPT-2 small's shape (speed_*), which no
+    # calibration record here covers.
+    prefixes = ("s17_", "s18_", "s19_", "s20_", "heldout_", "speed_")
+    round_ = v.table["source"].str.startswith(prefixes)
     v.table = v.table[~round_]  # `scored` follows the table
     bounds = v.table[v.table["role"] == UNCALIBRATED]
     assert set(bounds["workload"]) == {"deepstack"} and (bounds["error_pct"] < -15).all()
