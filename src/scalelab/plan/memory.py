@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from scalelab import strategies
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
 from scalelab.orchestration.fit import estimate_bytes
@@ -54,12 +55,13 @@ def rank_share(cfg: RunConfig) -> tuple[float, float]:
     batch = cfg.batch  # all ranks together, for every strategy
     if cfg.strategy == "fsdp":
         return 1 / max(1, n // cfg.dp_replicate), float(math.ceil(batch / n))
-    if cfg.strategy in ("pipeline", "tensor"):
+    kind = strategies.STRATEGIES.get(cfg.strategy)
+    if kind.splits_model:
         inner = max(1, n // max(1, cfg.dp))  # stages or tp ranks of one replica
         return block_share(cfg, inner) or 1 / inner, batch / n
-    if cfg.split == "spatial" and cfg.strategy in ("mpi", "mpi-gpu", "nccl"):
+    if cfg.split == "spatial" and kind.takes_split:
         return 1.0, batch / n
-    if cfg.split == "broadcast" and cfg.strategy in ("mpi", "mpi-gpu", "nccl"):
+    if cfg.split == "broadcast" and kind.takes_split:
         return 1.0, float(batch)
     return 1.0, float(math.ceil(batch / n))
 

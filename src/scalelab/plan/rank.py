@@ -27,13 +27,13 @@ from scalelab.plan.space import PlanSpec
 from scalelab.predict.frame import bound, predict_one, tokens_per_s
 from scalelab.predict.models import Context
 from scalelab.predict.scenario import Prediction, Scenario
+from scalelab.strategies import STRATEGIES
 
 # Knobs shown in a candidate's label, in this order (strategy and ranks come first).
 KNOBS = ("split", "threads", "batch", "dtype", "amp", "nonblocking", "fast",
          "compile", "bucket_mb", "grad_compress", "engine", "stages", "microbatches",
          "schedule", "virtual_stages", "dp", "tp", "hidden",
          "reshard_after_forward")  # fmt: skip
-SPLIT_STRATEGIES = ("mpi", "mpi-gpu", "nccl")
 OK = "ok"
 
 
@@ -44,7 +44,7 @@ def label(cfg: RunConfig) -> str:
     parts = [cfg.strategy, f"--ranks {cfg.ranks}"]
     for knob in KNOBS:
         value = getattr(cfg, knob)
-        if knob == "split" and cfg.strategy not in SPLIT_STRATEGIES:
+        if knob == "split" and not STRATEGIES.get(cfg.strategy).takes_split:
             continue
         if knob == "stages" and cfg.strategy != "pipeline":
             continue

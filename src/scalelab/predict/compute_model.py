@@ -35,6 +35,7 @@ from scalelab.precision import get_precision
 from scalelab.predict.calibration import BatchLaw, Pool, batch_law, near_miss
 from scalelab.predict.figures import Figures
 from scalelab.predict.scenario import Scenario, build_workload
+from scalelab.strategies import STRATEGIES
 from scalelab.workloads.base import LayerCost
 
 
@@ -153,9 +154,7 @@ class ComputeModel:
         scenario's rank step, else None."""
         got = self.figures.cpu_step()
         s, cfg = self.scenario, self.scenario.cfg
-        whole = cfg.strategy in ("ddp", "mpi-dp", "fsdp") or (
-            cfg.strategy == "mpi" and cfg.split == "batch"
-        )
+        whole = STRATEGIES.get(cfg.strategy).replicates_model(cfg)
         # Inference only for now: a training step's call (zero_grad, forward, backward, the
         # optimizer's step) is not yet checked against what a data-parallel run's "compute"
         # phase holds, and plan's curves (timed on its plain candidate's rank step) would move

@@ -29,6 +29,7 @@ from scalelab.predict.calibration import (
 from scalelab.predict.hosts import Host
 from scalelab.predict.scenario import Scenario
 from scalelab.record_schema import FINISHED
+from scalelab.strategies import STRATEGIES
 
 CEILINGS = "scalelab.ceilings/1"
 RUN = "scalelab.run/1"
@@ -211,7 +212,7 @@ def _cal_point(rec: dict, s: Scenario, seconds: float, scale: float, where: str)
     phases = {k: v * scale for k, v in (rec.get("phases") or {}).items()}
     compute = phases.get("compute", seconds)
     overhead = max(0.0, seconds - sum(phases.values()))
-    split = s.cfg.split if s.cfg.strategy in ("mpi", "mpi-gpu", "nccl") else None
+    split = s.cfg.split if STRATEGIES.get(s.cfg.strategy).takes_split else None
     layers = _layer_times(rec, s) if split == "spatial" else _per_layer(rec)
     return CalPoint(
         s.family(), s.cfg.strategy, split, s.cfg.batch, compute, overhead, where, None, layers

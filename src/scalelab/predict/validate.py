@@ -32,6 +32,7 @@ from scalelab.predict.hosts import Host
 from scalelab.predict.models import Context
 from scalelab.predict.network import NetworkProfile
 from scalelab.predict.points import Found, Measured, discover
+from scalelab.strategies import STRATEGIES
 
 LIMIT = 0.15  # the per-point bound: within 15 % of the measured time
 # A point with no one-rank measurement of its configuration on its machine: its compute is the
@@ -308,6 +309,6 @@ def family(label: str) -> str:
 
 def strategy_label(cfg) -> str:
     label = cfg.strategy
-    if cfg.strategy in ("mpi", "mpi-gpu", "nccl"):
+    if STRATEGIES.get(cfg.strategy).takes_split:
         label += f" --split {cfg.split}" + (" --overlap" if cfg.overlap else "")
     return label

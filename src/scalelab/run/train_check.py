@@ -173,7 +173,7 @@ def bn_split(cfg: RunConfig) -> str | None:
     """What this run's BatchNorm normalises over when that is less than the batch."""
     if cfg.strategy in SYNC_BN and cfg.ranks > 1:
         return f"each rank's share of the batch ({cfg.ranks} ranks)"
-    if getattr(cfg, "dp", 1) > 1 and cfg.strategy in ("pipeline", "tensor"):
+    if getattr(cfg, "dp", 1) > 1 and STRATEGIES.get(cfg.strategy).splits_model:
         return f"each data-parallel replica's share of the batch (--dp {cfg.dp})"
     if cfg.strategy == "pipeline" and min(cfg.microbatches, cfg.batch) > 1:
         return f"each micro-batch ({cfg.microbatches} per batch)"

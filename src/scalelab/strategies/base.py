@@ -30,6 +30,10 @@ class Strategy(ABC):
     # Config sections it reads beyond those every run reads (config_sections.ALWAYS and
     # the mode's); a non-default option of any other section is refused before any work.
     reads: ClassVar[tuple[str, ...]] = ()
+    # What plan/, predict/, cli/ ask of a strategy instead of comparing its name:
+    takes_split: ClassVar[bool] = False  # reads --split (broadcast|batch|spatial)
+    data_parallel: ClassVar[bool] = False  # every rank holds the whole model, a batch share
+    splits_model: ClassVar[bool] = False  # every rank holds part of the model (stages, shards)
 
     @classmethod
     def build(cls, cfg: RunConfig) -> Strategy:
@@ -46,6 +50,11 @@ class Strategy(ABC):
     def reads_for(cls, cfg: RunConfig) -> tuple[str, ...]:
         """The sections a run of cfg reads (a strategy with two engines says per engine)."""
         return cls.reads
+
+    @classmethod
+    def replicates_model(cls, cfg: RunConfig) -> bool:
+        """Whether each rank of cfg runs the whole model on its share of the batch."""
+        return cls.data_parallel
 
     @classmethod
     def describe(cls, cfg: RunConfig) -> str:

@@ -95,6 +95,7 @@ class DDPStrategy(TorchDistStrategy):
     name = "ddp"
     reads = ("ddp", "amp", "layout", "compile", "fast", "checkpoint")
     needs_data_everywhere = True
+    data_parallel = True
 
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)  # --amp: TorchStrategy's precision

@@ -25,6 +25,10 @@ class MPIStrategy(SplitStrategy):
     reads = ("split",)  # CPU ranks: no GPUs to oversubscribe
 
     @classmethod
+    def replicates_model(cls, cfg: RunConfig) -> bool:
+        return cfg.split == "batch"
+
+    @classmethod
     def check_devices(cls, cfg: RunConfig) -> None:
         require_mpi4py()
         if cfg.device != "cpu":

@@ -249,6 +249,7 @@ class ScatteredBatches(BatchSource):
 class MPIDataParallel(OnMPIRanks):
     name = "mpi-dp"
     reads = ("mpi-dp", "checkpoint")
+    data_parallel = True
 
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)

@@ -101,6 +101,7 @@ def slice_for(t: torch.Tensor, dim: int | None, rows: slice) -> torch.Tensor:
 class TensorParallel(OnMPIRanks):
     name = "tensor"
     reads = ("engine", "checkpoint")
+    splits_model = True
 
     @classmethod
     def reads_for(cls, cfg: RunConfig) -> tuple[str, ...]:

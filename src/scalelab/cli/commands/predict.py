@@ -16,6 +16,7 @@ from scalelab.cli.base import COMMANDS, Command
 from scalelab.cli.options import RUN_ONLY, add_config_options, workload_config, workload_name
 from scalelab.errors import UsageError
 from scalelab.outputs import check_dir
+from scalelab.strategies import STRATEGIES
 
 GPU_FIRST = {"ddp", "fsdp", "mpi-gpu", "nccl", "pipeline"}  # --device defaults to cuda for these
 TRAINING = {"ddp", "fsdp", "mpi-dp", "tensor"}  # these strategies only train (DTensor: both)
@@ -205,7 +206,7 @@ def _header(s, network) -> str:
     mode = "strong scaling, global batch" if s.strong else "weak scaling, per rank"
     batch = s.global_batch if s.strong else cfg.batch
     where = f"network {network.describe()}" if network is not None else "one node (no --network)"
-    split = f" --split {cfg.split}" if cfg.strategy in ("mpi", "mpi-gpu", "nccl") else ""
+    split = f" --split {cfg.split}" if STRATEGIES.get(cfg.strategy).takes_split else ""
     return (
         f"predict: {cfg.workload} {cfg.strategy}{split}, {s.precision} on {cfg.device}, "
         f"{'training' if cfg.train else 'inference'}, {mode} {batch}; "

@@ -19,6 +19,7 @@ import torch
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
 from scalelab.run.train_check import SYNC_BN
+from scalelab.strategies import STRATEGIES
 
 # Model-parallel or sharded: on CPU ranks they run only under --all.
 HEAVY = ("pipeline", "tensor", "fsdp")
@@ -40,7 +41,7 @@ class Variant:
 
     @property
     def launched(self) -> bool:
-        return self.ranks > 1 or self.strategy in ("mpi", "mpi-gpu", "nccl")
+        return self.ranks > 1 or STRATEGIES.get(self.strategy).takes_split
 
     @property
     def needs_all(self) -> bool:
@@ -123,7 +124,6 @@ def _refusal(cfg: RunConfig) -> None:
     MPI present, its preflight), and the workload's refusal of the strategy."""
     from scalelab.cli.commands.run import preflight
     from scalelab.comm.launch import find_mpiexec
-    from scalelab.strategies import STRATEGIES
     from scalelab.workloads import WORKLOADS
 
     strategy = STRATEGIES.get(cfg.strategy)

@@ -35,6 +35,7 @@ class SplitStrategy(TorchStrategy):
     """Inference over ranks; `--split` picks how the batch is divided."""
 
     reads = ("split", "gpus")
+    takes_split = True
 
     def __init__(self, cfg) -> None:
         super().__init__(cfg)
