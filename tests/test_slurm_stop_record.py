@@ -69,9 +69,14 @@ def test_a_stopped_job_records_its_stop_without_torch(tmp_path, monkeypatch):
     append_record(tmp_path / "old.jsonl", failed_record(cfg, reason, source="slurm"))
     (want,) = read_records(tmp_path / "old.jsonl")
     assert results == out and list(rec) == list(want)  # the same fields, in the same order
-    assert {k: v for k, v in rec.items() if k not in PER_RECORD} == {
-        k: v for k, v in want.items() if k not in PER_RECORD
+    assert {k: v for k, v in rec.items() if k not in PER_RECORD | {"env"}} == {
+        k: v for k, v in want.items() if k not in PER_RECORD | {"env"}
     }
+    # env is read when each record is made: the same fields, the host's identity the same
+    # (what moves with the moment, such as memory free, is left out of the comparison)
+    assert list(rec["env"]) == list(want["env"])
+    for key in ("hostname", "platform", "python", "cpu", "torch", "git_commit"):
+        assert rec["env"].get(key) == want["env"].get(key), key
 
     # This attempt has its record: a second SIGTERM (or `failed` after it) adds none.
     assert _helper(tmp_path, "stopped", "", prep, *args).returncode == 0
