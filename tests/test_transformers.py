@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from programs.train_helpers import PROGRAMS, launcher, records_and_weights, relerr, run
+from programs.train_helpers import PROGRAMS, launcher, model_flags, records_and_weights, relerr, run
 from scalelab.config import RunConfig
 from scalelab.runner import execute
 
@@ -126,7 +126,7 @@ def test_two_by_two_meshes_like_one_process(tmp_path, one_process):
 
 
 def test_layers_lists_the_blocks(cli):
-    code, out, err = cli("layers", *_flags(MODELS["encoder"]))
+    code, out, err = cli("layers", *model_flags(MODELS["encoder"]))
     assert code == 0, err
     names = [line.split()[0] for line in out.splitlines()[1:-1]]
     assert names == ["embed", "pos", "body.layers.0", "body.layers.1", "body.layers.2",
@@ -156,7 +156,7 @@ def test_repeated_blocks_finds_the_stack_not_the_pieces():
     ],
 )
 def test_splits_that_cannot_apply_say_why(cli, model, args, needle):
-    code, out, err = cli("run", *_flags(MODELS[model]), *args, "--no-record")
+    code, out, err = cli("run", *model_flags(MODELS[model]), *args, "--no-record")
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
     assert needle in err
 
@@ -175,15 +175,6 @@ def test_fused_qkv_rows_go_back_to_the_users_order():
 
     order = tensor_plan.qkv_order(4, 2)  # q, k, v of width 4 over 2 ranks
     assert order.tolist() == [0, 1, 4, 5, 8, 9, 2, 3, 6, 7, 10, 11]
-
-
-def _flags(spec: dict) -> list[str]:
-    out = ["--model", spec["model"], "--input-shape", spec["input_shape"]]
-    if "input_dtype" in spec:
-        out += ["--input-dtype", spec["input_dtype"], "--vocab", str(spec["vocab"])]
-    for arg in spec.get("model_arg", []):
-        out += ["--model-arg", arg]
-    return out
 
 
 def _initial(name: str) -> dict:

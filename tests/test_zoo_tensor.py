@@ -17,7 +17,7 @@ import json
 import pytest
 import torch
 
-from programs.train_helpers import PROGRAMS, launcher, records_and_weights, relerr, run
+from programs.train_helpers import PROGRAMS, launcher, model_flags, records_and_weights, relerr, run
 from scalelab.config import RunConfig
 from scalelab.runner import execute
 
@@ -93,15 +93,6 @@ def test_zoo_under_tensor_parallel_equals_one_process(tmp_path, one_process, ran
         assert pairs["model.transformer.h.1.mlp.c_proj"] == "Conv1DRowwise"
 
 
-def _flags(spec: dict) -> list[str]:
-    out = ["--model", spec["model"], "--input-shape", spec["input_shape"]]
-    if "input_dtype" in spec:
-        out += ["--input-dtype", spec["input_dtype"], "--vocab", str(spec["vocab"])]
-    for arg in spec.get("model_arg", []):
-        out += ["--model-arg", arg]
-    return out
-
-
 TENSOR = ["--strategy", "tensor", "--engine", "torch", "--dtype", "fp64", "--no-record"]
 WRONG = """from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -111,7 +102,7 @@ PLAN = {"layers.*.v_proj": ColwiseParallel(), "layers.*.out_proj": RowwiseParall
 
 
 def test_a_head_count_the_ranks_do_not_divide_is_refused_before_launch(cli):
-    code, out, err = cli("run", *_flags(MODELS["nanogpt"]), *TENSOR, "--ranks", "3")
+    code, out, err = cli("run", *model_flags(MODELS["nanogpt"]), *TENSOR, "--ranks", "3")
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
     assert "transformer.h.0.attn has n_head=4, which 3 ranks do not divide" in err
 
@@ -119,7 +110,7 @@ def test_a_head_count_the_ranks_do_not_divide_is_refused_before_launch(cli):
 def test_a_plan_that_disagrees_with_the_module_is_refused_before_launch(cli, tmp_path):
     plan = tmp_path / "wrong_plan.py"
     plan.write_text(WRONG)
-    args = [*_flags(MODELS["tuple_blocks"]), *TENSOR, "--ranks", "2"]
+    args = [*model_flags(MODELS["tuple_blocks"]), *TENSOR, "--ranks", "2"]
     code, out, err = cli("run", *args, "--tp-plan", f"{plan}:PLAN")
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
     assert "the --tp-plan plan disagrees with the unsharded module" in err
@@ -130,7 +121,7 @@ def test_a_plan_whose_forward_fails_names_the_module(cli, tmp_path):
     plan = tmp_path / "fails.py"
     plan.write_text(WRONG.replace('"layers.*.out_proj": RowwiseParallel()',
                                   '"layers.*.fc2": RowwiseParallel()'))  # fmt: skip
-    args = [*_flags(MODELS["tuple_blocks"]), *TENSOR, "--ranks", "2"]
+    args = [*model_flags(MODELS["tuple_blocks"]), *TENSOR, "--ranks", "2"]
     code, out, err = cli("run", *args, "--tp-plan", f"{plan}:PLAN")
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
     assert "plan fails in rank 0's forward at layers.0.out_proj" in err

@@ -6,25 +6,14 @@ against one float64 process (`run --train --check`), each within the project's f
 `NCCL_NVLS_ENABLE=0 PYTHONPATH=src python -m pytest -m gpu tests/test_zoo_tensor_gpu.py`.
 """
 
-import importlib.util
 import json
 
 import pytest
 import torch
 
 from programs.train_helpers import PROGRAMS, launcher, records_and_weights, run
+from test_zoo_tensor import MODELS  # the zoo as the CPU test runs it
 
-ZOO = PROGRAMS / "zoo.py"
-IDS = {"input_shape": "8", "input_dtype": "int64", "vocab": 40}
-MODELS = {
-    "nanogpt": {"model": f"{ZOO}:nanogpt", **IDS},
-    "nanogpt_untied": {"model": f"{ZOO}:nanogpt", **IDS, "model_arg": ["tied=False"]},
-    "encoder": {"model": f"{PROGRAMS / 'transformer_nets.py'}:encoder", "input_shape": "5,6"},
-    "tuple_blocks": {"model": f"{ZOO}:tuple_blocks", **IDS},
-}
-if importlib.util.find_spec("transformers") is not None:
-    MODELS["hf_llama"] = {"model": f"{ZOO}:hf_llama", **IDS}
-    MODELS["hf_gpt2"] = {"model": f"{ZOO}:hf_gpt2", **IDS}
 COMMON = dict(workload="model", strategy="tensor", engine="torch", ranks=2, device="cuda",
               dtype="fp32", check=True, quiet=True)  # fmt: skip
 INFER = dict(batch=4, iters=2, warmup=1)

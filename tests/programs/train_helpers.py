@@ -77,3 +77,13 @@ def oracle_weights(cfg: RunConfig) -> dict:
             idx = order[part]
             wl.reference_train_step(params, train.x[idx].numpy(), train.y[idx].numpy())
     return {k: torch.from_numpy(v) for k, v in params.items()}
+
+
+def model_flags(spec: dict) -> list[str]:
+    """`scalelab` flags of a user-model spec (model, input shape, dtype, vocab, args)."""
+    out = ["--model", spec["model"], "--input-shape", spec["input_shape"]]
+    if "input_dtype" in spec:
+        out += ["--input-dtype", spec["input_dtype"], "--vocab", str(spec["vocab"])]
+    for arg in spec.get("model_arg", []):
+        out += ["--model-arg", arg]
+    return out
