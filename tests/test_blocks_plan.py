@@ -88,7 +88,7 @@ def test_predict_command_takes_dtensor_inference_and_names_the_heads(cli, tmp_pa
                          "--ceilings", ceilings)  # fmt: skip
     assert code == 0, err
     assert "inference" in out.splitlines()[0]  # DTensor also infers: not forced to --train
-    assert "not runnable: tensor: blocks.0.attn has heads=4 heads, which 3 ranks" in out
+    assert "not runnable: tensor: blocks.0.attn has heads=4, which 3 ranks" in out
     assert "2 all-reduces per block" in out and "DTensor host cost not calibrated" in out
 
 
@@ -266,4 +266,4 @@ def test_plan_ranks_pipeline_tensor_and_data_parallel_for_a_transformer(cli, tmp
     assert hand["status"].str.contains("cut it with --engine torch").all() and len(hand)
     # three ranks do not divide four heads: a row naming the attention module, not a number
     (tp3,) = out[out["candidate"].str.contains("--tp 3")]["status"]
-    assert tp3 == f"does not apply: tensor: {heads} heads, which 3 ranks do not divide"
+    assert tp3 == f"does not apply: tensor: {heads}, which 3 ranks do not divide"

@@ -156,3 +156,15 @@ def test_named_commit_wins_over_a_stale_git(monkeypatch):
     environment.git_commit.cache_clear()
     assert environment.git_commit() == {"git_commit": "0" * 40, "git_dirty": None}
     environment.git_commit.cache_clear()
+
+
+def test_an_env_has_the_same_fields_whether_or_not_mpi_was_loaded():
+    """A record's env must not depend on whether an earlier step of this process happened to
+    load MPI (a Slurm stop record, made without it, is compared field by field)."""
+    pytest.importorskip("mpi4py")
+    from scalelab import environment
+
+    loaded = environment.mpi_info()  # loads the library, as an MPI run would
+    if loaded["mpi_library"] is None:
+        pytest.skip("mpi4py finds no MPI library here")
+    assert list(environment.NO_MPI) == list(loaded)

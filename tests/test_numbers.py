@@ -5,6 +5,7 @@ above their roof flagged, and predict --validate's headline over uncalibrated po
 (Live runs under a load generator: test_numbers_live.py.)"""
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -299,15 +300,21 @@ def test_points_above_the_roof_are_flagged():
 
 
 # --- predict --validate --------------------------------------------------------------------------
-def test_validate_headline_leaves_calibration_points_out():
+def test_validate_headline_is_the_held_out_error_then_the_in_sample_one():
     from scalelab.predict.validate import validate
 
     v = validate(FIXTURES / "predict", None, None)
     head = v.summary()
-    first = float(head.split()[1].rstrip("%"))
-    assert first == pytest.approx(v.mape(predicted_only=True), abs=0.05)
-    assert "not used for calibration" in head.split("(")[0]
-    assert (v.table["role"] == "predicted").any() and (v.table["warnings"] == "").all()
+    m = re.match(r"MAPE held out: ([\d.]+)% over (\d+) points \(leave-one-out\); "
+                 r"in sample: ([\d.]+)% over (\d+)", head)  # fmt: skip
+    assert m, head
+    loo = v.scored["held_out_pct"].dropna()  # each point predicted without itself
+    assert float(m[1]) == pytest.approx(loo.abs().mean(), abs=0.05) and int(m[2]) == len(loo)
+    assert float(m[3]) == pytest.approx(v.scored["error_pct"].abs().mean(), abs=0.05)
+    assert int(m[4]) == len(v.scored) and 0 < len(loo) <= len(v.scored)
+    # leaving a point out can only cost accuracy on average: the in-sample figure flatters
+    assert float(m[1]) >= float(m[3]) - 0.05
+    assert (v.table["warnings"] == "").all()
 
 
 # --- warned runs dropped on request ----------------------------------------------------------

@@ -171,13 +171,19 @@ def mpi_cuda_aware(version: str) -> bool | None:
     return None
 
 
+# An env without MPI has the same fields as one with it: a record's shape does not depend on
+# whether this process happened to load the library before the record was made.
+NO_MPI: dict[str, Any] = {"mpi_library": None, "mpi_pmi": None, "mpi_cuda_aware": None,
+                          "mpiexec": None}  # fmt: skip
+
+
 def mpi_info() -> dict[str, Any]:
     """Which MPI (version line), which PMI it speaks, CUDA-awareness and its mpiexec; when
     mpi4py is installed but finds no library, `mpi_problem` says so and how to fix it."""
     MPI = _mpi_module()
     if MPI is None:
         problem = mpi_problem() if importlib.util.find_spec("mpi4py") is not None else None
-        return {"mpi_library": None, **({"mpi_problem": problem} if problem else {})}
+        return {**NO_MPI, **({"mpi_problem": problem} if problem else {})}
     version = MPI.Get_library_version()
     mpiexec = mpiexec_of_library()
     return {
@@ -225,7 +231,7 @@ def collect(load_mpi: bool = False) -> dict[str, Any]:
     """The environment a record carries. The MPI library is named when this process already
     loaded it (an MPI run) or load_mpi asks (`scalelab env`): a run that needs no MPI never
     loads it (mpi4py without a library on the loader's path would end it)."""
-    mpi = mpi_info() if load_mpi or "mpi4py.MPI" in sys.modules else {"mpi_library": None}
+    mpi = mpi_info() if load_mpi or "mpi4py.MPI" in sys.modules else NO_MPI
     return {
         "hostname": socket.gethostname(),
         "platform": platform.platform(),

@@ -82,6 +82,10 @@ def undivided_heads(model: nn.Module, n: int) -> str | None:
         m = model.get_submodule(name)
         for attr in head_attrs(m):
             if getattr(m, attr) % n:
-                return (f"tensor: {name} has {attr}={getattr(m, attr)} heads, "
-                        f"which {n} ranks do not divide")  # fmt: skip
+                return heads_refusal(name, attr, getattr(m, attr), n)
     return None
+
+
+def heads_refusal(module: str, attr: str, value: int, n: int) -> str:
+    """The one wording of a head count (or width) that n tensor ranks do not divide."""
+    return f"tensor: {module} has {attr}={value}, which {n} ranks do not divide"

@@ -218,7 +218,7 @@ def _measure_comm(ranked, ceilings: str) -> bool:
     for backend in backends:
         command = comm_command(backend, ceilings)
         print(f"calibrate: {' '.join(command)}", flush=True)
-        done = subprocess.run([sys.executable, "-m", *command[1:]], check=False)
+        done = subprocess.run([sys.executable, "-m", "scalelab", *command[1:]], check=False)
         if done.returncode != 0:
             raise UsageError(f"measuring comm.{backend} failed: {' '.join(command)}")
     return bool(backends)

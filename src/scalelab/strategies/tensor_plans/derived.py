@@ -38,7 +38,7 @@ from scalelab.strategies.tensor_plans import attention as att
 from scalelab.strategies.tensor_plans import conv1d, declared, local_width
 from scalelab.strategies.tensor_plans.mha_swap import RENAMES, swap_attention
 from scalelab.workloads import model_spec
-from scalelab.workloads.blocks import head_attrs, repeated_blocks
+from scalelab.workloads.blocks import head_attrs, heads_refusal, repeated_blocks
 
 OUT_NAMES = ("out_proj", "o_proj", "proj", "c_proj", "wo", "dense", "out")
 
@@ -174,8 +174,7 @@ def _check(model: nn.Module, plan: HeadPlan, n: int) -> None:
         m = model.get_submodule(name)
         for attr in attrs:
             if getattr(m, attr) % n:
-                raise UsageError(f"tensor: {name} has {attr}={getattr(m, attr)}, "
-                                 f"which {n} ranks do not divide")  # fmt: skip
+                raise UsageError(heads_refusal(name, attr, getattr(m, attr), n))
     for name, style in plan.styles.items():
         m = model.get_submodule(name)
         if not att.is_projection(m):

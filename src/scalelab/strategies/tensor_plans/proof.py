@@ -116,6 +116,9 @@ def _on_threads(n: int, fn) -> list:
     if isolate is not None:
         isolate(True)
     mt._install_threaded_pg()
+    # The threaded group's termination event is class state: a proof whose rank failed left
+    # it set, and every collective of the next proof in this process would exit at once.
+    mt.ProcessLocalGroup.reset()
     store = dist.HashStore()
 
     def rank(r: int) -> None:
@@ -140,6 +143,7 @@ def _on_threads(n: int, fn) -> list:
             if t.is_alive():
                 results[r] = TimeoutError(f"no result in {WAIT_S:.0f} s (a collective waits)")
     finally:
+        mt.ProcessLocalGroup.reset()
         mt._uninstall_threaded_pg()
         if isolate is not None:
             isolate(False)
