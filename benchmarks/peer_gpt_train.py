@@ -11,7 +11,12 @@ Every run in --runs trains a fresh model in this one launch (one process group):
   fsdp     FSDP2: fully_shard per block with MixedPrecisionPolicy(param_dtype=bf16,
            reduce_dtype=fp32) over fp32 sharded weights, reshard_after_forward on for every
            block but the last, then the root (torchtitan's llama recipe);
-  +compile each block compiled in place (`block.compile()`) before DDP/FSDP wrap it.
+  +compile each block compiled in place (`block.compile()`) before DDP/FSDP wrap it;
+  fsdp's levers, each a "+" suffix (several may be joined: fsdp+noreshard+units3):
+  +noreshard  no unit frees its gathered weights after forward (ZeRO-2-like);
+  +unitsK     K consecutive blocks per FSDP unit (fully_shard of a list of blocks);
+  +localopt   the optimizer steps each rank's local shards (plain tensors: no DTensor
+              dispatch per optimizer op), their gradients handed over after backward.
 Same loss (cross-entropy of the last position's fp32 logits against uniform labels), same
 optimizer (SGD with momentum, foreach), token ids resident on the GPU, SDPA's causal kernel
 (the model's own). Steady sequences/s: --warmup untimed steps, then --steps timed between
@@ -74,12 +79,12 @@ def setup() -> tuple[torch.device, int, int]:
     return device, dist.get_rank(), dist.get_world_size()
 
 
-def build(a: argparse.Namespace, kind: str, compile_: bool, device: torch.device, world: int):
+def build(a: argparse.Namespace, kind: str, extras: set[str], device: torch.device, world: int):
     """The model as the run trains it, and its autocast context."""
     torch.manual_seed(0)
     model = load_gpt()(a.vocab, a.seq, a.width, a.heads, a.depth).to(device)
     low = torch.bfloat16 if a.amp == "bf16" else None
-    if compile_:
+    if "compile" in extras:
         for block in model.blocks:
             block.compile()
     if kind == "fsdp":
@@ -88,10 +93,14 @@ def build(a: argparse.Namespace, kind: str, compile_: bool, device: torch.device
 
         mesh = init_device_mesh(device.type, (world,))
         mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
-        last = len(model.blocks) - 1
-        for i, block in enumerate(model.blocks):
-            fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < last)
-        fully_shard(model, mesh=mesh, mp_policy=mp)
+        k = next((int(e[5:]) for e in extras if e.startswith("units")), 1)
+        blocks = list(model.blocks)
+        groups = [blocks[i : i + k] for i in range(0, len(blocks), k)]
+        for i, group in enumerate(groups):
+            reshard = i < len(groups) - 1 and "noreshard" not in extras
+            fully_shard(group if k > 1 else group[0], mesh=mesh, mp_policy=mp,
+                        reshard_after_forward=reshard)  # fmt: skip
+        fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward="noreshard" not in extras)
         return model, nullcontext
     net = model
     if world > 1:
@@ -108,9 +117,11 @@ def build(a: argparse.Namespace, kind: str, compile_: bool, device: torch.device
 
 
 def train(a: argparse.Namespace, name: str, device: torch.device, rank: int, world: int) -> dict:
-    kind, _, extra = name.partition("+")
-    model, autocast = build(a, kind, extra == "compile", device, world)
-    opt = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=a.momentum)
+    kind, *extras = name.split("+")
+    model, autocast = build(a, kind, set(extras), device, world)
+    params = list(model.parameters())
+    local = [getattr(p, "_local_tensor", p) for p in params] if "localopt" in extras else None
+    opt = torch.optim.SGD(local or params, lr=a.lr, momentum=a.momentum)
     g = torch.Generator().manual_seed(1 + rank)
     n = a.warmup + a.steps
     x = torch.randint(0, a.vocab, (n, a.per_gpu, a.seq), generator=g).to(device)
@@ -121,6 +132,10 @@ def train(a: argparse.Namespace, name: str, device: torch.device, rank: int, wor
             logits = model(x[i])  # (per_gpu, vocab): the last position's
         loss = F.cross_entropy(logits.float(), y[i])
         loss.backward()
+        if local is not None:  # the shard's gradient, as the optimizer's plain tensor's
+            for p, t in zip(params, local):
+                t.grad = None if p.grad is None else getattr(p.grad, "_local_tensor", p.grad)
+            model.zero_grad(set_to_none=True)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.detach()
@@ -155,13 +170,17 @@ def main() -> None:
     a = parse()
     device, rank, world = setup()
     for name in a.runs.split(","):
-        rec = train(a, name, device, rank, world)
+        try:
+            rec = train(a, name, device, rank, world)
+        except Exception as exc:  # a lever this torch lacks: said, and the next run goes on
+            rec = {"run": name, "gpus": world, "error": f"{type(exc).__name__}: {exc}"[:300]}
         if rank == 0:
             shape = {k: getattr(a, k) for k in ("width", "depth", "heads", "seq", "vocab")}
             rec.update(shape=shape, per_gpu=a.per_gpu, amp=a.amp, torch=torch.__version__)
             with open(a.out, "a") as f:
                 f.write(json.dumps(rec) + "\n")
-            print(f"peer {name} x{world}: {rec['sequences_per_s']:.1f} seq/s", flush=True)
+            said = rec.get("error") or f"{rec['sequences_per_s']:.1f} seq/s"
+            print(f"peer {name} x{world}: {said}", flush=True)
         torch._dynamo.reset()  # the next run compiles as a fresh process would
         if device.type == "cuda":
             torch.cuda.empty_cache()

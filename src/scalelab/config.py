@@ -224,6 +224,13 @@ class RunConfig:
         "(torchtitan's): on for every unit but the last, whose backward comes next.",
         section="fsdp",
     )
+    fsdp_unit_mb: float = opt(
+        0.0,
+        "fsdp: join consecutive blocks into one unit until it gathers this many MB of "
+        "parameters (in the dtype FSDP gathers): fewer hooks and collectives for the host "
+        "per step, a little more memory; 0: one unit per block.",
+        section="fsdp",
+    )
     dp_replicate: int = opt(
         1,
         "fsdp: replicas of the sharded group (HSDP: shard within --ranks / R ranks, "

@@ -69,6 +69,7 @@ class FSDPStrategy(DDPStrategy):
         self.mesh = units.make_mesh(self.device, self.comm.size, cfg.dp_replicate)
         self.n_units = 0
         self.reshard: list[bool] = []  # each unit's reshard_after_forward, in forward order
+        self.unit_sizes: list[int] = []  # blocks (or layers) per unit, in forward order
         self.grad_bytes: int | None = None  # gradient shards held after a backward
 
     @classmethod
@@ -104,13 +105,17 @@ class FSDPStrategy(DDPStrategy):
                     module, in_place=True, backend=self.cfg.compile_backend
                 )
         kw = {"mesh": self.mesh, "mp_policy": self.mp_policy()}
-        found = units.shard_units(module, workload.layers(module))
+        itemsize = (self.precision.autocast or self.precision.storage).itemsize
+        found = units.group_units(
+            units.shard_units(module, workload.layers(module)), self.cfg.fsdp_unit_mb, itemsize
+        )
         policy = units.reshard_policy(self.cfg.reshard_after_forward, len(found))
-        for unit, reshard in zip(found, policy):
-            fully_shard(unit, reshard_after_forward=reshard, **kw)
+        for unit, reshard in zip(found, policy):  # a list of blocks: one unit, one gather
+            fully_shard(unit if len(unit) > 1 else unit[0], reshard_after_forward=reshard, **kw)
         # the root: FSDP keeps its parameters from forward to backward whatever it is told
         fully_shard(module, reshard_after_forward=self.cfg.reshard_after_forward != "off", **kw)
         self.n_units = len(found) + 1
+        self.unit_sizes = [len(u) for u in found]
         self.reshard = policy
         self.comm_timer = CommTimer(self.device)
         # On a GPU the timed collectives are an A/B of their own: installed only under
@@ -220,7 +225,8 @@ class FSDPStrategy(DDPStrategy):
             # what was chosen, as fully_shard was called (units in forward order, then root)
             "fsdp": {
                 "units": self.n_units,
-                "unit_kind": "per-block" if self.n_units > 1 else "root only",
+                "unit_kind": _unit_kind(self.unit_sizes),
+                "unit_mb": self.cfg.fsdp_unit_mb,
                 "mp_policy": {
                     "param_dtype": name(policy.param_dtype) if policy else None,
                     "reduce_dtype": name(policy.reduce_dtype) if policy else None,
@@ -249,3 +255,9 @@ class ShardedStep(TorchStep):
 
     def weights(self) -> list[torch.Tensor]:
         return [units.local(p).detach() for p in self.model.parameters()]
+
+
+def _unit_kind(sizes: list[int]) -> str:
+    if not sizes:
+        return "root only"
+    return "per-block" if max(sizes) == 1 else f"{max(sizes)} blocks per unit"

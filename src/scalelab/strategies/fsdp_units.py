@@ -11,6 +11,7 @@ parameters no unit holds.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -50,6 +51,19 @@ def shard_units(model: nn.Module, layers: list[Layer]) -> list[nn.Module]:
         seen.add(id(m))
         units.append(m)
     return units
+
+
+def group_units(found: list[nn.Module], unit_mb: float, itemsize: int) -> list[list[nn.Module]]:
+    """Consecutive units joined k at a time, k the fewest whose gathered parameters (itemsize
+    bytes each: the dtype FSDP gathers) reach unit_mb MB on average; 0: one unit each.
+    Every unit costs the host its hooks, copies and collectives each pass (forward, backward
+    gather, reduce-scatter): a small block's compute does not hide them, and the step waits on
+    the host; fewer, larger units trade a little peak memory (two units gathered) for that."""
+    if unit_mb <= 0 or len(found) < 2:
+        return [[u] for u in found]
+    sizes = [sum(p.numel() for p in u.parameters()) * itemsize for u in found]
+    k = max(1, min(len(found), math.ceil(unit_mb * 2**20 / max(sum(sizes) / len(found), 1))))
+    return [found[i : i + k] for i in range(0, len(found), k)]
 
 
 def reshard_policy(choice: str, n_units: int) -> list[bool]:
