@@ -271,7 +271,10 @@ def environment(device: str) -> dict:
     gpu = torch.cuda.get_device_name(0) if device == "cuda" else None
     return {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "git_commit": git("rev-parse", "HEAD"), "git_dirty": bool(git("status", "--porcelain")),
+        # a device copy can carry a stale .git: the commit it was made from wins where named
+        "git_commit": os.environ.get("SCALELAB_GIT_COMMIT") or git("rev-parse", "HEAD"),
+        "git_dirty": None if os.environ.get("SCALELAB_GIT_COMMIT") else bool(
+            git("status", "--porcelain")),
         "torch": torch.__version__, "gpu": gpu,
         "gpus_visible": torch.cuda.device_count() if device == "cuda" else 0,
         "host": os.uname().nodename, "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"),

@@ -171,11 +171,11 @@ MLP_BENCH = ["bench", "mlp", "--batch", "16", "--train-size", "48", "--hidden", 
 
 def test_bench_writes_records_and_table(cli, tmp_path):
     args = ["--iters", "3", "--warmup", "1", "--out", tmp_path, "--quiet"]
-    code, out, err = cli(*MLP_BENCH, *args)
+    code, out, err = cli(*MLP_BENCH, *args, "--peers", "eager_fp32,eager")
     assert code == 0, err
     rec = json.loads((tmp_path / "mlp-train.json").read_text())
     assert set(rec) >= REQUIRED and rec["status"] == "ok" and rec["mode"] == "train"
-    assert rec["peers"] == ["eager_fp32", "eager"]  # CPU default: no Inductor compile
+    assert rec["peers"] == ["eager_fp32", "eager"]
     best = max(rec[f"{k}_throughput"] for k in rec["peers"])
     assert rec[f"{rec['best_peer']}_throughput"] == best
     assert rec["ratio"] == pytest.approx(rec["fast_throughput"] / best)
@@ -206,6 +206,19 @@ def test_bench_check_can_fail(cli, tmp_path, monkeypatch):
     rec = json.loads((tmp_path / "mlp-train.json").read_text())
     assert code == 1 and rec["status"] == "failed" and rec["tolerance"] == 0.0
     assert "check failed" in rec["error"] and "check failed" in err and "FAIL" in out
+
+
+def test_bench_default_peers_leave_emulated_bf16_out_on_a_cpu(monkeypatch):
+    """A CPU without bf16 units emulates it (~16x slower than fp32): fp32 eager alone; with
+    them, bf16 eager too; never Inductor's minutes-long C++ compile on a CPU; all on a GPU."""
+    import torch
+
+    from scalelab.fast import bench
+
+    assert bench.default_peers("cuda") == ("eager_fp32", "eager", "compile", "compile_max")
+    for native, want in ((False, ("eager_fp32",)), (True, ("eager_fp32", "eager"))):
+        monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda n=native: n)
+        assert bench.default_peers("cpu") == want
 
 
 def test_bench_check_rules():

@@ -44,7 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--peers",
         help="comma list of eager_fp32, eager, compile, max-autotune (default on a GPU: all; "
-        "on a CPU: eager_fp32,eager, since Inductor compiles for minutes on few cores)",
+        "on a CPU: eager_fp32, and eager (bf16) where the CPU has bf16 units; Inductor "
+        "compiles for minutes on few cores)",
     )
     p.add_argument("--out", default="scalelab-results/bench", help="folder for the JSON records")
     p.add_argument("--table", metavar="DIR", help="only print the table of the records in DIR")
@@ -125,10 +126,10 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _peers(given: str | None, device: str) -> list[str]:
-    from scalelab.fast.bench import CPU_PEERS, GPU_PEERS, PEER_NAMES
+    from scalelab.fast.bench import GPU_PEERS, PEER_NAMES, default_peers
 
     if given is None:
-        return list(GPU_PEERS if device == "cuda" else CPU_PEERS)
+        return list(default_peers(device))
     by_name = {PEER_NAMES.get(k, k): k for k in GPU_PEERS}
     names = [n.strip() for n in given.split(",") if n.strip()]
     unknown = [n for n in names if n not in by_name]
