@@ -93,7 +93,9 @@ def test_processes_sharing_one_core_measure_as_slowed(kernel, alone_s):
             alone = pool.run(1, 0.1)
             alone_share = alone[0] / pool.cpu_seconds[0]
             both = pool.run(2, 0.2)
-            assert alone_s[0] < alone[0] < alone_s[1]
+            # the kernel's size by its CPU seconds per call: the wall of the one alone grows
+            # with whatever else the host runs (10 ms seen for the ~1 ms mlp step under load)
+            assert alone_s[0] < pool.cpu_seconds[0] < alone_s[1]
             for wall, cpu in zip(both, pool.cpu_seconds, strict=True):
                 assert wall > 1.5 * cpu, f"two on one core, one had {cpu / wall:.0%} of it"
             slowdown = C.curve([1, 2], [alone, both], "", "")["slowdown"]
