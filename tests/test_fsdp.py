@@ -45,6 +45,9 @@ TRANSFORMER = dict(
     workload="model", model=f"{PROGRAMS / 'fsdp_nets.py'}:tiny_transformer", input_shape="8",
     input_dtype="int64", vocab=50, train_size=48, batch=12, epochs=2, lr=0.2, momentum=0.9,
 )  # fmt: skip
+# resnet18-cifar's 8 BasicBlocks hold 11,166,976 parameters (74 k to 4.7 M each): their mean
+# in fp64 MB, 8 bytes each
+RESNET_BLOCK_MB = 11_166_976 / 8 * 8 / 2**20
 # Killed on 2 ranks before its 8th step (checkpoints every 3: the last at step 6, mid-epoch
 # 2 of 4 steps), resumed on 3: the momentum buffers travel resharded.
 KILLED = {**MLP, "epochs": 3, "momentum": 0.9, "ckpt_every": 3}
@@ -70,6 +73,9 @@ def two(tmp_path_factory):
     runs = {
         "mlp-on": fsdp(MLP, 2), "mlp-off": fsdp(MLP, 2, "off"),
         "tr-on": fsdp(TRANSFORMER, 2), "res-on": fsdp(RESNET, 2),
+        # resnet18's 8 BasicBlocks joined 3 at a time (--fsdp-unit-mb 2.5 mean blocks, so
+        # k = 3 by size): units that are lists of blocks, one gather each
+        "res-grouped": {**fsdp(RESNET, 2), "fsdp_unit_mb": 2.5 * RESNET_BLOCK_MB},
         "infer": {"workload": "mlp", "hidden": 16, "strategy": "fsdp", "ranks": 2,
                   "dtype": "fp64", "batch": 7, "check": True, "quiet": True, "threads": 1},
         "killed": {**fsdp(KILLED, 2), "ckpt_dir": str(tmp / "ck")},
@@ -147,11 +153,14 @@ def check_trained(recs: dict, weights: dict, runs: dict, world: int, names: list
 @pytest.mark.mpi
 def test_two_ranks_train_what_one_process_trains(two):
     recs, weights, runs, _ = two
-    check_trained(recs, weights, runs, 2, ["mlp-on", "mlp-off", "tr-on", "res-on"])
+    check_trained(recs, weights, runs, 2, ["mlp-on", "mlp-off", "tr-on", "res-on", "res-grouped"])
     # the mlp also against the float64 NumPy SGD with hand-derived gradients (no torch)
     oracle = oracle_weights(RunConfig(**{**BASE, **MLP}))
     assert relerr(weights["mlp-off"], oracle) < 1e-10
     assert recs["res-on"]["fsdp_units"] == 9  # resnet18's 8 BasicBlocks, then the root
+    grouped = recs["res-grouped"]["fsdp"]
+    assert grouped["units"] == 4 and grouped["unit_kind"] == "3 blocks per unit"  # 3, 3, 2
+    assert grouped["reshard_after_forward"] == [True] * 4  # "on": every unit and the root
     # 8 steps over fc1 and fc2: one reduce-scatter per unit and step either way; resharding
     # after forward gathers each unit again in backward (2 more all-gathers a step)
     on, off = recs["mlp-on"]["fsdp_comm"][1], recs["mlp-off"]["fsdp_comm"][1]
@@ -213,6 +222,24 @@ def test_fsdp_options_elsewhere_are_refused_in_one_line(args, says, capsys):
     assert main(["run", "mlp", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert says in err and len(err.splitlines()) == 1, err
+
+
+def test_units_are_joined_by_gathered_size():
+    """k consecutive units per FSDP unit, k the fewest whose mean gathered bytes reach the
+    asked MB; 0 (the default): one unit each."""
+    from torch import nn
+
+    from scalelab.strategies.fsdp_units import group_units
+
+    blocks = [nn.Linear(256, 256, bias=False) for _ in range(7)]  # 256 KiB each in fp32
+    assert [len(g) for g in group_units(blocks, 0.0, 4)] == [1] * 7
+    assert RunConfig(workload="mlp").fsdp_unit_mb == 0.0
+    assert [len(g) for g in group_units(blocks, 0.25, 4)] == [1] * 7  # one block is enough
+    assert [len(g) for g in group_units(blocks, 0.6, 4)] == [3, 3, 1]  # 0.6 / 0.25 -> 3
+    assert [len(g) for g in group_units(blocks, 0.6, 2)] == [5, 2]  # bf16: half the bytes
+    assert [len(g) for g in group_units(blocks, 1e6, 4)] == [7]  # never more than all
+    joined = group_units(blocks, 0.6, 4)
+    assert [b for g in joined for b in g] == blocks  # consecutive, in order, each once
 
 
 # --- the models: memory per rank and the step's collectives (no ranks) ---------------------------

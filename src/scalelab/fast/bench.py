@@ -87,14 +87,21 @@ GPU_PEERS = ("eager_fp32", "eager", "compile", "compile_max")
 CPU_PEERS = ("eager_fp32", "eager")  # Inductor's C++ compile is minutes per mode on 2 cores
 
 
+def computes_bf16(device: str) -> bool:
+    """Whether bf16 runs natively: a GPU, or a CPU with bf16 units (oneDNN's check: AVX512-BF16
+    or AMX). Elsewhere it is emulated, ~16x slower than fp32 (charcnn at batch 16 on 2 AVX2
+    cores: 10 s a call against 0.6 s)."""
+    if device == "cuda":
+        return True
+    return bool(getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)())
+
+
 def default_peers(device: str) -> tuple[str, ...]:
-    """The peers a bench measures unless told: on a CPU without bf16 units (oneDNN's check:
-    AVX512-BF16 or AMX) bf16 is emulated, ~16x slower than fp32 (charcnn at batch 16 on 2 AVX2
-    cores: 10 s a call against 0.6 s), a peer no user would pick, so fp32 eager alone."""
+    """The peers a bench measures unless told: all on a GPU; on a CPU no Inductor compile, and
+    the bf16 eager peer only where bf16 is native (an emulated one is a peer no user picks)."""
     if device == "cuda":
         return GPU_PEERS
-    native = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)()
-    return CPU_PEERS if native else ("eager_fp32",)
+    return CPU_PEERS if computes_bf16(device) else ("eager_fp32",)
 
 
 def defaults_for(name: str, device: str) -> BenchDefaults:
@@ -300,10 +307,11 @@ def _fast_step(workload, model, cfg, data, device, opts) -> tuple[Callable, dict
     if device.type != "cuda":
         stderr_log(opts["quiet"])(
             f"fast training on {device.type}: CUDA graphs unavailable (no CUDA GPU); "
-            "running the plain bf16 step"
+            f"running the plain {cfg.dtype} step"
         )
-        details = {"fast_parts": {"step": "eager bf16"}, "unavailable": ["no CUDA GPU"]}
-        return eager_train_step(workload, model, opt, data, BF16), {**details, "summed": False}
+        details = {"fast_parts": {"step": f"eager {cfg.dtype}"}, "unavailable": ["no CUDA GPU"]}
+        amp = BF16 if cfg.dtype == "bf16" else None
+        return eager_train_step(workload, model, opt, data, amp), {**details, "summed": False}
     torch.backends.cudnn.benchmark = True
     trainer = GraphStep(model, opt, workload.prepare, workload.loss, data, cfg.batch, BF16)
     parts = {"data": "GPU resident, prepared once", "step": "CUDA graph", "amp": "bf16"}
@@ -319,7 +327,9 @@ def run_bench(name: str, opts: dict[str, Any], ceiling: float) -> dict[str, Any]
     mode = opts.get("mode") or defaults.mode
     given = {k: v for k, v in opts["config"].items() if v is not None}
     fields = {**defaults.overrides, "batch": defaults.batch, **given}
-    cfg = RunConfig(workload=name, dtype="bf16", train=mode == "train", quiet=True, **fields)
+    # the fast path computes in bf16; its plain fallback on a CPU that emulates bf16 runs fp32
+    dtype = "bf16" if computes_bf16(opts["device"]) else "fp32"
+    cfg = RunConfig(workload=name, dtype=dtype, train=mode == "train", quiet=True, **fields)
     device = torch.device(opts["device"])
     workload = WORKLOADS.get(name)(cfg)
     runner = bench_training if mode == "train" else bench_inference
@@ -340,6 +350,7 @@ def run_bench(name: str, opts: dict[str, Any], ceiling: float) -> dict[str, Any]
         "peers": list(peers),
         **{f"{k}_throughput": v for k, v in rates.items()},
         "best_peer": best,
+        "fast_dtype": cfg.dtype,  # bf16; fp32 where a CPU would emulate bf16
         "ratio": rates["fast"] / peers[best],
         "ratio_eager": rates["fast"] / rates["eager"] if "eager" in rates else None,
         "flops_per_item": flops,
