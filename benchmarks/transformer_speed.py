@@ -64,10 +64,16 @@ def parse() -> argparse.Namespace:
     p.add_argument("--gpus", default="1,2,4", help="GPU counts to run (those that exist)")
     p.add_argument("--no-compile", action="store_true", help="leave the compiled runs out")
     p.add_argument("--budget-s", type=float, default=510.0, help="stop launching after this")
-    p.add_argument("--fsdp-unit-mb", default="",
-                   help="comma list: more scalelab fsdp runs, one per --fsdp-unit-mb value")
-    p.add_argument("--peer-extra", default="",
-                   help="comma list: more peer runs (peer_gpt_train.py's names: fsdp+units3)")
+    p.add_argument(
+        "--fsdp-unit-mb",
+        default="",
+        help="comma list: more scalelab fsdp runs, one per --fsdp-unit-mb value",
+    )
+    p.add_argument(
+        "--peer-extra",
+        default="",
+        help="comma list: more peer runs (peer_gpt_train.py's names: fsdp+units3)",
+    )
     p.add_argument("--cache-dir", type=Path, default=Path("/tmp/scalelab-inductor-cache"))
     p.add_argument("--worker", help=argparse.SUPPRESS)  # JSON: the runs of one launch
     return p.parse_args()
@@ -116,7 +122,8 @@ def launches(a: argparse.Namespace, n: int, shape: dict, device: str) -> list[di
     names = ["ddp", "fsdp", *(["local"] if n == 1 else [])]
     eager = [scalelab_fields(x, n, False, shape, device) for x in names]
     for mb in filter(None, a.fsdp_unit_mb.split(",")):
-        eager.append({**scalelab_fields("fsdp", n, False, shape, device), "fsdp_unit_mb": float(mb)})
+        fields = scalelab_fields("fsdp", n, False, shape, device)
+        eager.append({**fields, "fsdp_unit_mb": float(mb)})
     out = [{"what": f"scalelab eager x{n}", "gpus": n, "runs": eager}]
     peer_runs = ["ddp", "fsdp", *(["ddp+compile", "fsdp+compile"] if compiled else [])]
     peer_runs += list(filter(None, a.peer_extra.split(",")))

@@ -206,8 +206,8 @@ def test_fast_ddp_step_captured_with_its_all_reduce_follows_plain_ddp(tmp_path, 
 
     Every run is deterministic (SCALELAB_DETERMINISTIC=1): without it two EAGER runs of this
     training ended 0.354 of their update apart on 2x H200 (cuDNN's timed algorithm choice and
-    atomics round differently run to run, and 6 steps of SGD at this rate amplify that;
-    benchmarks/results/gpu_s18/final/eager_twice), which this test once read as a fault of the
+    atomics round differently run to run, and 6 steps of SGD at this rate amplify that), which
+    this test once read as a fault of the
     captured step; under it the captured run equalled eager bitwise. A real fault moves the update
     by O(1): a doubled learning rate by 1.0, the warm-up's 11 steps left in by far more,
     gradients not averaged over the ranks by ~0.5."""

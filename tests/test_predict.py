@@ -480,7 +480,7 @@ def test_pipeline_partition_maps_layers_to_cost_rows():
 def test_pipeline_points_carry_the_runs_partition():
     from scalelab.predict.points import discover
 
-    path = RESULTS / "pipeline_vgg_h200x2_prefetch.jsonl"
+    path = COMMITTED / "pipeline_vgg_h200x2_prefetch.jsonl"
     runs = [r for r in read_records(path) if isinstance(r.get("pipeline"), dict)]
     got = [p.scenario.balance for p in discover(path).points]
     assert got == [tuple(r["pipeline"]["balance"]) for r in runs] and len(got) == 2
@@ -515,20 +515,22 @@ def test_pipeline_two_gpipe_stages_against_the_hand_formula():
 
 
 # --- predict's accuracy bar over the repository's own benchmark results ------------------------
-RESULTS = Path(__file__).parents[1] / "benchmarks" / "results"
+# A frozen copy of the device records (and ceilings) under benchmarks/results that predict
+# reads, so a later measurement there moves no test: tests/fixtures/predict_committed/README.md
+COMMITTED = Path(__file__).parent / "fixtures" / "predict_committed"
 
 
 @pytest.mark.slow
 def test_committed_results_within_bound_on_the_criterions_scope():
-    """`--validate benchmarks/results` (the checked-in device records of 2x and 4x H200 hosts):
+    """`--validate` over the checked-in device records of 2x and 4x H200 hosts (their copy):
     on the done-criterion's scope, CPU ranks 1-8 and GPU runs of every strategy (ddp, mpi-gpu,
     nccl, pipeline, on 1-4 GPUs), every point within 15% of its measured time, and the MAPE
     over all points <= 10%. Points outside the scope (the batch split on 16-64 CPU ranks) are
     still predicted and counted in the MAPE. The deepstack pipeline runs have no one-rank
     deepstack measurement to calibrate on: their roofline bound is listed as such (it reads
     ~40% short), outside the MAPE and the bound."""
-    v = validate(RESULTS, None, None, held_out=False)
-    # The held-out GPU studies (benchmarks/results/gpu_s17-20/, files s17_* to s20_*)
+    v = validate(COMMITTED, None, None, held_out=False)
+    # The held-out GPU studies (gpu_s17-20/, files s17_* to s20_*)
     # were each compared with the predictions of their day when measured (that comparison is in
     # git history); their records calibrate nothing here and lie outside this scope.
     # So is the model-parallel study on 4x H200 (heldout_*, its own README compares it), and
@@ -735,7 +737,7 @@ def test_profiled_runs_calibrate_nothing():
     step read as 70 ms of DDP host cost per step): such records are skipped, and said."""
     from scalelab.predict.points import discover
 
-    traced = RESULTS / "gpu_s17" / "timeline" / "s17_timeline_runs.jsonl"
+    traced = FIXTURES / "profiled_runs.jsonl"  # a --trace study's records, 2 GPUs
     found = discover(traced)
     assert not any(p.singles or p.multis for p in found.pools.values())
     assert any(k.startswith("profiled runs (--trace") for k in found.skipped)

@@ -441,7 +441,7 @@ def _check_traced_work_placed(rec, tmp_path, runs):
     out = _scalelab(tmp_path, "timeline", runs, "-o", tmp_path / "merged.json").stdout
     assert "device time per traced step" in out and "exposed_comm ms" in out
     # The collectives' busbw is printed where the trace gives their bytes (NCCL's kernels on
-    # a GPU; gloo's calls here carry none): benchmarks/results/gpu_s17/timeline.
+    # a GPU; gloo's calls here carry none).
     assert ("busbw GB/s" in out) == (not collective_bandwidth(merged).empty)
     trace = json.loads((tmp_path / "merged.json").read_text())
     check_trace_schema(trace)

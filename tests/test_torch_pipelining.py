@@ -201,7 +201,7 @@ def test_the_runtime_replay_accounts_for_a_measured_interleaved_step():
     times and free transfers: the dependency replay gives 78 ms (bubble 0.045, what predict
     said); torch's lowered lists with the engine's device-wide sync give 128 ms, and 0.6 ms
     per transfer brings them to the measured span; without the sync the lists give 78 ms."""
-    path = ROOT / "benchmarks/results/gpu_s18/speed/s18_measured.jsonl"
+    path = ROOT / "tests/fixtures/pipelining/interleaved_step_h200x2.jsonl"
     recs = [json.loads(line) for line in path.read_text().splitlines()]
     pipe = next(r["pipeline"] for r in recs
                 if r.get("pipeline", {}).get("schedule") == "interleaved-1f1b")  # fmt: skip

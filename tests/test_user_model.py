@@ -181,7 +181,7 @@ def test_layers_predict_and_fit_give_numbers(cli):
     # the conv: 2 * 6 * 3 * 9 * 12 * 12 FLOPs per item at batch 8
     assert float(rows["stem"][4]) == pytest.approx(2 * 6 * 3 * 9 * 144 * 8 / 1e6, abs=0.05)
     assert int(rows["total"][1].replace(",", "")) == sum(p.numel() for p in rescnn().parameters())
-    ceilings = Path(__file__).parents[1] / "benchmarks" / "results" / "ceilings_h200x2.json"
+    ceilings = Path(__file__).parent / "fixtures" / "predict" / "ceilings_h200x2.json"
     code, out, _ = cli("predict", *flags, "--strategy", "mpi", "--ranks", "1,2",
                        "--ceilings", ceilings, "--no-plots")  # fmt: skip
     assert code == 0 and "throughput" in out
