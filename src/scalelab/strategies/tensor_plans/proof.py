@@ -9,6 +9,7 @@ in one line naming the module where it went wrong and the attributes the plan se
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 
@@ -129,10 +130,9 @@ def _on_threads(n: int, fn) -> list:
             results[r] = exc
             mt.ProcessLocalGroup.exception_handle(exc)
         finally:
-            try:
+            # torch 2.11's threaded world lacks `comms`: nothing to free there
+            with contextlib.suppress(AttributeError):
                 dist.destroy_process_group()
-            except AttributeError:  # torch 2.11's threaded world lacks `comms`: nothing to free
-                pass
 
     threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(n)]
     try:
