@@ -44,7 +44,7 @@ def _topology(cfg: RunConfig, workload) -> None:
     preflight = getattr(strategy, "preflight", None)
     if preflight is not None:
         preflight(cfg)
-    if cfg.strategy == "tensor" and cfg.engine == "torch":
+    if STRATEGIES.get(cfg.strategy).traced_by_torch(cfg):
         _dtensor_pairs(cfg, workload)
 
 
