@@ -252,7 +252,7 @@ def _add_checks(
     import torch  # already imported by every strategy
 
     # serial: one BLAS thread; on a GPU the CPU threads mostly wait for the device
-    cpu_threads = strategy.name != "serial" and strategy.cfg.device == "cpu"
+    cpu_threads = not strategy.reference and strategy.cfg.device == "cpu"
     threads = torch.get_num_threads() if cpu_threads else 1
     what = "epochs" if output.history is not None else "iterations"
     warnings, host = host_checks.run_checks(
