@@ -28,7 +28,7 @@ def refusal(cfg: RunConfig) -> str | None:
     try:
         check_config(cfg)
         workload = WORKLOADS.get(cfg.workload)(cfg)
-        workload.check_strategy(cfg.strategy, cfg)
+        workload.check_strategy(cfg.strategy, cfg, **STRATEGIES.get(cfg.strategy).model_needs(cfg))
         _topology(cfg, workload)
     except UsageError as exc:
         return str(exc)

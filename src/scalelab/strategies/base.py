@@ -73,6 +73,12 @@ class Strategy(ABC):
         return cls.pipelined and cfg.engine == "torch"
 
     @classmethod
+    def model_needs(cls, cfg: RunConfig) -> dict[str, bool]:
+        """What it asks of the model, as Workload.check_strategy's keywords (workloads/ sits
+        below strategies/, so the fact travels as data)."""
+        return {"stages": cls.pipelined, "tensor_pairs": cls.traced_by_torch(cfg)}
+
+    @classmethod
     def describe(cls, cfg: RunConfig) -> str:
         """Who does not read an option, for the refusal's line."""
         return f"the {cls.name} strategy"

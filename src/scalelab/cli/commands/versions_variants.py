@@ -130,7 +130,9 @@ def _refusal(cfg: RunConfig) -> None:
     preflight(strategy, cfg)
     if strategy.launcher == "mpi":
         find_mpiexec()
-    WORKLOADS.get(cfg.workload)(cfg).check_strategy(cfg.strategy, cfg)
+    WORKLOADS.get(cfg.workload)(cfg).check_strategy(
+        cfg.strategy, cfg, **STRATEGIES.get(cfg.strategy).model_needs(cfg)
+    )
 
 
 def variant_config(v: Variant, base: RunConfig) -> RunConfig:
