@@ -105,7 +105,9 @@ def _check(cfg: RunConfig, workload: Workload, strategy: Strategy) -> None:
     try:
         if cfg.ranks > 1 and strategy.comm.size != cfg.ranks:
             raise UsageError(f"--ranks {cfg.ranks} but the launcher started {strategy.comm.size}")
-        workload.check_strategy(strategy.name, cfg, **strategy.model_needs(cfg))
+        workload.check_strategy(
+            strategy.name, cfg, **STRATEGIES.get(strategy.name).model_needs(cfg)
+        )
         strategy.validate(workload)
     except UsageError as exc:
         refusal = exc
