@@ -105,7 +105,9 @@ def _check(cfg: RunConfig, workload: Workload, strategy: Strategy) -> None:
     try:
         if cfg.ranks > 1 and strategy.comm.size != cfg.ranks:
             raise UsageError(f"--ranks {cfg.ranks} but the launcher started {strategy.comm.size}")
-        workload.check_strategy(strategy.name, cfg)
+        workload.check_strategy(
+            strategy.name, cfg, **STRATEGIES.get(strategy.name).model_needs(cfg)
+        )
         strategy.validate(workload)
     except UsageError as exc:
         refusal = exc
@@ -252,7 +254,7 @@ def _add_checks(
     import torch  # already imported by every strategy
 
     # serial: one BLAS thread; on a GPU the CPU threads mostly wait for the device
-    cpu_threads = strategy.name != "serial" and strategy.cfg.device == "cpu"
+    cpu_threads = not strategy.reference and strategy.cfg.device == "cpu"
     threads = torch.get_num_threads() if cpu_threads else 1
     what = "epochs" if output.history is not None else "iterations"
     warnings, host = host_checks.run_checks(

@@ -23,6 +23,7 @@ from scalelab.config import RunConfig
 from scalelab.errors import UsageError
 from scalelab.record import new_record
 from scalelab.results import TrainHistory
+from scalelab.strategies import STRATEGIES
 from scalelab.strategies.local import LocalStrategy
 from scalelab.train.loop import Trainer, default_plan
 from scalelab.weights import load_weights
@@ -69,7 +70,7 @@ def relerr(a: dict[str, np.ndarray], b: dict[str, np.ndarray], keys: list[str]) 
 def _check(cfg: RunConfig, setups: list[Setup]) -> None:
     if not cfg.train:
         raise UsageError("--compare-devices compares training runs; add --train")
-    if cfg.strategy != "local":
+    if not STRATEGIES.get(cfg.strategy).plain_local:
         raise UsageError("--compare-devices trains in one process; drop --strategy")
     if any(d == "cuda" for d, _ in setups) and not torch.cuda.is_available():
         raise UsageError("--compare-devices needs a CUDA GPU; none is visible to torch here")

@@ -139,7 +139,8 @@ class Demo:
 
     def scaling(self) -> str:
         ranks = [n for n in (1, 2, 4) if n <= self.max_ranks]
-        strategy = "mpi-gpu" if self.gpus >= 2 and "mpi-gpu" in STRATEGIES else "mpi"
+        cpu = not (self.gpus >= 2 and "mpi-gpu" in STRATEGIES)
+        strategy = "mpi" if cpu else "mpi-gpu"
         fixed = {
             "workload": "alexnet",
             "strategy": strategy,
@@ -151,7 +152,7 @@ class Demo:
             "timeline": True,  # every rank's phases on one clock: the report's waits per rank
             **self.device(),
         }
-        if strategy == "mpi":  # CPU ranks whatever the machine has
+        if cpu:  # CPU ranks whatever the machine has
             fixed.update(device="cpu", threads=1)
             fixed.pop("oversubscribe_gpus", None)
         return self.sweep("demo-scaling", {"ranks": ranks}, fixed)

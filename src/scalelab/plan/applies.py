@@ -28,7 +28,7 @@ def refusal(cfg: RunConfig) -> str | None:
     try:
         check_config(cfg)
         workload = WORKLOADS.get(cfg.workload)(cfg)
-        workload.check_strategy(cfg.strategy, cfg)
+        workload.check_strategy(cfg.strategy, cfg, **STRATEGIES.get(cfg.strategy).model_needs(cfg))
         _topology(cfg, workload)
     except UsageError as exc:
         return str(exc)
@@ -44,7 +44,7 @@ def _topology(cfg: RunConfig, workload) -> None:
     preflight = getattr(strategy, "preflight", None)
     if preflight is not None:
         preflight(cfg)
-    if cfg.strategy == "tensor" and cfg.engine == "torch":
+    if STRATEGIES.get(cfg.strategy).traced_by_torch(cfg):
         _dtensor_pairs(cfg, workload)
 
 

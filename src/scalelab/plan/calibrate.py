@@ -47,6 +47,7 @@ from scalelab.predict.figures import Figures
 from scalelab.predict.models.blocks import is_block_model
 from scalelab.predict.scenario import Scenario
 from scalelab.record import append_record
+from scalelab.strategies import STRATEGIES
 
 if TYPE_CHECKING:
     from scalelab.instrument.concurrency import StepKernel
@@ -55,11 +56,11 @@ if TYPE_CHECKING:
 def needed_batch(cfg: RunConfig) -> int:
     """Items one rank computes at once under cfg (the batch its compute law is read at)."""
     replica = max(1, cfg.batch // max(1, cfg.dp))  # --dp D: each replica B / D items
-    if cfg.strategy == "pipeline":
+    if STRATEGIES.get(cfg.strategy).pipelined:
         return max(1, replica // min(cfg.microbatches, replica))
-    if cfg.strategy == "ddp":
+    if STRATEGIES.get(cfg.strategy).ddp_buckets:
         return max(cfg.batch // cfg.ranks, 1)
-    if cfg.strategy == "tensor":
+    if STRATEGIES.get(cfg.strategy).by_heads:
         return replica
     if cfg.split in ("spatial", "broadcast"):
         return cfg.batch
@@ -69,7 +70,7 @@ def needed_batch(cfg: RunConfig) -> int:
 def one_rank(spec: PlanSpec, cfg: RunConfig, batch: int, split: str = "batch") -> RunConfig:
     """The one-rank run that calibrates cfg's family at `batch` items (cfg as `calibrated_on`
     gives it)."""
-    if cfg.strategy == "tensor" and cfg.workload == "mlp":
+    if STRATEGIES.get(cfg.strategy).by_heads and cfg.workload == "mlp":
         # One rank of the hand-written split at its shard's size: the shard's step with the
         # split's own per-step work (its L2 share, the logits' all-reduce), which a plain
         # mlp of that width does not do (on this 2-core host: 2.5 ms a step against 3.3 ms
@@ -147,7 +148,7 @@ def _pipelining_host(pool: Pool, members: list[RunConfig], per_node: int) -> lis
     """torch pipelining's forward host work (predict/models/pipeline.py): one rank, one
     stage, GPipe (its forwards issued back to back show a host-bound forward), at the first
     torch-engine pipeline candidate's batch and micro-batches; one GPU suffices."""
-    pipes = [c for c in members if c.strategy == "pipeline" and c.engine == "torch"]
+    pipes = [c for c in members if STRATEGIES.get(c.strategy).pipelined_by_torch(c)]
     if not pipes:
         return []
     first = min(pipes, key=anchor_key)

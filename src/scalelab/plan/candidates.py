@@ -31,6 +31,7 @@ from scalelab.config import RunConfig
 from scalelab.errors import UsageError
 from scalelab.plan.space import PlanSpec
 from scalelab.registry import Registry
+from scalelab.strategies import STRATEGIES
 from scalelab.workloads import WORKLOADS
 
 Source = Callable[[PlanSpec], Iterator[RunConfig]]
@@ -67,7 +68,7 @@ def _config(spec: PlanSpec, strategy: str, ranks: int, threads: int | None, prec
     fields: dict = {"strategy": strategy, "ranks": ranks, "batch": batch, **knobs}
     if not spec.gpu:
         fields["threads"] = threads
-    if strategy == "ddp" and precision in HALF:
+    if STRATEGIES.get(strategy).ddp_buckets and precision in HALF:
         return spec.config(**fields, amp=precision, dtype="fp32")
     return spec.config(**fields, dtype=precision)
 

@@ -53,7 +53,7 @@ def rank_share(cfg: RunConfig) -> tuple[float, float]:
     """(share of the parameters, items of activations) one rank holds."""
     n = cfg.ranks
     batch = cfg.batch  # all ranks together, for every strategy
-    if cfg.strategy == "fsdp":
+    if strategies.STRATEGIES.get(cfg.strategy).shards_parameters:
         return 1 / max(1, n // cfg.dp_replicate), float(math.ceil(batch / n))
     kind = strategies.STRATEGIES.get(cfg.strategy)
     if kind.splits_model:
@@ -72,7 +72,8 @@ def block_share(cfg: RunConfig, inner: int) -> float | None:
     if not hasattr(WORKLOADS.get(cfg.workload), "blocks") or not blocks.is_block_model(cfg):
         return None
     whole = max(1, sum(r.params for r in blocks.block_rows(cfg)))
-    if cfg.strategy == "tensor":  # by heads (a --tp-plan of the user's: an even share)
+    # by heads (a --tp-plan of the user's: an even share)
+    if strategies.STRATEGIES.get(cfg.strategy).by_heads:
         return blocks.tp_params(cfg, inner) / whole if cfg.tp_plan is None else None
     try:
         v = virtual_stages(cfg.schedule, cfg.virtual_stages) if cfg.engine == "torch" else 1
@@ -87,7 +88,7 @@ def block_share(cfg: RunConfig, inner: int) -> float | None:
 def device_bytes(cfg: RunConfig) -> int:
     """Estimated bytes per rank at its peak (see the module docstring)."""
     parts = breakdown(cfg)
-    if cfg.strategy == "fsdp" and cfg.train:
+    if strategies.STRATEGIES.get(cfg.strategy).shards_parameters and cfg.train:
         # Gradients are freed every step (zero_grad(set_to_none)): at the end of forward the
         # gathered weights and every activation are alive but no gradient; at the end of
         # backward every gradient shard is, while the activations are gone and only the
@@ -110,7 +111,7 @@ def _unit_bytes(cfg: RunConfig) -> tuple[int, int]:
 
 def gathered_bytes(cfg: RunConfig) -> int:
     """fsdp: the whole weights a rank holds beside its shards while a unit computes."""
-    if cfg.strategy != "fsdp":
+    if not strategies.STRATEGIES.get(cfg.strategy).shards_parameters:
         return 0
     every, two = _unit_bytes(cfg)
     return every if cfg.reshard_after_forward == "off" else two
@@ -131,7 +132,8 @@ def breakdown(cfg: RunConfig) -> dict[str, int]:
     weights = params // state
     share, items = rank_share(cfg)
     train = cfg.train
-    ddp = cfg.strategy == "ddp" and cfg.ranks > 1  # one rank trains the bare module
+    # one rank trains the bare module
+    ddp = strategies.STRATEGIES.get(cfg.strategy).ddp_buckets and cfg.ranks > 1
     return {
         "params": int(weights * share),
         "grads": int(weights * share) if train else 0,

@@ -46,9 +46,9 @@ def label(cfg: RunConfig) -> str:
         value = getattr(cfg, knob)
         if knob == "split" and not STRATEGIES.get(cfg.strategy).takes_split:
             continue
-        if knob == "stages" and cfg.strategy != "pipeline":
+        if knob == "stages" and not STRATEGIES.get(cfg.strategy).pipelined:
             continue
-        always = knob == "split" or (knob == "stages" and cfg.strategy == "pipeline")
+        always = knob == "split" or (knob == "stages" and STRATEGIES.get(cfg.strategy).pipelined)
         if always or (value != getattr(default, knob) and value is not None):
             flag = "--" + knob.replace("_", "-")
             parts.append(flag if value is True else f"{flag} {value}")

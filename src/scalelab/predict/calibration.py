@@ -26,6 +26,7 @@ import numpy as np
 
 from scalelab.config import RunConfig
 from scalelab.predict.scenario import Scenario
+from scalelab.strategies import STRATEGIES
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ class CalPoint:
     def bare(self) -> bool:
         """Whether the point is the bare step its compute law wants (see Pool.candidates)."""
         runtime = self.cfg is not None and (dtensor_run(self.cfg) or pipelining_run(self.cfg))
-        return self.strategy != "fsdp" and not runtime
+        return not STRATEGIES.get(self.strategy).shards_parameters and not runtime
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,7 @@ class Pool:
         """The one-rank fsdp run of the scenario's family nearest its per-rank batch (FSDP's
         host cost per step: that run's step less the bare step at its batch), or None."""
         runs = [p for p in self.singles if p.family == scenario.family()]
-        runs = self._own([p for p in runs if p.strategy == "fsdp"])
+        runs = self._own([p for p in runs if STRATEGIES.get(p.strategy).shards_parameters])
         target = max(scenario.rank_batch, 1e-9)
         return min(runs, key=lambda p: (abs(math.log(p.batch / target)), p.source), default=None)
 
@@ -155,12 +156,12 @@ class Pool:
 
 def dtensor_run(cfg: RunConfig) -> bool:
     """Whether cfg runs DTensor's tensor parallelism (`tensor --engine torch`), on any ranks."""
-    return cfg.strategy == "tensor" and cfg.engine == "torch"
+    return STRATEGIES.get(cfg.strategy).traced_by_torch(cfg)
 
 
 def pipelining_run(cfg: RunConfig) -> bool:
     """Whether cfg runs torch.distributed.pipelining (`pipeline --engine torch`), any ranks."""
-    return cfg.strategy == "pipeline" and cfg.engine == "torch"
+    return STRATEGIES.get(cfg.strategy).pipelined_by_torch(cfg)
 
 
 def dtensor_calibrated(cfg: RunConfig) -> bool:
@@ -187,8 +188,8 @@ def host_calibrated(cfg: RunConfig) -> bool:
     (predict/models/pipeline.py: host_forward)."""
     if cfg.ranks < 2:
         return False
-    return cfg.strategy == "ddp" or (
-        cfg.strategy == "pipeline" and cfg.engine == "torch" and max(1, cfg.dp) == 1
+    return STRATEGIES.get(cfg.strategy).ddp_buckets or (
+        STRATEGIES.get(cfg.strategy).pipelined_by_torch(cfg) and max(1, cfg.dp) == 1
     )
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from scalelab.predict.calibration import Pool
 from scalelab.predict.scenario import Scenario
+from scalelab.strategies import STRATEGIES
 
 DEFAULT_BANDS = Path("scalelab-results/validate/bands.json")
 
@@ -63,7 +64,8 @@ def extrapolations(pool: Pool, s: Scenario, ranks: list[int]) -> list[str]:
         seen = f"the most in a measured {strategy} run of this family: {most}" if most else (
             f"no measured {strategy} run of this family")  # fmt: skip
         out.append(f"extrapolates to {', '.join(map(str, beyond))} ranks ({seen})")
-    if strategy == "pipeline" and not any(r.cfg.schedule == s.cfg.schedule for r in mine):
+    schedules = {r.cfg.schedule for r in mine}
+    if STRATEGIES.get(strategy).pipelined and s.cfg.schedule not in schedules:
         out.append(f"extrapolates to --schedule {s.cfg.schedule} (no measured run of it)")
     if any(s.at(n).nodes > 1 for n in ranks):
         out.append("extrapolates to a link between nodes (the network profile; no run here "

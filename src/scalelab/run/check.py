@@ -97,7 +97,7 @@ def inference_check(
         return built
 
     single = None
-    if strategy.name != "local" or cfg.fast:  # the run was not the plain one-process run
+    if not strategy.plain_local or cfg.fast:  # the run was not the plain one-process run
         single = _or_none(lambda: relative_error(one_process(workload, strategy, pair()[0],
                                                              inputs.x), ref))  # fmt: skip
     prior = ex.a_priori(model, u)

@@ -50,7 +50,7 @@ def refuse(cfg: RunConfig) -> None:
         hint = (
             "; each micro-batch is normalised on its own (--microbatches 1 normalises the "
             "whole batch)"
-            if cfg.strategy == "pipeline"
+            if STRATEGIES.get(cfg.strategy).pipelined
             else ""
         )
         raise UsageError(f"--sync-bn: only {' and '.join(SYNC_BN)} normalise per rank{hint}")
@@ -175,7 +175,7 @@ def bn_split(cfg: RunConfig) -> str | None:
         return f"each rank's share of the batch ({cfg.ranks} ranks)"
     if getattr(cfg, "dp", 1) > 1 and STRATEGIES.get(cfg.strategy).splits_model:
         return f"each data-parallel replica's share of the batch (--dp {cfg.dp})"
-    if cfg.strategy == "pipeline" and min(cfg.microbatches, cfg.batch) > 1:
+    if STRATEGIES.get(cfg.strategy).pipelined and min(cfg.microbatches, cfg.batch) > 1:
         return f"each micro-batch ({cfg.microbatches} per batch)"
     return None
 

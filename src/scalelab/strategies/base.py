@@ -34,6 +34,12 @@ class Strategy(ABC):
     takes_split: ClassVar[bool] = False  # reads --split (broadcast|batch|spatial)
     data_parallel: ClassVar[bool] = False  # every rank holds the whole model, a batch share
     splits_model: ClassVar[bool] = False  # every rank holds part of the model (stages, shards)
+    pipelined: ClassVar[bool] = False  # layers in stages x micro-batches (--stages, --schedule)
+    shards_parameters: ClassVar[bool] = False  # params/grads/optimizer state 1/ranks per rank
+    by_heads: ClassVar[bool] = False  # tensor parallel: weights split by heads/columns
+    ddp_buckets: ClassVar[bool] = False  # DDP's bucketed all-reduce (--bucket-mb, --batch total)
+    reference: ClassVar[bool] = False  # the float64 one-process reference itself
+    plain_local: ClassVar[bool] = False  # the plain torch one-process run (cpu or cuda)
 
     @classmethod
     def build(cls, cfg: RunConfig) -> Strategy:
@@ -55,6 +61,22 @@ class Strategy(ABC):
     def replicates_model(cls, cfg: RunConfig) -> bool:
         """Whether each rank of cfg runs the whole model on its share of the batch."""
         return cls.data_parallel
+
+    @classmethod
+    def traced_by_torch(cls, cfg: RunConfig) -> bool:
+        """Whether torch's engine (DTensor) runs cfg's tensor split, not the hand-written one."""
+        return cls.by_heads and cfg.engine == "torch"
+
+    @classmethod
+    def pipelined_by_torch(cls, cfg: RunConfig) -> bool:
+        """Whether torch.distributed.pipelining runs cfg's stages."""
+        return cls.pipelined and cfg.engine == "torch"
+
+    @classmethod
+    def model_needs(cls, cfg: RunConfig) -> dict[str, bool]:
+        """What it asks of the model, as Workload.check_strategy's keywords (workloads/ sits
+        below strategies/, so the fact travels as data)."""
+        return {"stages": cls.pipelined, "tensor_pairs": cls.traced_by_torch(cfg)}
 
     @classmethod
     def describe(cls, cfg: RunConfig) -> str:

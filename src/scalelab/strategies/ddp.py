@@ -96,6 +96,7 @@ class DDPStrategy(TorchDistStrategy):
     reads = ("ddp", "amp", "layout", "compile", "fast", "checkpoint")
     needs_data_everywhere = True
     data_parallel = True
+    ddp_buckets = True
 
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)  # --amp: TorchStrategy's precision

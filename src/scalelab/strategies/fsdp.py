@@ -59,6 +59,8 @@ if TYPE_CHECKING:  # torch's fsdp is imported where it is used (a second at star
 class FSDPStrategy(DDPStrategy):
     name = "fsdp"
     reads = ("fsdp", "compile", "checkpoint")
+    shards_parameters = True
+    ddp_buckets = False
 
     def __init__(self, cfg: RunConfig) -> None:
         TorchDistStrategy.__init__(self, cfg)  # not ddp's: an inference batch needs no shares

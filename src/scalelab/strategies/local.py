@@ -14,6 +14,7 @@ from scalelab.strategies.torch_base import TorchStrategy
 class LocalStrategy(TorchStrategy):
     name = "local"
     reads = ("fast", "checkpoint", "compare", "amp", "compile")
+    plain_local = True
 
     def __init__(self, cfg) -> None:
         super().__init__(cfg)

@@ -37,6 +37,7 @@ class SerialStrategy(Strategy):
     name = "serial"
     device = torch.device("cpu")
     reads = ("checkpoint",)  # the one training loop checkpoints its NumPy step too
+    reference = True
 
     def __init__(self, cfg) -> None:
         super().__init__(cfg)

@@ -102,6 +102,7 @@ class TensorParallel(OnMPIRanks):
     name = "tensor"
     reads = ("engine", "checkpoint")
     splits_model = True
+    by_heads = True
 
     @classmethod
     def reads_for(cls, cfg: RunConfig) -> tuple[str, ...]:

@@ -108,9 +108,13 @@ class Workload(ABC):
     def _build(self) -> nn.Module:
         """Construct the module; weights are drawn from torch's (seeded) default init."""
 
-    def check_strategy(self, strategy: str, cfg: RunConfig) -> None:
+    def check_strategy(
+        self, strategy: str, cfg: RunConfig, *, stages: bool = False, tensor_pairs: bool = False
+    ) -> None:
         """Raise UsageError, one line naming the layer that stops it, for a strategy this
-        workload's model cannot run under (the shipped workloads: the strategies decide)."""
+        workload's model cannot run under (the shipped workloads: the strategies decide).
+        What the strategy needs of the model comes as data (Strategy.model_needs): `stages`,
+        it cuts the model into pipeline stages; `tensor_pairs`, DTensor shards Linear pairs."""
 
     def build_model(self) -> nn.Module:
         with seeded(self.cfg.seed):

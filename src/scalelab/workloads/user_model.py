@@ -248,16 +248,20 @@ class UserModel(Workload):
             return f"{why}; {self._blocks_why}"
         return why if len(layers) == 1 else None
 
-    def check_strategy(self, strategy: str, cfg) -> None:
+    def check_strategy(
+        self, strategy: str, cfg, *, stages: bool = False, tensor_pairs: bool = False
+    ) -> None:
         """One line naming the layer that stops a strategy this model cannot run under."""
-        if strategy == "pipeline" and self.chain_problem() is not None:
-            raise UsageError(f"pipeline: cannot cut the model into stages: {self.chain_problem()}")
-        if strategy == "pipeline" and self.blocks is not None:
+        if stages and self.chain_problem() is not None:
+            raise UsageError(
+                f"{strategy}: cannot cut the model into stages: {self.chain_problem()}"
+            )
+        if stages and self.blocks is not None:
             self._check_block_pipeline(cfg)
         by_heads = cfg.tp_plan is not None or bl.repeated_blocks(self.probe.module) is not None
         pairs = by_heads or self.linear_pairs(None)
-        if strategy == "tensor" and cfg.engine == "torch" and not pairs:
-            raise UsageError(f"tensor: nothing to shard: {self._why_no_pairs()}")
+        if tensor_pairs and not pairs:
+            raise UsageError(f"{strategy}: nothing to shard: {self._why_no_pairs()}")
 
     def linear_pairs(self, model: nn.Module | None) -> list[tuple[str, str]]:
         """(column-wise, row-wise) Linear pairs joined by element-wise layers only, from the

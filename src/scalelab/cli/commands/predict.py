@@ -153,7 +153,7 @@ def _scenario(args: argparse.Namespace, figures):
 
     gpu = args.device == "cuda" or (args.device is None and args.strategy in GPU_FIRST)
     overrides = {"workload": workload_name(args), "ranks": 1, "device": "cuda" if gpu else "cpu"}
-    if args.strategy in TRAINING and not (args.strategy == "tensor" and args.engine == "torch"):
+    if args.strategy in TRAINING and not (STRATEGIES.get(args.strategy).traced_by_torch(args)):
         overrides["train"] = True
     cfg = workload_config(args, **overrides)
     cores = (figures.data.get("machine") or {}).get("cpu_cores") or 1

@@ -111,7 +111,7 @@ def unavailable(v: Variant, base: RunConfig, every: bool = False) -> str | None:
         _refusal(variant_config(v, base))
     except UsageError as exc:
         return str(exc)
-    if v.strategy == "serial":
+    if STRATEGIES.get(v.strategy).reference:
         from scalelab.workloads import WORKLOADS
 
         if not WORKLOADS.get(base.workload).has_reference():
@@ -130,13 +130,15 @@ def _refusal(cfg: RunConfig) -> None:
     preflight(strategy, cfg)
     if strategy.launcher == "mpi":
         find_mpiexec()
-    WORKLOADS.get(cfg.workload)(cfg).check_strategy(cfg.strategy, cfg)
+    WORKLOADS.get(cfg.workload)(cfg).check_strategy(
+        cfg.strategy, cfg, **STRATEGIES.get(cfg.strategy).model_needs(cfg)
+    )
 
 
 def variant_config(v: Variant, base: RunConfig) -> RunConfig:
     """base as v runs it: v's strategy, ranks, device and engine; a pipeline has one stage a
     rank of each replica; checked, quiet."""
-    stages = v.ranks // v.dp if v.strategy == "pipeline" else RunConfig.stages
+    stages = v.ranks // v.dp if STRATEGIES.get(v.strategy).pipelined else RunConfig.stages
     # --sync-bn is for the strategies whose ranks each normalise their share; the others
     # normalise the whole batch already (run/train_check.SYNC_BN)
     sync_bn = base.sync_bn and v.strategy in SYNC_BN

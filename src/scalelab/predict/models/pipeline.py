@@ -148,7 +148,7 @@ class PipelineModel(StrategyModel):
             return f"{stages} stages but the model has {layers} layers"
         if blocks.is_block_model(scenario.cfg):
             try:  # the workload's own refusal (--engine scalelab), then the tracer's cut
-                build_workload(scenario.cfg).check_strategy("pipeline", scenario.cfg)
+                build_workload(scenario.cfg).check_strategy("pipeline", scenario.cfg, stages=True)
                 blocks.stage_counts(scenario.cfg, stages)
             except UsageError as exc:
                 return str(exc)
