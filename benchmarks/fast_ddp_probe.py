@@ -83,7 +83,7 @@ def worker(variant: str, cpu: bool, args: list[str]) -> int:
 
     ddp.DistributedDataParallel = build
     if cpu:
-        import scalelab.fast.train as fast_train
+        import scalelab.fast.captured_step as fast_train
 
         fast_train.step_unsupported = lambda *a: None
     return main(args)

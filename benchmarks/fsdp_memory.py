@@ -61,7 +61,7 @@ def worker(out: Path, runs: dict[str, dict]) -> None:
     import torch
 
     from scalelab.config import RunConfig
-    from scalelab.runner import execute
+    from scalelab.run.runner import execute
 
     rank = int(os.environ.get("RANK", "0"))
     for name, fields in runs.items():

@@ -29,7 +29,7 @@ import torch
 
 from scalelab.cli.commands.versions import launch_run
 from scalelab.config import RunConfig
-from scalelab.planning.trunk import trunk_for
+from scalelab.layout.trunk import trunk_for
 from scalelab.record import read_records
 from scalelab.strategies.halo import plan_trunk
 from scalelab.workloads import WORKLOADS

@@ -87,7 +87,7 @@ def worker(spec: str) -> None:
     import torch
 
     from scalelab.config import RunConfig
-    from scalelab.runner import execute
+    from scalelab.run.runner import execute
 
     job = json.loads(spec)
     for fields in job["runs"]:

@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 
 from scalelab.config import RunConfig
-from scalelab.planning.partition import balance_auto, memory_model, snap_counts
+from scalelab.layout.partition import balance_auto, memory_model, snap_counts
 from scalelab.predict.calibration import Pool
 from scalelab.predict.compute_model import roofline_layers
 from scalelab.predict.frame import predict_one

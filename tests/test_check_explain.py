@@ -17,7 +17,7 @@ import pytest
 
 from scalelab.config import RunConfig
 from scalelab.run.check import FACTOR, derive_bound
-from scalelab.runner import execute
+from scalelab.run.runner import execute
 
 NETS = Path(__file__).parent / "programs" / "check_nets.py"
 INFER = dict(workload="model", batch=8, iters=1, warmup=0, check=True, quiet=True, threads=1)

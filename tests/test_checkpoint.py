@@ -14,7 +14,7 @@ from scalelab.errors import UsageError
 from scalelab.orchestration.compare_devices import compare_devices, relerr
 from scalelab.record import read_records
 from scalelab.record_schema import problem
-from scalelab.runner import execute
+from scalelab.run.runner import execute
 from scalelab.train import checkpoint as ckpt
 from scalelab.train.guards import TrainingDiverged
 from scalelab.workloads.base import state_dict_float64

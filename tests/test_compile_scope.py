@@ -27,7 +27,7 @@ from torch import nn
 from programs.train_helpers import PROGRAMS, launcher, run
 from scalelab.config import RunConfig
 from scalelab.record import read_records
-from scalelab.runner import execute
+from scalelab.run.runner import execute
 from scalelab.strategies.compile_scope import compile_blocks
 from scalelab.strategies.fsdp_units import reshard_policy
 

@@ -146,8 +146,8 @@ def test_rules_that_hold_when_a_strategy_reads_the_section(fields, needle):
 
 
 def test_schedule_names_match_the_engines():
-    from scalelab.planning.schedule import SCHEDULES as HAND
-    from scalelab.planning.torch_schedule import SCHEDULES as TORCH
+    from scalelab.layout.schedule import SCHEDULES as HAND
+    from scalelab.layout.torch_schedule import SCHEDULES as TORCH
 
     engines = {"scalelab": tuple(HAND), "torch": tuple(TORCH)}
     assert engines == SCHEDULES

@@ -23,7 +23,7 @@ from programs.train_helpers import (
     run,
 )
 from scalelab.config import RunConfig
-from scalelab.runner import execute
+from scalelab.run.runner import execute
 
 EVEN = {**COMMON, "train_size": 202}  # W=2 divides it: no DistributedSampler padding
 DDP = {"strategy": "ddp", "train_size": 202, "batch": 32}  # global: 16 per rank
@@ -73,7 +73,7 @@ def test_one_rank_runs_in_process_and_matches_local():
 def test_fast_trainer_on_ddp_shards_follows_the_plain_loop(monkeypatch, capsys):
     """--fast's trainer logic on CPU (the captured step run eagerly): DistributedSampler's
     batches by index, warm-up undone, the short last step; fp64 losses equal plain ddp's."""
-    import scalelab.fast.train as fast_train
+    import scalelab.fast.captured_step as fast_train
 
     common = {**EVEN, "strategy": "ddp", "batch": 30, "dtype": "fp64", "momentum": 0.9}
     plain = execute(RunConfig(**common), None).record

@@ -288,7 +288,7 @@ def test_fast_path_only_for_the_workloads_own_module():
 def test_fast_trainer_follows_plain_loop(cli, monkeypatch, momentum):
     """FastTrainer's logic on CPU (the graph replay run eagerly): warm-up restored, data
     prepared once, the short last batch, momentum. fp32: losses equal the plain loop's."""
-    import scalelab.fast.train as fast_train
+    import scalelab.fast.captured_step as fast_train
 
     monkeypatch.setattr(fast_train, "unsupported", lambda *a: None)
     common = ["mlp", "--train", "--epochs", "2", "--batch", "50", "--train-size", "230"]

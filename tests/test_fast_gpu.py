@@ -187,7 +187,7 @@ def test_captured_steps_match_float64_steps(name, kw):
     two float64 steps do, within bf16: warm-up and capture left no trace (weights, batch-norm
     statistics, momentum restored) and each replay reads its new batch."""
     from scalelab.fast.bench import _params, _update_relerr, eager_train_step
-    from scalelab.fast.train import GraphStep
+    from scalelab.fast.captured_step import GraphStep
 
     batch = 256
     cfg = RunConfig(

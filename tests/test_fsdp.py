@@ -32,7 +32,7 @@ from programs.train_helpers import (
 )
 from scalelab.config import RunConfig
 from scalelab.record import read_records
-from scalelab.runner import execute
+from scalelab.run.runner import execute
 from scalelab.train.data import epoch_sampler
 from scalelab.workloads import WORKLOADS
 

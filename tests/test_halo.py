@@ -14,7 +14,7 @@ from scalelab.comm.base import Comm, Request
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
 from scalelab.instrument.timer import PhaseTimer
-from scalelab.planning.trunk import trunk_for
+from scalelab.layout.trunk import trunk_for
 from scalelab.strategies.halo import (
     Geometry,
     edge_pad,

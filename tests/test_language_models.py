@@ -18,7 +18,7 @@ from programs.train_helpers import PROGRAMS, launcher, records_and_weights, run
 from scalelab.config import RunConfig
 from scalelab.data import corpus
 from scalelab.run import tokens
-from scalelab.runner import execute
+from scalelab.run.runner import execute
 from scalelab.workloads import next_token
 from scalelab.workloads.base import WORKLOADS
 

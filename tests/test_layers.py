@@ -156,8 +156,8 @@ def test_toy_workload_gets_a_pipeline_cut():
     compose to the forward."""
     from contextlib import nullcontext
 
-    from scalelab.planning.partition import balance_auto, bounds, memory_model
-    from scalelab.planning.profiling import profile_layers
+    from scalelab.layout.partition import balance_auto, bounds, memory_model
+    from scalelab.layout.profiling import profile_layers
 
     toy = Toy(RunConfig(workload="toy"))
     model = toy.build_model().double()
@@ -176,8 +176,8 @@ def test_toy_workload_gets_a_pipeline_cut():
 def test_toy_workload_gets_a_spatial_trunk():
     """trunk_for: conv_a, relu_a, pool, conv_b, relu_b on the rows, fc the dense head; the
     steps with full-height edge padding and the head reproduce the forward; two ranks plan."""
-    from scalelab.planning.halo import plan_trunk
-    from scalelab.planning.trunk import trunk_for
+    from scalelab.layout.halo import plan_trunk
+    from scalelab.layout.trunk import trunk_for
     from scalelab.strategies.halo import edge_pad
 
     toy = Toy(RunConfig(workload="toy"))

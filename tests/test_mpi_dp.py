@@ -26,7 +26,7 @@ from programs.train_helpers import (
 from scalelab.comm.launch import find_mpiexec
 from scalelab.config import RunConfig
 from scalelab.record import read_records
-from scalelab.runner import execute
+from scalelab.run.runner import execute
 
 
 @pytest.fixture(scope="module")

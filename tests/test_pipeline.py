@@ -20,15 +20,15 @@ import torch
 
 from scalelab.comm.launch import torchrun_command
 from scalelab.config import RunConfig
-from scalelab.planning import partition as part
-from scalelab.planning import profiling
-from scalelab.planning.schedule import (
+from scalelab.layout import partition as part
+from scalelab.layout import profiling
+from scalelab.layout.schedule import (
     SCHEDULES,
     bubble_formula,
     simulate,
 )
 from scalelab.record import read_records
-from scalelab.runner import execute
+from scalelab.run.runner import execute
 from scalelab.strategies.pipeline.report import stage_summary
 from scalelab.workloads import WORKLOADS
 from scalelab.workloads.layers import describe

@@ -198,7 +198,7 @@ def test_a_stopped_jobs_cause_is_read_from_scontrol(
 ):
     """A job under 10 minutes gets no early warning: its record said "time limit or scancel".
     Now scontrol's Reason tells them apart (and Restarts a requeue)."""
-    from scalelab.comm import slurm
+    from scalelab.comm import slurm_env as slurm
 
     stub = tmp_path / "scontrol"
     text = "" if reason is None else SHOWN.format(reason, restarts)

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from scalelab import environment
-from scalelab.comm import launch, mpi, slurm
+from scalelab.comm import launch, mpi
+from scalelab.comm import slurm_env as slurm
 from scalelab.config import RunConfig
 from scalelab.record import new_record
 

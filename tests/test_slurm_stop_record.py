@@ -55,7 +55,7 @@ def test_a_stopped_job_records_its_stop_without_torch(tmp_path, monkeypatch):
     got = _helper(tmp_path, "stopped", "", prep, *args, importtime=True)
     assert got.returncode == 0, got.stderr
     imported = _imported(got.stderr)
-    assert {"scalelab.record", "scalelab.comm.slurm"} <= imported  # importtime saw the helper
+    assert {"scalelab.record", "scalelab.comm.slurm_env"} <= imported  # importtime saw the helper
     heavy = {m for m in imported if m.split(".")[0] in ("torch", "numpy")}
     assert not heavy and "scalelab.config" not in imported, sorted(imported)
     (rec,) = read_records(out)

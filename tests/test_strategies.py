@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from scalelab.config import RunConfig
-from scalelab.runner import execute
+from scalelab.run.runner import execute
 
 SMALL = {
     "alexnet": {"image_size": 67, "batch": 3},

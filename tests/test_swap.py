@@ -9,7 +9,7 @@ from torch import nn
 
 from scalelab.analysis import memory
 from scalelab.config import RunConfig
-from scalelab.runner import execute
+from scalelab.run.runner import execute
 from scalelab.workloads import WORKLOADS
 
 VGG_POOLS = [4, 9, 16, 23, 30]  # features.N of the pools in the normal order

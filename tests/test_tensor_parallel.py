@@ -18,7 +18,7 @@ from programs.train_helpers import (
 )
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
-from scalelab.runner import execute
+from scalelab.run.runner import execute
 
 MOMENTUM = {"momentum": 0.9, "dtype": "fp64"}
 RUNS = {

@@ -23,7 +23,7 @@ from scalelab.instrument.kernel_trace import with_kernels
 from scalelab.instrument.spans import SPANS, SpanLog, annotate, slow_rank_delay
 from scalelab.instrument.timer import PhaseTimer
 from scalelab.instrument.trace_events import trace_events, write_trace
-from scalelab.planning.schedule import SCHEDULES
+from scalelab.layout.schedule import SCHEDULES
 from scalelab.record import read_records
 from scalelab.workloads import WORKLOADS
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from programs.train_helpers import run
-from scalelab.planning.torch_schedule import replay, simulated_bubble, stage_seconds, torch_order
+from scalelab.layout.torch_schedule import replay, simulated_bubble, stage_seconds, torch_order
 from scalelab.strategies.pipeline.torch_stages import (
     ChannelsLast,
     OwnedOutput,

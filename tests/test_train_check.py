@@ -15,10 +15,10 @@ from torch import nn
 
 from programs.train_helpers import PROGRAMS, launcher, run
 from scalelab.config import RunConfig
-from scalelab.planning.preserve import kept_state
-from scalelab.planning.profiling import profile_layers
+from scalelab.layout.preserve import kept_state
+from scalelab.layout.profiling import profile_layers
 from scalelab.record import read_records
-from scalelab.runner import execute, format_summary
+from scalelab.run.runner import execute, format_summary
 from scalelab.train.sync_bn import AllReduceBatchNorm, convert
 from scalelab.workloads.layers import Layer
 

@@ -16,7 +16,7 @@ import torch
 
 from programs.train_helpers import PROGRAMS, launcher, model_flags, records_and_weights, relerr, run
 from scalelab.config import RunConfig
-from scalelab.runner import execute
+from scalelab.run.runner import execute
 
 ROOT = Path(__file__).resolve().parents[1]
 NETS = PROGRAMS / "transformer_nets.py"
@@ -186,7 +186,7 @@ def _initial(name: str) -> dict:
 
 def test_cut_names_give_the_layers_per_stage():
     from scalelab.errors import UsageError
-    from scalelab.planning.partition import cut_counts, given_counts
+    from scalelab.layout.partition import cut_counts, given_counts
 
     paths = ["tok", None, "blocks.0", "blocks.1", "blocks.2", "ln_f", "head"]
     assert cut_counts("blocks.1, ln_f", paths, 3) == [3, 2, 2]

@@ -23,7 +23,7 @@ from programs.train_helpers import PROGRAMS, launcher, records_and_weights, rele
 from programs.user_nets import rescnn
 from scalelab.config import RunConfig
 from scalelab.record import read_records
-from scalelab.runner import execute
+from scalelab.run.runner import execute
 
 NETS = PROGRAMS / "user_nets.py"
 MODELS = {

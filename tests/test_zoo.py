@@ -18,7 +18,7 @@ import torch
 
 from programs.train_helpers import relerr
 from scalelab.config import RunConfig
-from scalelab.runner import execute
+from scalelab.run.runner import execute
 from zoo_runs import FOUR, INFER, MODELS, PIPE, TRAIN, TRAIN_ONLY, TWO, initial, launch, runs
 
 SCHEDULES = {"gpipe": {}, "interleaved-1f1b": {"virtual_stages": 2},

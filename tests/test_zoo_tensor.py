@@ -19,7 +19,7 @@ import torch
 
 from programs.train_helpers import PROGRAMS, launcher, model_flags, records_and_weights, relerr, run
 from scalelab.config import RunConfig
-from scalelab.runner import execute
+from scalelab.run.runner import execute
 
 ZOO = PROGRAMS / "zoo.py"
 IDS = {"input_shape": "8", "input_dtype": "int64", "vocab": 40}

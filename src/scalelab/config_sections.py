@@ -159,7 +159,7 @@ def _pipeline_rules(cfg: Any) -> None:
 
 
 def _balance_form(spec: str) -> None:
-    """--balance is 'auto' or layer counts >= 1 (planning/partition.py checks them against
+    """--balance is 'auto' or layer counts >= 1 (layout/partition.py checks them against
     the model's layers and stages, once the model is built)."""
     if spec.strip() == "auto":
         return

@@ -33,7 +33,7 @@ def new_record(**fields: Any) -> dict[str, Any]:
 def slurm_job() -> dict[str, Any]:
     """`slurm`: the job a record was made in (job id, array task, node list, partition,
     nodes, tasks); nothing outside Slurm."""
-    from scalelab.comm.slurm import job_fields
+    from scalelab.comm.slurm_env import job_fields
 
     job = job_fields()
     return {} if job is None else {"slurm": job}

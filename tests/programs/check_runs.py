@@ -10,7 +10,7 @@ from pathlib import Path
 
 from scalelab.comm.torchdist import TorchDistComm
 from scalelab.config import RunConfig
-from scalelab.runner import execute
+from scalelab.run.runner import execute
 
 CLOSE, TorchDistComm.close = TorchDistComm.close, lambda self: None
 

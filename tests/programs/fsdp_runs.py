@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from scalelab.config import RunConfig
-from scalelab.runner import execute
+from scalelab.run.runner import execute
 from scalelab.train import loop
 
 out = Path(sys.argv[1])

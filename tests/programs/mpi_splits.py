@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from scalelab.comm.torchdist import TorchDistComm
 from scalelab.config import RunConfig
-from scalelab.runner import execute
+from scalelab.run.runner import execute
 
 # One process group for all runs: re-creating it on torchrun's store after a destroy can
 # meet the previous group's addresses. It is closed once, at the end.

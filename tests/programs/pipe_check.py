@@ -22,7 +22,7 @@ from torch import nn
 from scalelab.comm.base import even_counts
 from scalelab.config import RunConfig
 from scalelab.oracle.check import relative_error
-from scalelab.runner import execute
+from scalelab.run.runner import execute
 from scalelab.strategies import STRATEGIES
 from scalelab.strategies.local import LocalStrategy
 from scalelab.strategies.pipeline import PipelineStrategy

@@ -148,7 +148,7 @@ def compare(name: str, kw: dict, rank: int, world: int) -> dict | None:
         if key in notes:
             result[key] = notes[key]
     if "actions" in notes and "virtual_stages" in notes:  # the order predict draws, unrun
-        from scalelab.planning.torch_schedule import schedule_actions, torch_order
+        from scalelab.layout.torch_schedule import schedule_actions, torch_order
 
         sched, k, v, m = (notes[key] for key in ("schedule", "stages", "virtual_stages",
                                                  "microbatches"))  # fmt: skip

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from scalelab.config import RunConfig
-from scalelab.runner import execute
+from scalelab.run.runner import execute
 
 out = Path(sys.argv[1])
 for name, fields in json.loads(sys.argv[2]).items():

@@ -169,7 +169,7 @@ def _one_line(args: argparse.Namespace, kind: str, exc: BaseException | str, cod
 
 def _said_by_task0(code: int) -> bool:
     """srun's tasks refuse alike (the same command line on each): task 0 says it once."""
-    from scalelab.comm.slurm import srun_launched
+    from scalelab.comm.slurm_env import srun_launched
 
     return code == EXIT_USAGE and srun_launched() and os.environ.get("SLURM_PROCID") != "0"
 

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from scalelab.comm import slurm
+from scalelab.comm import slurm_env as slurm
 from scalelab.errors import UsageError
 from scalelab.orchestration.point_key import key_of
 from scalelab.record import append_record, new_record, read_records

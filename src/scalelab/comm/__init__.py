@@ -1,7 +1,7 @@
 """Communication layer: one interface over mpi4py and torch.distributed.
 
 Comm and friends load on first use (they import torch): a process that only asks Slurm about
-its job (`scalelab.comm.slurm`, a stopped job's record in its kill grace) stays torch-free."""
+its job (`scalelab.comm.slurm_env`, a stopped job's record in its kill grace) stays torch-free."""
 
 from __future__ import annotations
 

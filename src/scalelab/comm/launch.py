@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from scalelab.comm import slurm
+from scalelab.comm import slurm_env as slurm
 from scalelab.errors import UsageError
 
 if TYPE_CHECKING:

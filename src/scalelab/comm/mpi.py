@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from scalelab.comm import slurm
+from scalelab.comm import slurm_env as slurm
 from scalelab.comm.base import Comm, Request
 from scalelab.environment import mpi_problem, query_cuda_aware
 from scalelab.errors import UsageError

@@ -25,7 +25,7 @@ from torch import nn
 from scalelab.errors import UsageError
 from scalelab.fast import reference
 from scalelab.fast.registry import FAST_PATHS, Candidate, Plan, Stage, dense_head_stage
-from scalelab.planning.trunk import dense_head
+from scalelab.layout.trunk import dense_head
 from scalelab.workloads.alexnet import LRN_ALPHA, LRN_BETA, LRN_K, LRN_SIZE
 from scalelab.workloads.base import Workload
 from scalelab.workloads.layers import Layer, layer_shapes

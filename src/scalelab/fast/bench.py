@@ -31,8 +31,8 @@ from torch import nn
 
 from scalelab.config import RunConfig
 from scalelab.fast import accelerate, bench_check, stderr_log
+from scalelab.fast.captured_step import GraphStep
 from scalelab.fast.timing import sync, time_calls
-from scalelab.fast.train import GraphStep
 from scalelab.instrument.progress import Progress
 from scalelab.oracle.check import relative_error
 from scalelab.precision import get_precision

@@ -4,7 +4,7 @@ channels_last (generic.py), captured in a CUDA graph by the pipeline.
 Inference BN is y = (x - mean) / sqrt(var + eps) * gamma + beta, an affine map per channel,
 so conv followed by BN is one conv with weight W * s (s = gamma / sqrt(var + eps), per output
 channel) and bias beta - mean * s: one kernel and one pass over the map fewer per conv.
-Training keeps BN (its statistics come from the batch) and uses fast/train.py.
+Training keeps BN (its statistics come from the batch) and uses fast/captured_step.py.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from scalelab.comm import slurm
+from scalelab.comm import slurm_env as slurm
 from scalelab.instrument.stats import SPREAD_CV, describe
 
 # CPUs' worth of other processes' work beyond what our run left free before a run is warned.

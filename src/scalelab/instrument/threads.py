@@ -19,7 +19,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from scalelab.comm.slurm import THREADS_VAR
+from scalelab.comm.slurm_env import THREADS_VAR
 from scalelab.instrument import host_checks
 
 SAMPLE_S = 0.1  # how long the host is watched before a run: long enough for 10 clock ticks

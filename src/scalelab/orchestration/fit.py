@@ -31,7 +31,7 @@ from typing import Protocol
 import torch
 
 from scalelab.config import RunConfig
-from scalelab.planning.profiling import cap_allocator
+from scalelab.layout.profiling import cap_allocator
 from scalelab.precision import get_precision
 from scalelab.workloads import WORKLOADS
 

@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from scalelab.errors import UsageError
-from scalelab.orchestration.slurm import (
+from scalelab.orchestration.slurm_jobs import (
     SAFE_PATH,
     Layout,
     SlurmOptions,

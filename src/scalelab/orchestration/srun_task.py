@@ -41,7 +41,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from scalelab.comm import job_status, slurm
+from scalelab.comm import job_status
+from scalelab.comm import slurm_env as slurm
 from scalelab.comm.launch import inside_torchrun
 from scalelab.orchestration import jobs
 

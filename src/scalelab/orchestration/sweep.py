@@ -259,7 +259,7 @@ def job_nodes(record: dict[str, Any] | None = None) -> int:
     """The nodes of the Slurm job a record ran in (of the job this process is in, for None);
     1 outside Slurm."""
     if record is None:
-        from scalelab.comm.slurm import job_fields
+        from scalelab.comm.slurm_env import job_fields
 
         job = job_fields() or {}
     else:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
-from scalelab.runner import check_config
+from scalelab.run.runner import check_config
 from scalelab.strategies import STRATEGIES
 from scalelab.workloads import WORKLOADS
 

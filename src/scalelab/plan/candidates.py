@@ -165,7 +165,7 @@ TORCH_SCHEDULES = (
 
 
 # A forward-only pass: the schedules whose eval() runs forwards alone
-# (planning/torch_schedule.NO_EVAL runs backward too).
+# (layout/torch_schedule.NO_EVAL runs backward too).
 EVAL_SCHEDULES = (("gpipe", 1), ("interleaved-1f1b", 2))  # 1f1b: gpipe's order in eval
 
 

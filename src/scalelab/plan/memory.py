@@ -39,8 +39,8 @@ import math
 from scalelab import strategies
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
+from scalelab.layout.torch_schedule import stage_ids, virtual_stages
 from scalelab.orchestration.fit import estimate_bytes
-from scalelab.planning.torch_schedule import stage_ids, virtual_stages
 from scalelab.precision import get_precision
 from scalelab.predict.models import blocks
 from scalelab.predict.scenario import build_workload

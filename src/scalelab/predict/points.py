@@ -18,7 +18,7 @@ from typing import Any
 
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
-from scalelab.planning.schedule import steady_step
+from scalelab.layout.schedule import steady_step
 from scalelab.predict.calibration import (
     CalPoint,
     MultiPoint,

@@ -14,7 +14,7 @@ unused-parameter search; BN buffers are not broadcast every forward (broadcast_b
 rank 0's buffers are sent once before each evaluation and checkpoint instead); bf16 autocast
 and channels_last for convolutions. One rank trains the bare model: no DDP with nothing to
 reduce. `--fast` goes further: the whole step, DDP's all-reduces included, is captured as one
-CUDA graph per rank and replayed (fast/train.py, fast/feeds.py): a step costs the host one
+CUDA graph per rank and replayed (fast/captured_step.py, fast/feeds.py): a step costs the host one
 index copy and one graph launch.
 """
 
@@ -170,8 +170,8 @@ class DDPStrategy(TorchDistStrategy):
         replayed from one CUDA graph per rank, or None with one line saying why not."""
         if not self.cfg.fast:
             return None
+        from scalelab.fast.captured_step import fast_trainer, step_unsupported
         from scalelab.fast.feeds import ShardFeed
-        from scalelab.fast.train import fast_trainer, step_unsupported
 
         reason = step_unsupported(self, workload.optimizer(net))
         if reason is None and not isinstance(plan.source, ResidentShards):
@@ -210,7 +210,7 @@ class DDPStrategy(TorchDistStrategy):
             net = ChannelsLast(net)
         if self.comm.size > 1:
             # A step captured as a CUDA graph (--fast) needs DDP built on a side stream.
-            # The same stream then warms up and captures the step (fast/train.GraphStep).
+            # The same stream then warms up and captures the step (fast/captured_step.GraphStep).
             side = torch.cuda.Stream() if cfg.fast and self.device.type == "cuda" else None
             self.graph_stream = side
             if side is not None:

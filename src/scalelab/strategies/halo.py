@@ -1,5 +1,5 @@
 """Halo exchange for a domain decomposition along one spatial axis: the messages of a rank's
-plan (scalelab.planning.halo: the geometry, ownership and plans, re-exported here), posted
+plan (scalelab.layout.halo: the geometry, ownership and plans, re-exported here), posted
 non-blocking, and the edge padding.
 """
 
@@ -12,7 +12,7 @@ import torch
 
 from scalelab.comm.base import Comm, Request
 from scalelab.instrument.spans import annotate
-from scalelab.planning.halo import (  # noqa: F401  (re-exported)
+from scalelab.layout.halo import (  # noqa: F401  (re-exported)
     Geometry,
     RankRows,
     bounds,

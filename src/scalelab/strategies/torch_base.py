@@ -194,7 +194,7 @@ class TorchStrategy(Strategy):
         plan = default_plan(self, workload, model, train, heldout)
         make_trainer = None
         if self.cfg.fast:
-            from scalelab.fast.train import local_fast_trainer
+            from scalelab.fast.captured_step import local_fast_trainer
 
             compiled = "with --compile (a compiled model in a captured step is not supported yet)"
             why = self._own_hooks() or (compiled if self.cfg.compile else None)

@@ -2,7 +2,7 @@
 this rank's share of a batch, returning the summed loss, and the training state that step
 keeps (weights, optimizer buffers) for checkpoints. `TorchStep` is torch's autograd step, the
 default; serial plugs in the float64 NumPy SGD (strategies/serial.py), the pipelines their
-schedule's step (strategies/pipeline/train.py, torch_engine.py)."""
+schedule's step (strategies/pipeline/schedule_step.py, torch_engine.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The one description of a network's layers, from which every consumer derives its view:
-the cost table (workloads/costs.py), the pipeline's cut points (planning/partition.py), the
-spatial split's trunk (planning/trunk.py), the fast path's stage list and predict's per-layer
+the cost table (workloads/costs.py), the pipeline's cut points (layout/partition.py), the
+spatial split's trunk (layout/trunk.py), the fast path's stage list and predict's per-layer
 costs.
 
 A workload returns its layers with `Workload.layers(model)`; running the layers' modules one

@@ -40,6 +40,8 @@ from scalelab.cli.options import (
 from scalelab.comm.base import even_counts
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
+from scalelab.layout import partition as part
+from scalelab.layout import profiling
 from scalelab.orchestration.fit import (
     FAKE_ALLOCATOR,
     DeviceTrial,
@@ -48,8 +50,6 @@ from scalelab.orchestration.fit import (
     Search,
 )
 from scalelab.orchestration.jobs import relaunch
-from scalelab.planning import partition as part
-from scalelab.planning import profiling
 from scalelab.precision import get_precision
 from scalelab.record import append_record, new_record
 from scalelab.strategies.torch_base import resolve_device

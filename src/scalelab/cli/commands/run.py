@@ -30,14 +30,14 @@ from scalelab.comm.launch import (
     settle_config,
     torchrun_command,
 )
-from scalelab.comm.slurm import step_tasks as srun_tasks
+from scalelab.comm.slurm_env import step_tasks as srun_tasks
 from scalelab.config import RunConfig
 from scalelab.errors import EXIT_FAILED, UsageError
 from scalelab.orchestration import srun_task
 from scalelab.orchestration.jobs import JobOutcome, relaunch_job, run_job
 from scalelab.outputs import check_run_outputs
 from scalelab.record import DEFAULT_RESULTS, append_record, failed_record
-from scalelab.runner import check_config, check_failure_line, execute, format_summary
+from scalelab.run.runner import check_config, check_failure_line, execute, format_summary
 from scalelab.strategies import STRATEGIES
 from scalelab.train import checkpoint
 from scalelab.train.guards import TrainingDiverged

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from scalelab.cli.base import COMMANDS, Command
 from scalelab.errors import UsageError
-from scalelab.orchestration.slurm import SlurmOptions
+from scalelab.orchestration.slurm_jobs import SlurmOptions
 from scalelab.orchestration.slurm_scripts import write_scripts
 from scalelab.orchestration.sweep import load_study
 from scalelab.outputs import check_dir

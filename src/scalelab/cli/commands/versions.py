@@ -48,7 +48,7 @@ from scalelab.config import RunConfig
 from scalelab.errors import UsageError
 from scalelab.record import DEFAULT_RESULTS, append_record, read_records
 from scalelab.record_schema import FINISHED
-from scalelab.runner import execute
+from scalelab.run.runner import execute
 
 REFUSED = "refused"  # a strategy refused the variant on its ranks (exit 2): listed as skipped
 
@@ -159,7 +159,7 @@ def _base(args: argparse.Namespace) -> RunConfig:
     if args.ranks < 1:
         raise UsageError(f"--ranks must be >= 1, got {args.ranks}")
     base = train_defaults(config_from_args(args, workload=workload_name(args), quiet=True), args)
-    from scalelab.runner import check_config
+    from scalelab.run.runner import check_config
     from scalelab.workloads import WORKLOADS
 
     WORKLOADS.get(base.workload)(base)

@@ -4,7 +4,7 @@ memory estimate.
 
     pipeline   the torch engine's own cut (`--balance auto`): the rows balanced by
                FlopCounter's FLOPs, then each stage moved to begin at a module the tracer
-               splits before (planning/partition.snap_counts); `--cut NAMES` as given.
+               splits before (layout/partition.snap_counts); `--cut NAMES` as given.
                The activation a cut sends is the input of the module the next stage begins
                at (a block's input: B x T x C per micro-batch).
     tensor     the heads plan (strategies/tensor_plan.py): every block's attention by heads
@@ -21,7 +21,7 @@ memory estimate.
 from __future__ import annotations
 
 from scalelab.config import RunConfig
-from scalelab.planning.partition import (
+from scalelab.layout.partition import (
     LayerProfile,
     balance_auto,
     bounds,

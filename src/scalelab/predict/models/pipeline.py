@@ -12,7 +12,7 @@ zero-bubble, zbv, dualpipev).
                nearest m, so the per-step fixed cost of a 64-image step is not scaled down to
                m) split over the cost table's layers by their measured times (a per-layer
                record) or roofline shares at m; s's share is the sum over its layers
-    schedule   the same op lists the run executes (planning/schedule.py),
+    schedule   the same op lists the run executes (layout/schedule.py),
                simulated with forward t_s / 3 and backward 2 t_s / 3 per op (training FLOPs
                are 3x the forward; inference: forward t_s) and the activation send of one
                micro-batch across a cut on every dependency between stages
@@ -23,7 +23,7 @@ With equal stages and free sends the schedule is (M + K - 1) t_s, the textbook b
 (K - 1) / (M + K - 1); unequal stages are simulated, not bounded.
 
 torch's multi-stage schedules are replayed from the lists torch lowers for them, transfers
-included (planning/torch_schedule.py: torch_order(comms=True), replay): each of the K x V
+included (layout/torch_schedule.py: torch_order(comms=True), replay): each of the K x V
 stages takes its share of the rows; the split backward's input and weight halves (I, W) each
 take half of the backward. Its runtime posts every transfer on its own, on one stream per pair
 of ranks, each done when both ends reach it; on a GPU the engine's timing syncs the device
@@ -41,14 +41,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from scalelab.errors import UsageError
-from scalelab.planning.partition import (
+from scalelab.layout.partition import (
     LayerProfile,
     balance_auto,
     bounds,
     memory_model,
     parse_balance,
 )
-from scalelab.planning.schedule import SCHEDULES, simulate
+from scalelab.layout.schedule import SCHEDULES, simulate
 from scalelab.precision import get_precision
 from scalelab.predict.calibration import MultiPoint
 from scalelab.predict.compute_model import ComputeModel, build_workload
@@ -208,7 +208,7 @@ class PipelineModel(StrategyModel):
 
             held, run = list(range(k)), replay_own
         else:  # torch's order for its schedules, the multi-stage ones with their transfers
-            from scalelab.planning.torch_schedule import NO_EVAL, replay, torch_order
+            from scalelab.layout.torch_schedule import NO_EVAL, replay, torch_order
 
             actions = torch_order(cfg.schedule, k, v, m, comms=True)
             if not cfg.train and cfg.schedule not in NO_EVAL:  # eval(): the forwards alone
@@ -342,7 +342,7 @@ def held_stages(cfg) -> int:
     """Stages per rank: torch's schedules hold V (the V-shaped ones 2), the others one."""
     if cfg.engine != "torch":
         return 1
-    from scalelab.planning.torch_schedule import virtual_stages
+    from scalelab.layout.torch_schedule import virtual_stages
 
     return virtual_stages(cfg.schedule, cfg.virtual_stages)
 
@@ -351,7 +351,7 @@ def _action_seconds(fwd: list[float], bwd: list[float], cfg) -> dict[tuple[int, 
     """One micro-batch's seconds per (stage, action kind). The split backward's input and
     weight gradients (I, W) each take half the backward: both are one matmul per Linear of
     the forward's size. A forward-only pass of the schedules torch cannot run in eval
-    (planning/torch_schedule.NO_EVAL) runs their backward as well: 2 forwards' worth."""
+    (layout/torch_schedule.NO_EVAL) runs their backward as well: 2 forwards' worth."""
     out = {}
     for st, (f, b) in enumerate(zip(fwd, bwd)):
         b = b if cfg.train else 2 * f

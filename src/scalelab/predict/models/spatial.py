@@ -25,8 +25,8 @@ import math
 from typing import Any
 
 from scalelab.errors import UsageError
-from scalelab.planning.halo import plan_trunk
-from scalelab.planning.trunk import Trunk, trunk_for
+from scalelab.layout.halo import plan_trunk
+from scalelab.layout.trunk import Trunk, trunk_for
 from scalelab.predict.models.base import Context, Wire, item_bytes, output_width, storage_bytes
 from scalelab.predict.models.split import COMM, SPLIT_CHECKS, SPLITS, scatter_in
 from scalelab.predict.scenario import Prediction, Scenario, build_workload

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from scalelab.comm.base import even_counts
-from scalelab.planning import partition as part
-from scalelab.planning import profiling
+from scalelab.layout import partition as part
+from scalelab.layout import profiling
 from scalelab.strategies.pipeline.stage import Meta, make_lanes
 from scalelab.strategies.pipeline.stage_plan import StagePlan
 from scalelab.workloads.base import Inputs

@@ -21,8 +21,8 @@ from torch import nn
 from scalelab.comm import Comm, SelfComm
 from scalelab.errors import UsageError
 from scalelab.instrument.timer import PhaseTimer
-from scalelab.planning import partition as part
-from scalelab.planning import profiling
+from scalelab.layout import partition as part
+from scalelab.layout import profiling
 from scalelab.results import RunOutput
 from scalelab.strategies.pipeline.report import summary_line
 from scalelab.strategies.torch_base import TorchStrategy

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from scalelab.config import RunConfig
-from scalelab.planning.schedule import bubble_formula, measured_bubble, simulate, steady_step
+from scalelab.layout.schedule import bubble_formula, measured_bubble, simulate, steady_step
 from scalelab.strategies.pipeline.stage_plan import StagePlan
 
 OUTSIDE_SCHEDULE = ("h2d", "step", "d2h")

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from scalelab.instrument.spans import annotate
-from scalelab.planning.schedule import Op
+from scalelab.layout.schedule import Op
 
 Meta = tuple[tuple[int, ...], torch.dtype]  # per-item shape and dtype of a stage's output
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import nn
 
-from scalelab.planning import partition as part
+from scalelab.layout import partition as part
 from scalelab.strategies.pipeline.stage import Meta, StageContext, StageExecutor
 from scalelab.workloads.layers import Layer
 

@@ -7,10 +7,11 @@ Rank 0 is stage 0 and the root: it holds the inputs and gets the output back fro
 stage. Training takes the gradient of the batch's mean loss (each micro-batch's loss weighted
 by its share of the batch), then every stage steps its own optimizer on its own parameters:
 one pipelined step equals one single-process step on the whole batch. The steps run in the
-shared Trainer (train/loop.py; checkpoints, --resume, NaN stop): strategies/pipeline/train.py.
+shared Trainer (train/loop.py; checkpoints, --resume, NaN stop):
+strategies/pipeline/schedule_step.py.
 
 Record field `pipeline`: the partition, the bubble by the formula (K-1)/(M+K-1), simulated
-from the measured per-stage times (planning/schedule.py) and measured (the share of each
+from the measured per-stage times (layout/schedule.py) and measured (the share of each
 stage's schedule it spent not computing), and per-stage times and peak memory.
 
 SCALELAB_GPU_MEM_LIMIT (bytes) caps each rank's CUDA allocator, so a big GPU can play a small
@@ -34,10 +35,10 @@ from scalelab.comm.torchdist import TorchDistComm
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
 from scalelab.instrument.timer import EventTimer, timed_iterations
-from scalelab.planning import partition as part
-from scalelab.planning import profiling
-from scalelab.planning.preserve import kept_state
-from scalelab.planning.schedule import SCHEDULES
+from scalelab.layout import partition as part
+from scalelab.layout import profiling
+from scalelab.layout.preserve import kept_state
+from scalelab.layout.schedule import SCHEDULES
 from scalelab.precision import get_precision
 from scalelab.results import RunOutput
 from scalelab.strategies.base import STRATEGIES, Strategy
@@ -280,7 +281,7 @@ class PipelineStrategy(TorchStrategy):
     def train(
         self, workload: Workload, model: nn.Module, data: tuple[Inputs, Inputs] | None
     ) -> RunOutput:
-        from scalelab.strategies.pipeline.train import train_pipelined
+        from scalelab.strategies.pipeline.schedule_step import train_pipelined
 
         return train_pipelined(self, workload, model, data)
 

@@ -17,7 +17,7 @@ Checkpoints and --save-weights gather each stage's parameters from replica 0 ont
 The record's `pipeline` field carries what the hand engine's does (per-stage times, bubble
 measured and simulated, timelines) plus engine, virtual stages and the mesh: the simulation
 replays the schedule's own action lists with the measured per-stage times
-(planning/torch_schedule.py).
+(layout/torch_schedule.py).
 
 Two gaps of torch 2.13's split backward (zero-bubble, zbv, dualpipev) are closed in
 torch_stages.py with torch's own API: a stage after parameter-free stages runs its whole
@@ -36,10 +36,10 @@ from torch import nn
 
 from scalelab.errors import UsageError
 from scalelab.instrument.timer import timed_iterations
-from scalelab.planning import partition as part
-from scalelab.planning import profiling
-from scalelab.planning.preserve import kept_state
-from scalelab.planning.torch_schedule import NO_EVAL, stage_ids, virtual_stages
+from scalelab.layout import partition as part
+from scalelab.layout import profiling
+from scalelab.layout.preserve import kept_state
+from scalelab.layout.torch_schedule import NO_EVAL, stage_ids, virtual_stages
 from scalelab.results import RunOutput
 from scalelab.strategies import penalty as pen
 from scalelab.strategies.mesh import Layout, MeshGroups

@@ -5,7 +5,7 @@ received shapes, in whatever mode the module is in. In training mode that forwar
 BatchNorm's running statistics (with garbage on later stages: NaN seen in a residual block's
 running mean) and its batch count, and draws dropout masks: a pass outside the training that
 changed the model. `keep_inference_state` restores the stage module's state and the RNG
-after that one forward (planning/preserve.kept_state).
+after that one forward (layout/preserve.kept_state).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from scalelab.planning.preserve import kept_state
+from scalelab.layout.preserve import kept_state
 
 _INFER = "_forward_metadata_inference"  # torch 2.13's name; absent elsewhere: nothing to do
 

@@ -1,7 +1,7 @@
 """The `pipeline` record field of `--engine torch`: per rank, the actions it ran (stage, kind,
 micro-batch) with their clocks; per stage, one micro-batch's seconds per kind; the bubble
 measured on every rank beside the one simulated from the schedule's own action lists
-(planning/torch_schedule.py) and the textbook (S-1)/(M+S-1); the mesh and the dp group's traffic.
+(layout/torch_schedule.py) and the textbook (S-1)/(M+S-1); the mesh and the dp group's traffic.
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from scalelab.planning.schedule import bubble_formula, measured_bubble
-from scalelab.planning.torch_schedule import schedule_actions, simulated_bubble, stage_seconds
+from scalelab.layout.schedule import bubble_formula, measured_bubble
+from scalelab.layout.torch_schedule import schedule_actions, simulated_bubble, stage_seconds
 
 Event = tuple[int, str, int, float, float]  # stage, kind, micro-batch, start s, end s
 

@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from scalelab.errors import UsageError
-from scalelab.planning.torch_schedule import SINGLE, SPLIT_BACKWARD, schedule_class
+from scalelab.layout.torch_schedule import SINGLE, SPLIT_BACKWARD, schedule_class
 from scalelab.strategies.pipeline.torch_meta import keep_inference_state
 
 

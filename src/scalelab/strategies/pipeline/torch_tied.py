@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from scalelab.planning.torch_schedule import stage_ids
+from scalelab.layout.torch_schedule import stage_ids
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.pipelining import SplitPoint, pipeline
 
 from scalelab.errors import UsageError
-from scalelab.planning.partition import LayerProfile, bounds
+from scalelab.layout.partition import LayerProfile, bounds
 from scalelab.strategies.pipeline.torch_tied import Tied, Traced
 from scalelab.workloads.layers import Layer
 

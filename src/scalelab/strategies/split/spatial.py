@@ -23,7 +23,7 @@ from torch import nn
 
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
-from scalelab.planning.trunk import Step, Trunk, trunk_for
+from scalelab.layout.trunk import Step, Trunk, trunk_for
 from scalelab.strategies.halo import RankRows, edge_pad, exchange, max_ranks, plan_trunk
 from scalelab.strategies.split.base import SPLITS, Split
 from scalelab.strategies.split.head import head_forward, plan_head

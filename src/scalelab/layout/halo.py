@@ -33,7 +33,7 @@ from scalelab.errors import UsageError
 
 def even_counts(n: int, parts: int) -> list[int]:
     """n rows over parts ranks, the first n % parts ranks one row more (the same split as
-    comm.base.even_counts, Scatterv's counts; planning does not import comm/)."""
+    comm.base.even_counts, Scatterv's counts; layout does not import comm/)."""
     base, extra = divmod(n, parts)
     return [base + (1 if r < extra else 0) for r in range(parts)]
 

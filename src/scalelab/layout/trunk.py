@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from scalelab.errors import UsageError
-from scalelab.planning.halo import Geometry
+from scalelab.layout.halo import Geometry
 from scalelab.workloads.base import Workload
 from scalelab.workloads.layers import Layer, layer_shapes
 

@@ -12,8 +12,8 @@ from contextlib import nullcontext
 
 import torch
 
-from scalelab.planning.partition import LayerProfile
-from scalelab.planning.preserve import kept_state
+from scalelab.layout.partition import LayerProfile
+from scalelab.layout.preserve import kept_state
 from scalelab.workloads.layers import Layer
 
 

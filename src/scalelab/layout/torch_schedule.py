@@ -7,7 +7,7 @@ or one of torch's transfers SEND_F / RECV_F / SEND_B / RECV_B (COMMS). The multi
 schedules carry their lists (`schedule.pipeline_order`, rank -> actions, None for an idle
 slot; DualPipeV's OVERLAP_F_B pairs run their two sub-actions one after the other here, as
 they do on a CPU). GPipe's list is torch's; 1F1B's is scalelab's own 1F1B
-(planning/schedule.py: the same order torch's Schedule1F1B executes), because
+(layout/schedule.py: the same order torch's Schedule1F1B executes), because
 torch 2.13's `Schedule1F1B.pipeline_order` shifts the last rank's forwards by one micro-batch
 (it lists 1F4 for 4 micro-batches: a list drawn for visualisation, not the one it runs).
 
@@ -59,7 +59,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from scalelab.errors import UsageError
-from scalelab.planning.schedule import one_f_one_b_ops
+from scalelab.layout.schedule import one_f_one_b_ops
 
 # torch's schedule class for each name, by class name: torch.distributed.pipelining costs a
 # second to import (it pulls in torch.export and dynamo), which every scalelab process would
