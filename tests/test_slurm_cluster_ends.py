@@ -47,8 +47,9 @@ def test_srun_mpiexec_refused_and_a_killed_task_ends_its_step(tmp_path):
     """`srun -n1 ... --strategy mpi --ranks 2` hung for ever in mpiexec's nested srun: now one
     line, exit 2. Under `srun -N1 -n2 --mpi=pmi2`, SIGKILL to the task srun started for rank 1
     (its watcher; rank 1 dies with it) left rank 0 waiting in MPI_Init or MPI_Wait until
-    scancel: now rank 0's watcher on the same node names rank 1, n1 and its phase, records it
-    once and cancels the step, and no process of the job is left."""
+    scancel: now rank 0's watcher on the same node names rank 1, its node (the one Slurm chose
+    for the step: n1 or n2) and its phase, records it once and cancels the step, and no process
+    of the job is left."""
     out = tmp_path / "r.jsonl"
     proc = slurm(["srun", "-n1", PY, "-m", "scalelab", *ALEXNET, "--ranks", "2"], tmp_path, 120)
     said = [ln for ln in proc.stderr.splitlines() if ln.startswith("scalelab")]
@@ -65,6 +66,7 @@ def test_srun_mpiexec_refused_and_a_killed_task_ends_its_step(tmp_path):
             180,
             "rank 1 never started",
         )[0]
+        node = _node_of(rank)
         watcher = int(Path(f"/proc/{rank}/stat").read_text().split(") ")[1].split()[1])
         os.kill(watcher, signal.SIGKILL)  # at start-up or mid-run, as the load has it
         _, stderr = job.communicate(timeout=90)  # no scancel: the step ends by itself
@@ -74,7 +76,7 @@ def test_srun_mpiexec_refused_and_a_killed_task_ends_its_step(tmp_path):
             job.kill()
             job.communicate()
     said = [ln for ln in stderr.splitlines() if ln.startswith("scalelab")]
-    assert len(said) == 1 and re.match(r"scalelab: rank 1 on n1 died during \S+", said[0]), stderr
+    assert len(said) == 1 and re.match(rf"scalelab: rank 1 on {node} died during \S+", said[0]), stderr
     assert "internal_" not in stderr and "MPI_Abort" not in stderr, stderr  # MPICH's own stack
     (rec,) = read_records(out)
     assert rec["status"] == "failed" and rec["error"] == said[0].removeprefix("scalelab: ")
@@ -85,7 +87,7 @@ def test_a_one_task_step_that_starts_its_ranks_ends_each_way(tmp_path, mnist_dir
     """`srun -N1 -n1 -c2 scalelab run mlp --strategy ddp --ranks 2` (scalelab starts torchrun
     inside the one task), twice at once: one scancelled (it died of SIGTERM, no record: now
     exit 143 and a record saying scancel), one with rank 1 SIGKILLed
-    (named on n1, Slurm's node, not `localhost`)."""
+    (named on the node Slurm chose for it, not `localhost`)."""
     token = uuid.uuid4().hex
     env = {**os.environ, "SCALELAB_TEST_TOKEN": token}
     args = [*MLP_LONG, "--data-dir", str(mnist_dir)]
@@ -106,6 +108,7 @@ def test_a_one_task_step_that_starts_its_ranks_ends_each_way(tmp_path, mnist_dir
                 240,
                 f"rank 1 of the {name} step never started",
             )[0]
+        node = _node_of(ranks["killed"])
         for pid in ranks.values():
             wait_past_setup(pid, timeout=240)
         slurm(["scancel", "-n", f"cancelled{token[:8]}"], tmp_path)
@@ -123,7 +126,7 @@ def test_a_one_task_step_that_starts_its_ranks_ends_each_way(tmp_path, mnist_dir
         r"step \d+\.0 was stopped by Slurm \(scancel\)", rec["error"]
     ), rec["error"]
     said = [ln for ln in errs["killed"].splitlines() if ln.startswith("scalelab")]
-    dead = r"scalelab: rank 1 on n1 died \(signal 9\) during \S+; job aborted after"
+    dead = rf"scalelab: rank 1 on {node} died \(signal 9\) during \S+; job aborted after"
     assert len(said) == 1 and re.match(dead, said[0]), errs["killed"]
     assert "ChildFailedError" not in errs["killed"] and "Traceback" not in errs["killed"]
     (rec,) = read_records(tmp_path / "killed.jsonl")
@@ -133,6 +136,13 @@ def test_a_one_task_step_that_starts_its_ranks_ends_each_way(tmp_path, mnist_dir
 MLP_LONG = ["run", "mlp", "--train", "--strategy", "ddp", "--ranks", "2", "--epochs", "100000"]
 MLP_LONG += ["--hidden", "16", "--batch", "20", "--train-size", "200", "--heldout-size", "100"]
 MLP_LONG += ["--quiet"]
+
+
+def _node_of(pid: int) -> str:
+    """The Slurm node a step's process runs on: -N1 lets Slurm choose n1 or n2."""
+    node = (environ(pid) or {}).get(b"SLURMD_NODENAME", b"").decode()
+    assert node in ("n1", "n2"), f"pid {pid} is on no Slurm node: {node!r}"
+    return node
 
 
 def _in_step(pid: int, name: str) -> bool:
@@ -201,7 +211,7 @@ def test_a_mixed_study_ends_each_way_with_one_record_per_attempt(tmp_path, mnist
         "rank 1 of the long point never started",
     )[0]
     wait_past_setup(rank, timeout=240)
-    node = environ(rank)[b"SLURMD_NODENAME"].decode()
+    node = _node_of(rank)
     os.kill(rank, signal.SIGKILL)
     wait_for(ids, tmp_path)
 
