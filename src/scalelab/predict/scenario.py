@@ -10,6 +10,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from scalelab.config import RunConfig
+from scalelab.config_sections import SHAPES, section_of
 from scalelab.workloads import WORKLOADS, Workload
 
 # Config fields that must agree between a measurement and a scenario it calibrates (the rest
@@ -98,17 +99,29 @@ class Scenario:
         )
 
 
-# The workloads of the last configurations predicted, by configuration: the phase models of
-# one prediction each ask for its cost table, and `--validate` predicts every record (on the
-# committed results, 500 cost tables for 249 records were 18 of its 28 s).
+# The workloads of the last models predicted, by what defines the model: the phase models of
+# one prediction each ask for its cost table, and `--validate` predicts every record (the
+# records of one model differ in ranks, batch and strategy, and building a GPT's module, even
+# on the meta device, and its cost table for each of them was half of validate's time).
 _RECENT: OrderedDict[tuple, Workload] = OrderedDict()
 RECENT_MAX = 64
 
 
+def model_key(cfg: RunConfig) -> tuple:
+    """What defines cfg's model and inputs: the workload, its shape options (the SHAPES
+    sections, --model and its arguments included), the --model file's version, and where its
+    data and seed come from. Prediction reads a workload only as this model's description."""
+    shape = tuple(
+        (f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg) if section_of(f) in SHAPES
+    )
+    return (cfg.workload, shape, cfg.data_dir, cfg.seed, _file_version(cfg.model))
+
+
 def build_workload(cfg: RunConfig) -> Workload:
-    """cfg's workload, one instance per configuration (and user model file version) in this
-    process: read-only here, its cost table computed once."""
-    key = (repr(cfg), _file_version(cfg.model))
+    """cfg's workload, one instance per model (model_key) in this process: read-only here,
+    its cost table computed once, and never asked about how cfg runs (a strategy's own
+    checks take the run's cfg as their argument)."""
+    key = model_key(cfg)
     if key in _RECENT:
         _RECENT.move_to_end(key)
         return _RECENT[key]

@@ -155,9 +155,12 @@ class Workload(ABC):
         return sequential_layers(model)
 
     def meta_model(self) -> nn.Module:
-        """The model on the meta device: its structure and shapes, no weights allocated."""
-        with torch.device("meta"):
-            return self.build_model()
+        """The model on the meta device: its structure and shapes, no weights allocated. Built
+        once per instance (a GPT-2's is 0.08 s of module construction): callers only read it."""
+        if getattr(self, "_meta_model", None) is None:
+            with torch.device("meta"):
+                self._meta_model = self.build_model()
+        return self._meta_model
 
     def item_shape(self) -> tuple[int, ...]:
         """prepare()'s output shape per item, e.g. (3, 227, 227)."""
