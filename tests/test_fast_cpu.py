@@ -195,6 +195,32 @@ def test_bench_writes_records_and_table(cli, tmp_path):
     assert code == 0 and "mlp" in out
 
 
+def test_bench_counts_a_language_models_tokens_and_mfu(cli, tmp_path):
+    """A token model's record carries tokens/s (items/s x T) for the fast path and its best
+    peer, and MFU = FLOPs per token x tokens/s / the run's GEMM ceiling, the FLOPs per token
+    within 1% of the closed form (matmuls, forward 24w^2 + 4Tw per block and 2wV for the
+    head, backward twice the forward). The table prints the line."""
+    w, depth, t, vocab = 32, 2, 16, 64
+    gpt = Path(__file__).resolve().parents[1] / "examples" / "models" / "gpt.py"
+    model = [f"--model={gpt}:gpt", "--model-arg=lm=True", f"--model-arg=depth={depth}"]
+    model += [f"--model-arg=width={w}", "--model-arg=heads=2", f"--model-arg=seq={t}"]
+    model += [f"--model-arg=vocab={vocab}", f"--input-shape={t}", "--input-dtype=int64"]
+    args = ["--mode=train", "--batch=4", "--train-size=8", "--iters=2", "--warmup=1"]
+    code, out, err = cli("bench", *model, f"--vocab={vocab}", *args, "--peers=eager_fp32",
+                         "--out", tmp_path, "--quiet")  # fmt: skip
+    assert code == 0, err
+    rec = json.loads((tmp_path / "model-train.json").read_text())
+    assert rec["tokens_per_s"] == pytest.approx(rec["fast_throughput"] * t)
+    assert rec["peer_tokens_per_s"] == pytest.approx(rec["eager_fp32_throughput"] * t)
+    closed = 3 * (depth * (24 * w * w + 4 * t * w) + 2 * w * vocab)
+    mfu = rec["mfu"]
+    assert mfu["flops_per_token"] == pytest.approx(closed, rel=0.01)
+    ceiling = rec["gemm_ceiling_tflops"] * 1e12
+    assert mfu["measured"] == pytest.approx(mfu["flops_per_token"] * rec["tokens_per_s"] / ceiling)
+    assert "datasheet" not in mfu  # a CPU has no datasheet row
+    assert f"{rec['tokens_per_s']:,.0f} tok/s" in out and "MFU" in out
+
+
 def test_bench_check_can_fail(cli, tmp_path, monkeypatch):
     """A fast path further from float64 than its tolerance is `failed`, exit 1. The tolerance
     is squeezed to zero so the (correct) CPU step's bf16 rounding is over it."""

@@ -195,7 +195,19 @@ def format_table(records: list[dict[str, Any]]) -> str:
         "ratio = fast / best peer; check = fast's deviation from float64 / its tolerance)"
     )
     lines += [_parts(r) for r in ok]
+    lines += [_tokens(r) for r in ok if "tokens_per_s" in r]
     return "\n".join(lines)
+
+
+def _tokens(r: dict[str, Any]) -> str:
+    """A token model's line: tokens/s beside its best peer's, and MFU against each peak."""
+    mfu = r["mfu"]
+    peaks = [f"{mfu['measured']:.1%} of this run's {mfu['dtype']} GEMM ceiling"]
+    if mfu.get("datasheet") is not None:
+        name = mfu["datasheet_peak"]["source"]
+        peaks.append(f"{mfu['datasheet']:.1%} of {name}'s datasheet {mfu['dtype']} peak")
+    return (f"  {r['workload']}: {r['tokens_per_s']:,.0f} tok/s (best peer "
+            f"{r['peer_tokens_per_s']:,.0f}) | MFU {', '.join(peaks)}")  # fmt: skip
 
 
 def _row(r: dict[str, Any]) -> str:
