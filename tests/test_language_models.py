@@ -178,3 +178,21 @@ def test_predict_and_plan_give_a_token_models_tokens_per_second():
                     input_shape="16", input_dtype="int64", vocab=64)  # fmt: skip
     assert tokens_per_s(gpt, 10.0) == 160.0  # 10 sequences/s of 16 tokens
     assert tokens_per_s(RunConfig(workload="alexnet"), 10.0) is None
+
+
+def test_held_out_forwards_are_sized_by_the_logits_they_produce():
+    """An (N, T, V) model's held-out forward holds T x V logits an item: 512 items of GPT-2's
+    1024 x 50304 were 96 GiB (an H200 ran out of memory after the first step). The held-out
+    batch is capped at 2^29 output elements, never below the training batch; an (N, K)
+    model keeps 512 items whatever its input length."""
+    from scalelab.train.loop import eval_batch
+
+    gpt = f"{ZOO.parent.parent.parent / 'examples' / 'models' / 'gpt.py'}:gpt"
+    arg = ["seq=1024", "width=8", "heads=2", "depth=1", "vocab=50304"]
+    cfg = dict(LM, input_shape="1024", vocab=50304, model=gpt, dtype="fp32")
+    lm = WORKLOADS.get("model")(RunConfig(**cfg, model_arg=(*arg, "lm=True")))
+    last = WORKLOADS.get("model")(RunConfig(**cfg, model_arg=tuple(arg)))  # (N, V): one row
+    assert lm.task == next_token.TASK and last.task != next_token.TASK
+    assert eval_batch(lm, 1) == 2**29 // (1024 * 50304) == 10
+    assert eval_batch(lm, 16) == 16  # the training batch's forward fits where its step did
+    assert eval_batch(last, 1) == 512

@@ -43,10 +43,16 @@ from scalelab.strategies.compile_scope import compile_blocks, compile_whole
 from scalelab.strategies.ddp_comm import BucketTimer
 from scalelab.strategies.torchdist_base import TorchDistStrategy
 from scalelab.train.data import LoaderShards, ResidentShards
-from scalelab.train.loop import Trainer, TrainPlan, heldout_sum, require_labels, run_training
+from scalelab.train.loop import (
+    Trainer,
+    TrainPlan,
+    eval_batch,
+    heldout_sum,
+    require_labels,
+    run_training,
+)
 from scalelab.workloads.base import Inputs, Workload
 
-EVAL_BATCH = 1024
 # --grad-compress: each bucket cast to 16 bits, all-reduced, cast back (torch's DDP hooks).
 COMPRESS_HOOKS = {
     "bf16": default_hooks.bf16_compress_hook,
@@ -289,7 +295,7 @@ class DDPStrategy(TorchDistStrategy):
         counts = even_counts(len(heldout), self.comm.size)
         start = sum(counts[: self.comm.rank])
         part = heldout.slice(start, start + counts[self.comm.rank])
-        correct = heldout_sum(self, workload, module, part, EVAL_BATCH)
+        correct = heldout_sum(self, workload, module, part, eval_batch(workload, self.cfg.batch))
         return self.all_sum(correct) / max(len(heldout), 1)
 
     def sync_buffers(self, module: nn.Module) -> None:

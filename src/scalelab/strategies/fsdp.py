@@ -42,9 +42,9 @@ from scalelab.results import RunOutput
 from scalelab.strategies import fsdp_units as units
 from scalelab.strategies.base import STRATEGIES
 from scalelab.strategies.compile_scope import compile_blocks, compile_whole
-from scalelab.strategies.ddp import EVAL_BATCH, DDPStrategy, per_rank_batch
+from scalelab.strategies.ddp import DDPStrategy, per_rank_batch
 from scalelab.strategies.torchdist_base import TorchDistStrategy
-from scalelab.train.loop import run_training
+from scalelab.train.loop import eval_batch, run_training
 from scalelab.train.sources import batch_slices
 from scalelab.train.steps import TorchStep
 from scalelab.workloads.base import Inputs, Workload
@@ -202,11 +202,12 @@ class FSDPStrategy(DDPStrategy):
         part = heldout.slice(start, start + counts[self.comm.rank])
         module.eval()
         correct = 0
+        size = eval_batch(workload, self.cfg.batch)
         with torch.no_grad():
-            for k in range(len(batch_slices(max(counts), EVAL_BATCH))):
-                x = self.to_device(part.x[k * EVAL_BATCH : (k + 1) * EVAL_BATCH])
+            for k in range(len(batch_slices(max(counts), size))):
+                x = self.to_device(part.x[k * size : (k + 1) * size])
                 logits = module(workload.prepare(x))
-                correct += workload.score(logits, part.y[k * EVAL_BATCH : (k + 1) * EVAL_BATCH])
+                correct += workload.score(logits, part.y[k * size : (k + 1) * size])
         units.reshard(module)
         module.train()
         return self.all_sum(correct) / max(len(heldout), 1)

@@ -31,7 +31,7 @@ from scalelab.instrument.timer import PhaseTimer
 from scalelab.results import RunOutput
 from scalelab.strategies.base import STRATEGIES
 from scalelab.strategies.torch_base import TorchStrategy, resolve_device
-from scalelab.train.loop import TrainPlan, evaluate, require_labels, run_training
+from scalelab.train.loop import TrainPlan, eval_batch, evaluate, require_labels, run_training
 from scalelab.train.sources import BatchSource, Step, batch_order, batch_slices
 from scalelab.workloads.base import Inputs, Workload
 
@@ -287,7 +287,7 @@ class MPIDataParallel(OnMPIRanks):
             else FlatReduce(self.comm, module)
         )
         source = ScatteredBatches(self, train)
-        batch = max(self.cfg.batch, 500)
+        batch = eval_batch(workload, self.cfg.batch)
         plan = TrainPlan(
             source=source,
             evaluate=lambda m: (

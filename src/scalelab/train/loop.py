@@ -41,6 +41,7 @@ from scalelab.train.train_plan import (  # noqa: F401  (re-exported: the strateg
     StateImport,
     TrainPlan,
 )
+from scalelab.workloads import next_token
 from scalelab.workloads.base import Inputs, Workload
 
 if TYPE_CHECKING:
@@ -65,12 +66,30 @@ def default_plan(
     require_labels(train, heldout)
     return TrainPlan(
         source=GlobalBatches(strategy, train, cfg.batch, cfg.seed),
-        evaluate=lambda m: evaluate(strategy, workload, m, heldout, max(cfg.batch, 500)),
+        evaluate=lambda m: evaluate(
+            strategy, workload, m, heldout, eval_batch(workload, cfg.batch)
+        ),
         module=model,
         prepare=workload.prepare,
         loss=workload.loss,
         n_train=len(train),
     )
+
+
+EVAL_ITEMS = 512  # held-out items one forward scores, at most
+# Output elements one held-out forward may produce (2 GiB of fp32 logits): a language model's
+# (N, T, V) logits are T x V an item, 206 MB at GPT-2's 1024 x 50304, so 512 items were 96 GiB.
+EVAL_OUTPUT = 2**29
+
+
+def eval_batch(workload: Workload, batch: int) -> int:
+    """Held-out items per forward: EVAL_ITEMS, fewer where their outputs would pass
+    EVAL_OUTPUT elements, never fewer than the training batch (whose step holds its
+    activations for the backward as well, so its forward alone fits)."""
+    per_item = workload.num_classes  # (N, K): one row an item, whatever its input
+    if workload.task == next_token.TASK:  # (N, T, V)
+        per_item *= workload.tokens_per_item or 1
+    return max(batch, min(EVAL_ITEMS, EVAL_OUTPUT // max(per_item, 1)))
 
 
 def evaluate(
