@@ -196,3 +196,5 @@ def test_held_out_forwards_are_sized_by_the_logits_they_produce():
     assert eval_batch(lm, 1) == 2**29 // (1024 * 50304) == 10
     assert eval_batch(lm, 16) == 16  # the training batch's forward fits where its step did
     assert eval_batch(last, 1) == 512
+    mlp = WORKLOADS.get("mlp")(RunConfig(workload="mlp", hidden=16))  # no class count set
+    assert eval_batch(mlp, 20) == 512 and eval_batch(mlp, 600) == 600

@@ -141,10 +141,16 @@ def _file_version(model: str | None) -> tuple[int, int] | None:
     return (info.st_mtime_ns, info.st_size) if info else None
 
 
+# An unset size of the family key read as the workload's native one, a class attribute: no
+# model is built to classify a record (a user model's sizes follow from its model keys, which
+# the family holds; building each GPT record's model was most of `predict --calibrate`).
+_NATIVE = {"image_size": "native_size", "num_classes": "native_classes"}
+
+
 def _native(cfg: RunConfig, key: str):
     value = getattr(cfg, key)
-    if value is None and key in ("image_size", "num_classes"):
-        return getattr(build_workload(cfg), key)
+    if value is None and key in _NATIVE:
+        return getattr(WORKLOADS.get(cfg.workload), _NATIVE[key])
     return value
 
 

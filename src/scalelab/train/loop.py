@@ -86,10 +86,10 @@ def eval_batch(workload: Workload, batch: int) -> int:
     """Held-out items per forward: EVAL_ITEMS, fewer where their outputs would pass
     EVAL_OUTPUT elements, never fewer than the training batch (whose step holds its
     activations for the backward as well, so its forward alone fits)."""
-    per_item = workload.num_classes  # (N, K): one row an item, whatever its input
+    per_item = workload.num_classes or 1  # (N, K): one row an item, whatever its input
     if workload.task == next_token.TASK:  # (N, T, V)
         per_item *= workload.tokens_per_item or 1
-    return max(batch, min(EVAL_ITEMS, EVAL_OUTPUT // max(per_item, 1)))
+    return max(batch, min(EVAL_ITEMS, EVAL_OUTPUT // per_item))
 
 
 def evaluate(
