@@ -346,7 +346,7 @@ def test_resume_from_a_real_checkpoint_with_wrong_contents(data):
 def test_resume_from_a_position_past_the_runs_end_is_refused(key, value, words):
     """A checkpoint whose position this run never reaches (an epoch past --epochs, more items
     than an epoch holds, more steps than --steps): one line, exit 2, where the first ran no
-    step and crashed on the empty history (found by the property test above, stop 46's CI)."""
+    step and crashed on the empty history (a case the property test above found)."""
     import torch
 
     state = torch.load(io.BytesIO(_real_checkpoint()), weights_only=True)

@@ -69,7 +69,7 @@ class GraphStep:
         # AccumulateGrad node (and DDP's hook on it, which copies the gradient into its bucket)
         # on the stream current when DDP made the node, and a capture on another stream can
         # fail on it (NVIDIA/Megatron-LM#6021). Under SCALELAB_DETERMINISTIC=1 the captured
-        # DDP step equals eager DDP's bitwise (2x H200, benchmarks/results/gpu_s18/final).
+        # DDP step equals eager DDP's bitwise (measured on 2x H200; tests/test_ddp.py's GPU test).
         self.stream = stream
         with torch.no_grad():
             self.x_all = prepare(data[0])  # (n, ...) model inputs
