@@ -26,6 +26,16 @@ from scalelab.workloads.base import Inputs, Workload
 DETERMINISTIC_ENV = "SCALELAB_DETERMINISTIC"
 
 
+def set_deterministic(mode: bool, warn_only: bool) -> None:
+    """torch.use_deterministic_algorithms, called only where the setting changes: the call
+    imports torch._inductor (to set its config too), and with it dynamo and sympy, 2.6 s of CPU
+    on a 2-core host, which every rank paid at close to put back the setting it never changed."""
+    now = (torch.are_deterministic_algorithms_enabled(),
+           torch.is_deterministic_algorithms_warn_only_enabled())  # fmt: skip
+    if now != (mode, warn_only):
+        torch.use_deterministic_algorithms(mode, warn_only=warn_only)
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA GPU is visible to torch on this machine")
@@ -70,7 +80,7 @@ class TorchStrategy(Strategy):
             if deterministic:
                 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's rule
                 torch.backends.cudnn.deterministic = True
-                torch.use_deterministic_algorithms(True, warn_only=True)
+                set_deterministic(True, warn_only=True)
         if self.precision.autocast is torch.float16 and self.device.type == "cpu" and cfg.train:
             raise UsageError("--dtype fp16 training needs a GPU (no grad scaler on CPU); use bf16")
         self.timer = PhaseTimer(device_sync(self.device), nvtx=self.device.type == "cuda")
@@ -88,7 +98,7 @@ class TorchStrategy(Strategy):
             deterministic,
             warn_only,
         ) = self._saved_backends
-        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+        set_deterministic(deterministic, warn_only)
         super().close()
 
     # --- hooks distributed strategies override ---------------------------------------------
