@@ -76,7 +76,9 @@ def test_srun_mpiexec_refused_and_a_killed_task_ends_its_step(tmp_path):
             job.kill()
             job.communicate()
     said = [ln for ln in stderr.splitlines() if ln.startswith("scalelab")]
-    assert len(said) == 1 and re.match(rf"scalelab: rank 1 on {node} died during \S+", said[0]), stderr
+    assert len(said) == 1 and re.match(rf"scalelab: rank 1 on {node} died during \S+", said[0]), (
+        stderr
+    )
     assert "internal_" not in stderr and "MPI_Abort" not in stderr, stderr  # MPICH's own stack
     (rec,) = read_records(out)
     assert rec["status"] == "failed" and rec["error"] == said[0].removeprefix("scalelab: ")
