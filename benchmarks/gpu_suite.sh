@@ -37,7 +37,7 @@ log="$OUT_DIR/gpu_suite_${gpus}gpu.log"
   # The longest tests first (pytest keeps the order of the files it is given), so none
   # starts last: a 2-GPU run once ended at 290 s with test_versions' 2-GPU table,
   # started at 71%, still running.
-  first=(tests/test_versions.py tests/test_pipeline.py tests/test_ddp.py tests/test_fast_gpu.py)
+  first=(tests/test_versions.py tests/test_pipeline_gpu.py tests/test_ddp.py tests/test_fast_gpu.py)
   rest=()
   for f in tests/test_*.py; do [[ " ${first[*]} " == *" $f "* ]] || rest+=("$f"); done
   (( $# )) || set -- "${first[@]}" "${rest[@]}"

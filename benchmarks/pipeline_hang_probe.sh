@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The three runs of tests/test_pipeline.py::test_pipeline_on_two_gpus_agrees_with_one, each
+# The three runs of tests/test_pipeline_gpu.py::test_pipeline_on_two_gpus_agrees_with_one, each
 # bounded and logged on its own (the GPU suite was once killed twice at 290 s with this
 # test the only one left), then the suite with one GPU visible and fresh compile caches.
 #   benchmarks/pipeline_hang_probe.sh OUT_DIR

@@ -20,8 +20,9 @@ SHARED_DATA = Path(os.environ.get("SCALELAB_TEST_DATA", ROOT.parent / "shared" /
 # Slurm (one cluster, on fixed ports) and every file that reads the README clone (its lines
 # run once). pytest 9 ignores xdist's own `xdist_group` (xdist 3.8 renames `item._nodeid`).
 FILE_GROUPS = {
-    "slurm": ("test_slurm.py", "test_slurm_launch.py", "test_slurm_ends.py",
-              "test_slurm_cluster.py", "test_slurm_cluster_ends.py", "test_slurm_stop_record.py"),
+    "slurm": ("test_slurm.py", "test_slurm_script_ends.py", "test_slurm_launch.py",
+              "test_slurm_ends.py", "test_slurm_cluster.py", "test_slurm_cluster_ends.py",
+              "test_slurm_stop_record.py"),
     "readme": ("test_readme.py", "test_versions.py", "test_ceilings.py"),
 }  # fmt: skip
 

@@ -3,7 +3,7 @@ examples/models/gpt.py, and tests/programs/transformer_nets.py's nn.TransformerE
 root position table and llama-style q/k/v + SwiGLU): pipeline stages cut where the torch
 engine cuts them, tensor parallelism by heads with the blocks' all-reduces, memory per rank,
 and `plan --model ... --ranks-max 4` ranking pipeline, tensor and data-parallel candidates.
-No rank is launched: predictions from the ceilings fixture (tests/test_plan.py's figures()).
+No rank is launched: predictions from the ceilings fixture (tests/plan_helpers.py: figures()).
 """
 
 import dataclasses
@@ -14,6 +14,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from plan_helpers import figures
 from scalelab.config import RunConfig
 from scalelab.layout.partition import balance_auto, memory_model, snap_counts
 from scalelab.predict.calibration import Pool
@@ -22,7 +23,6 @@ from scalelab.predict.frame import predict_one
 from scalelab.predict.models import Context
 from scalelab.predict.scenario import Scenario
 from scalelab.workloads import WORKLOADS
-from test_plan import figures
 
 ROOT = Path(__file__).resolve().parents[1]
 NETS = ROOT / "tests" / "programs" / "transformer_nets.py"

@@ -1,4 +1,5 @@
-"""Weights round-trip through both formats; mismatches name the first wrong key."""
+"""Weights round-trip through both formats; mismatches name the first wrong key; the
+hand-written safetensors reader (used without the library) reads what the library reads."""
 
 import pytest
 import torch
@@ -52,3 +53,24 @@ def test_foreign_state_dict_and_garbage(tmp_path):
     (tmp_path / "junk.safetensors").write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00{bad}")
     with pytest.raises(UsageError, match="safetensors"):
         load_weights(_mlp(), str(tmp_path / "junk.safetensors"))
+
+
+def test_safetensors_library_and_hand_reader_agree(tmp_path, monkeypatch):
+    pytest.importorskip("safetensors")
+    import importlib.util
+
+    from scalelab import weights
+
+    tensors = {"w": torch.randn(3, 2, dtype=torch.float64), "b": torch.arange(4)}
+    weights.write_safetensors(tmp_path / "t.safetensors", tensors)
+    by_library = weights.read_safetensors(tmp_path / "t.safetensors")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "safetensors" else real(n, *a)
+    )
+    by_hand = weights.read_safetensors(tmp_path / "t.safetensors")
+    assert all(torch.equal(by_library[k], by_hand[k]) for k in tensors)
+    monkeypatch.undo()
+    (tmp_path / "bad.safetensors").write_bytes(b"\x10" + b"\x00" * 7 + b"{notjson}")
+    with pytest.raises(Exception, match="not a readable safetensors"):
+        weights.read_safetensors(tmp_path / "bad.safetensors")
