@@ -298,6 +298,18 @@ def test_bench_unknown_workload_is_one_line_exit_2(cli):
     assert code == 2 and "unknown workload" in err and len(err.strip().splitlines()) == 1
 
 
+def test_bench_refuses_a_model_the_factory_rejects_before_measuring(cli, tmp_path):
+    """A --model whose factory raises: one line, exit 2, before the GEMM ceiling is measured
+    or a workload announced, and no record written."""
+    gpt = Path(__file__).resolve().parents[1] / "examples" / "models" / "gpt.py"
+    code, _, err = cli("bench", f"--model={gpt}:gpt", "--model-arg=n_layer=2",
+                       "--input-shape=8", "--input-dtype=int64", "--vocab=64",
+                       "--out", tmp_path / "out")  # fmt: skip
+    lines = [ln for ln in err.strip().splitlines() if not ln.startswith("bench: no CUDA GPU")]
+    assert code == 2 and len(lines) == 1 and "unexpected keyword argument 'n_layer'" in lines[0]
+    assert not (tmp_path / "out").exists()
+
+
 def test_fast_path_only_for_the_workloads_own_module():
     """A wrapped or sharded model (tensor strategy) must not have its weights read by name."""
     from scalelab.fast import own_model

@@ -322,8 +322,9 @@ def _fast_step(workload, model, cfg, data, device, opts) -> tuple[Callable, dict
 
 
 # --- one workload, end to end --------------------------------------------------------------
-def run_bench(name: str, opts: dict[str, Any], ceiling: float) -> dict[str, Any]:
-    """Measure one workload; returns the record fields (without environment and ids)."""
+def bench_workload(name: str, opts: dict[str, Any]) -> Workload:
+    """The workload a bench of `name` measures, its options checked (a UsageError for bad
+    ones, before anything is measured); its cfg holds the mode and sizes."""
     defaults = defaults_for(name, opts["device"])
     mode = opts.get("mode") or defaults.mode
     given = {k: v for k, v in opts["config"].items() if v is not None}
@@ -331,8 +332,18 @@ def run_bench(name: str, opts: dict[str, Any], ceiling: float) -> dict[str, Any]
     # the fast path computes in bf16; its plain fallback on a CPU that emulates bf16 runs fp32
     dtype = "bf16" if computes_bf16(opts["device"]) else "fp32"
     cfg = RunConfig(workload=name, dtype=dtype, train=mode == "train", quiet=True, **fields)
+    return WORKLOADS.get(name)(cfg)
+
+
+def run_bench(
+    name: str, opts: dict[str, Any], ceiling: float, workload: Workload | None = None
+) -> dict[str, Any]:
+    """Measure one workload (bench_workload's, or the one given); returns the record fields
+    (without environment and ids)."""
+    workload = workload or bench_workload(name, opts)
+    cfg = workload.cfg
+    mode = "train" if cfg.train else "infer"
     device = torch.device(opts["device"])
-    workload = WORKLOADS.get(name)(cfg)
     runner = bench_training if mode == "train" else bench_inference
     res = runner(workload, cfg, device, opts)
     items = workload.train_size if mode == "train" else cfg.batch

@@ -60,12 +60,13 @@ def run(args: argparse.Namespace) -> int:
     if args.iters < 2 or args.warmup < 0 or args.oracle_items < 1:
         raise UsageError("--iters must be >= 2 (a spread), --oracle-items >= 1, --warmup >= 0")
     opts = _options(args)
-    from scalelab.fast.bench import gemm_ceiling  # torch-heavy: load when running
+    from scalelab.fast.bench import bench_workload, gemm_ceiling  # torch-heavy: load when running
 
+    strict = len(names) == 1  # a flag one of several workloads rejects fails only that one
+    checked = bench_workload(names[0], opts) if strict else None  # bad input: before any work
     ceiling, how = gemm_ceiling(torch.device(opts["device"]))
     _say(f"bench: GEMM ceiling {ceiling / 1e12:.3g} TFLOP/s ({how}) on {opts['device']}")
-    strict = len(names) == 1  # a flag one of several workloads rejects fails only that one
-    records = [_one(name, opts, ceiling, Path(args.out), strict) for name in names]
+    records = [_one(name, opts, ceiling, Path(args.out), strict, checked) for name in names]
     print(format_table(records))
     print(f"records written to {args.out}/")
     return 0 if all(r["status"] == "ok" for r in records) else 1
@@ -139,13 +140,13 @@ def _peers(given: str | None, device: str) -> list[str]:
 
 
 def _one(
-    name: str, opts: dict[str, Any], ceiling: float, out: Path, strict: bool
+    name: str, opts: dict[str, Any], ceiling: float, out: Path, strict: bool, workload=None
 ) -> dict[str, Any]:
     from scalelab.fast.bench import run_bench
 
     _say(f"bench {name}: measuring {', '.join(opts['peers'])} and fast ...")
     try:
-        fields = _checked(run_bench(name, opts, ceiling))
+        fields = _checked(run_bench(name, opts, ceiling, workload))
     except UsageError as exc:
         if strict:
             raise
