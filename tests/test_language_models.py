@@ -181,7 +181,7 @@ def test_predict_and_plan_give_a_token_models_tokens_per_second():
 
 
 def test_held_out_forwards_are_sized_by_the_logits_they_produce():
-    """An (N, T, V) model's held-out forward holds T x V logits an item: 512 items of GPT-2's
+    """An (N, T, V) model's held-out forward holds T x V logits an item: 500 items of GPT-2's
     1024 x 50304 were 96 GiB (an H200 ran out of memory after the first step). The held-out
     batch is capped at 2^29 output elements, never below the training batch; an (N, K)
     model keeps 512 items whatever its input length."""

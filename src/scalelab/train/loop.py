@@ -78,7 +78,7 @@ def default_plan(
 
 EVAL_ITEMS = 512  # held-out items one forward scores, at most
 # Output elements one held-out forward may produce (2 GiB of fp32 logits): a language model's
-# (N, T, V) logits are T x V an item, 206 MB at GPT-2's 1024 x 50304, so 512 items were 96 GiB.
+# (N, T, V) logits are T x V an item, 206 MB at GPT-2's 1024 x 50304, so 500 items were 96 GiB.
 EVAL_OUTPUT = 2**29
 
 
