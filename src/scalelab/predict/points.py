@@ -122,7 +122,7 @@ def _run_record(found: Found, path: Path, where: str, rec: dict[str, Any]) -> No
         found.skipped["malformed run records"] += 1
         return
     found.saw_host(path, Host.of_record(rec))
-    cfg = run_config(rec)
+    cfg = computed_in(run_config(rec), rec)
     ranks = int(rec.get("ranks") or cfg.ranks)
     cores = (rec.get("env") or {}).get("cpu_count")
     if cfg.device == "cpu" and cores and ranks * (cfg.threads or 1) > cores:
@@ -199,6 +199,18 @@ def _step_seconds(rec: dict[str, Any], default: float) -> float:
     if rec.get("mode") == "train" and steady.get("basis") == "steps" and steady.get("steps"):
         return float(steady["seconds"]) / int(steady["steps"])
     return default
+
+
+def computed_in(cfg: RunConfig, rec: dict[str, Any]) -> RunConfig:
+    """The config with the dtype the run computed in: `serial` computes in float64 whatever
+    --dtype asked (its record says precision fp64 under config dtype fp32), and its time must
+    not calibrate an fp32 rank's compute (AlexNet's batch of 32: 2.6 s predicted from serial's
+    float64 step, 1.5 s measured). Under --amp the record's precision is the autocast dtype,
+    which the family already carries as `amp`."""
+    ran = rec.get("precision")
+    if cfg.amp or not ran or ran == cfg.dtype:
+        return cfg
+    return dataclasses.replace(cfg, dtype=ran)
 
 
 def _cal_point(rec: dict, s: Scenario, seconds: float, scale: float, where: str) -> CalPoint:

@@ -1,0 +1,25 @@
+"""What predict's calibration reads off a record: the dtype the run computed in."""
+
+from scalelab.config import RunConfig
+from scalelab.predict.points import computed_in
+from scalelab.predict.scenario import Scenario
+
+
+def _family(cfg: RunConfig):
+    return Scenario(cfg, 1, per_node=1).family()
+
+
+def test_serial_float64_step_does_not_calibrate_an_fp32_rank():
+    # serial computes in float64 whatever --dtype asked; its record says so in `precision`
+    asked = RunConfig(workload="alexnet", strategy="serial", device="cpu", dtype="fp32")
+    ran = computed_in(asked, {"precision": "fp64"})
+    assert ran.dtype == "fp64"
+    mpi_rank = RunConfig(workload="alexnet", strategy="mpi", device="cpu", dtype="fp32")
+    assert _family(ran) != _family(mpi_rank)
+    assert _family(computed_in(mpi_rank, {"precision": "fp32"})) == _family(mpi_rank)
+
+
+def test_amp_record_keeps_its_dtype_the_family_carries_amp():
+    cfg = RunConfig(workload="resnet18", strategy="ddp", device="cuda", dtype="fp32", amp="bf16")
+    assert computed_in(cfg, {"precision": "bf16"}) == cfg
+    assert computed_in(cfg, {}) == cfg
