@@ -126,9 +126,9 @@ def comm_command(backend: str, ceilings: str, ranks: int = 2) -> list[str]:
 
 def calibrated_on(cfg: RunConfig) -> RunConfig:
     """The run cfg's compute is calibrated on (predict's strategy model says)."""
-    from scalelab.predict.models.base import MODELS
+    from scalelab.predict.models.base import model_for, modelled_as
 
-    return MODELS.get(cfg.strategy)().calibrated_on(cfg) if cfg.strategy in MODELS else cfg
+    return model_for(cfg.strategy).calibrated_on(cfg) if modelled_as(cfg.strategy) else cfg
 
 
 def _host_anchors(pool: Pool, members: list[RunConfig], per_node: int) -> list[RunConfig]:

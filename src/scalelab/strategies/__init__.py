@@ -25,4 +25,16 @@ def _register_all() -> None:
 
 _register_all()
 
-__all__ = ["STRATEGIES", "Strategy"]
+
+def lineage(name: str) -> list[str]:
+    """The registered names of strategy `name` and its ancestors, nearest first: what predict
+    and plan look up by name, so a subclass inherits its parent's model unless it has its own."""
+    names = []
+    for cls in STRATEGIES.get(name).__mro__:
+        own = cls.__dict__.get("name")
+        if isinstance(own, str) and own in STRATEGIES and STRATEGIES.get(own) is cls:
+            names.append(own)
+    return names
+
+
+__all__ = ["STRATEGIES", "Strategy", "lineage"]

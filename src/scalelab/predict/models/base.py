@@ -96,13 +96,23 @@ class OverMPI(StrategyModel):
 MODELS: Registry[type[StrategyModel]] = Registry("strategy model")
 
 
+def modelled_as(strategy: str) -> str | None:
+    """The nearest registered ancestor of strategy (itself first) that has a model, else None."""
+    from scalelab.strategies import STRATEGIES, lineage
+
+    if strategy not in STRATEGIES:
+        return strategy if strategy in MODELS else None
+    return next((name for name in lineage(strategy) if name in MODELS), None)
+
+
 def model_for(strategy: str) -> StrategyModel:
-    if strategy not in MODELS:
+    name = modelled_as(strategy)
+    if name is None:
         known = ", ".join(sorted(MODELS.names()))
         raise UsageError(
             f"scalelab predict has no model of strategy {strategy!r} (modelled: {known})"
         )
-    return MODELS.get(strategy)()
+    return MODELS.get(name)()
 
 
 # --- what the cost table and the workload say about sizes -----------------------------------
