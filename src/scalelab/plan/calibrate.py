@@ -42,7 +42,13 @@ from scalelab.config import RunConfig
 from scalelab.orchestration.sweep import Point, run_point, slow_note
 from scalelab.plan.applies import refusal
 from scalelab.plan.space import PlanSpec
-from scalelab.predict.calibration import Pool, anchor_key, dtensor_calibrated, host_calibrated
+from scalelab.predict.calibration import (
+    Pool,
+    anchor_key,
+    dtensor_calibrated,
+    host_calibrated,
+    modelled_by,
+)
 from scalelab.predict.figures import Figures
 from scalelab.predict.models.blocks import is_block_model
 from scalelab.predict.scenario import Scenario
@@ -133,11 +139,12 @@ def calibrated_on(cfg: RunConfig) -> RunConfig:
 
 def _host_anchors(pool: Pool, members: list[RunConfig], per_node: int) -> list[RunConfig]:
     """Host-side costs have no ceiling (DDP's per step, torch pipelining's per forward):
-    one measured multi-rank run per strategy of the family calibrates each, the one
+    one measured multi-rank run per strategy model of the family calibrates each, the one
     predict's model reads (Pool.host_anchor)."""
     todo = _pipelining_host(pool, members, per_node)
-    for strategy in sorted({c.strategy for c in members if host_calibrated(c)} - {"pipeline"}):
-        first = min((c for c in members if c.strategy == strategy and host_calibrated(c)),
+    anchored = [c for c in members if host_calibrated(c)]
+    for model in sorted({modelled_by(c.strategy) for c in anchored} - {"pipeline"}):
+        first = min((c for c in anchored if modelled_by(c.strategy) == model),
                     key=anchor_key)  # fmt: skip
         if pool.host_anchor(Scenario(first, first.ranks, per_node)) is None:
             todo.append(first)

@@ -105,9 +105,10 @@ class Pool:
         return [p for p in fam if p.split != "spatial"] or fam
 
     def multi(self, scenario: Scenario) -> list[MultiPoint]:
-        """Multi-rank points of the scenario's family and strategy."""
-        fam, strategy = scenario.family(), scenario.cfg.strategy
-        same = [m for m in self.multis if m.scenario.cfg.strategy == strategy]
+        """Multi-rank points of the scenario's family and strategy model (a subclass strategy's
+        runs and its parent's calibrate the one model they share)."""
+        fam, model = scenario.family(), modelled_by(scenario.cfg.strategy)
+        same = [m for m in self.multis if modelled_by(m.scenario.cfg.strategy) == model]
         return self._own([m for m in same if m.scenario.family() == fam])
 
     def host_anchor(self, scenario: Scenario) -> MultiPoint | None:
@@ -152,6 +153,13 @@ class Pool:
         runs = [m for m in self.multi(scenario) if dtensor_calibrated(m.scenario.cfg)]
         key = lambda m: (m.scenario.ranks, m.scenario.cfg.batch, m.source)  # noqa: E731
         return min(runs, key=key, default=None)
+
+
+def modelled_by(strategy: str) -> str:
+    """The strategy whose predict model models `strategy` (itself, or its nearest ancestor)."""
+    from scalelab.predict.models.base import modelled_as  # models/base.py imports this module
+
+    return modelled_as(strategy) or strategy
 
 
 def dtensor_run(cfg: RunConfig) -> bool:
