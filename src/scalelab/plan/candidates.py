@@ -5,8 +5,9 @@ threads, split, per-rank batch, precision, and its own knobs); sources that do n
 plug in as new sources: `@SOURCES.register("name", "what it varies")` over a function
 PlanSpec -> Iterator[RunConfig]; a strategy that subclasses another needs none (its
 parent's candidates, renamed, when `--strategies` names it). A user's `--model` needs no
-source of its own: its base config carries --model/--model-arg/--input-shape into every candidate, and a strategy its
-model cannot run under is left out with that strategy's own refusal (applies.py).
+source of its own: its base config carries --model/--model-arg/--input-shape into every
+candidate, and a strategy its model cannot run under is left out with that strategy's own
+refusal (applies.py).
 
     mpi / nccl       inference splits (batch, spatial, broadcast) x ranks x threads
     mpi-dp, ddp      data-parallel training
