@@ -47,9 +47,9 @@ from scalelab.predict.calibration import (
     anchor_key,
     dtensor_calibrated,
     host_calibrated,
-    modelled_by,
 )
 from scalelab.predict.figures import Figures
+from scalelab.predict.model_registry import modelled_by
 from scalelab.predict.models.blocks import is_block_model
 from scalelab.predict.scenario import Scenario
 from scalelab.record import append_record
@@ -132,7 +132,8 @@ def comm_command(backend: str, ceilings: str, ranks: int = 2) -> list[str]:
 
 def calibrated_on(cfg: RunConfig) -> RunConfig:
     """The run cfg's compute is calibrated on (predict's strategy model says)."""
-    from scalelab.predict.models.base import model_for, modelled_as
+    from scalelab.predict.model_registry import modelled_as
+    from scalelab.predict.models.base import model_for
 
     return model_for(cfg.strategy).calibrated_on(cfg) if modelled_as(cfg.strategy) else cfg
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from scalelab.config import RunConfig
+from scalelab.predict.model_registry import modelled_by
 from scalelab.predict.scenario import Scenario
 from scalelab.strategies import STRATEGIES
 
@@ -153,13 +154,6 @@ class Pool:
         runs = [m for m in self.multi(scenario) if dtensor_calibrated(m.scenario.cfg)]
         key = lambda m: (m.scenario.ranks, m.scenario.cfg.batch, m.source)  # noqa: E731
         return min(runs, key=key, default=None)
-
-
-def modelled_by(strategy: str) -> str:
-    """The strategy whose predict model models `strategy` (itself, or its nearest ancestor)."""
-    from scalelab.predict.models.base import modelled_as  # models/base.py imports this module
-
-    return modelled_as(strategy) or strategy
 
 
 def dtensor_run(cfg: RunConfig) -> bool:

@@ -111,7 +111,7 @@ def _classify(found: Found, path: Path, where: str, obj: Any) -> None:
 # --- run records -----------------------------------------------------------------------------
 def _run_record(found: Found, path: Path, where: str, rec: dict[str, Any]) -> None:
     from scalelab.analysis.frame import per_iteration, phase_scale, run_config
-    from scalelab.predict.models.base import modelled_as
+    from scalelab.predict.model_registry import modelled_as
 
     if rec.get("status", "ok") not in FINISHED or "wall_s" not in rec:
         found.skipped["failed runs"] += 1

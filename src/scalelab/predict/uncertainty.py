@@ -16,7 +16,8 @@ import json
 import math
 from pathlib import Path
 
-from scalelab.predict.calibration import Pool, modelled_by
+from scalelab.predict.calibration import Pool
+from scalelab.predict.model_registry import modelled_by
 from scalelab.predict.scenario import Scenario
 from scalelab.strategies import STRATEGIES
 

@@ -15,9 +15,9 @@ from scalelab.predict.calibration import Pool
 from scalelab.predict.comm_model import Fabric
 from scalelab.predict.compute_model import ComputeModel, build_workload
 from scalelab.predict.figures import Figures
+from scalelab.predict.model_registry import MODELS, modelled_as
 from scalelab.predict.network import NetworkProfile
 from scalelab.predict.scenario import Prediction, Scenario
-from scalelab.registry import Registry
 
 
 @dataclass
@@ -91,18 +91,6 @@ class OverMPI(StrategyModel):
     def wire(self, scenario: Scenario) -> Wire:
         gpu = scenario.cfg.device == "cuda"
         return Wire("mpi", staged=gpu, gpu=gpu)
-
-
-MODELS: Registry[type[StrategyModel]] = Registry("strategy model")
-
-
-def modelled_as(strategy: str) -> str | None:
-    """The nearest registered ancestor of strategy (itself first) that has a model, else None."""
-    from scalelab.strategies import STRATEGIES, lineage
-
-    if strategy not in STRATEGIES:
-        return strategy if strategy in MODELS else None
-    return next((name for name in lineage(strategy) if name in MODELS), None)
 
 
 def model_for(strategy: str) -> StrategyModel:
