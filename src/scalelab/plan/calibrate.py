@@ -42,8 +42,14 @@ from scalelab.config import RunConfig
 from scalelab.orchestration.sweep import Point, run_point, slow_note
 from scalelab.plan.applies import refusal
 from scalelab.plan.space import PlanSpec
-from scalelab.predict.calibration import Pool, anchor_key, dtensor_calibrated, host_calibrated
+from scalelab.predict.calibration import (
+    Pool,
+    anchor_key,
+    dtensor_calibrated,
+    host_calibrated,
+)
 from scalelab.predict.figures import Figures
+from scalelab.predict.model_registry import modelled_by
 from scalelab.predict.models.blocks import is_block_model
 from scalelab.predict.scenario import Scenario
 from scalelab.record import append_record
@@ -126,18 +132,20 @@ def comm_command(backend: str, ceilings: str, ranks: int = 2) -> list[str]:
 
 def calibrated_on(cfg: RunConfig) -> RunConfig:
     """The run cfg's compute is calibrated on (predict's strategy model says)."""
-    from scalelab.predict.models.base import MODELS
+    from scalelab.predict.model_registry import modelled_as
+    from scalelab.predict.models.base import model_for
 
-    return MODELS.get(cfg.strategy)().calibrated_on(cfg) if cfg.strategy in MODELS else cfg
+    return model_for(cfg.strategy).calibrated_on(cfg) if modelled_as(cfg.strategy) else cfg
 
 
 def _host_anchors(pool: Pool, members: list[RunConfig], per_node: int) -> list[RunConfig]:
     """Host-side costs have no ceiling (DDP's per step, torch pipelining's per forward):
-    one measured multi-rank run per strategy of the family calibrates each, the one
+    one measured multi-rank run per strategy model of the family calibrates each, the one
     predict's model reads (Pool.host_anchor)."""
     todo = _pipelining_host(pool, members, per_node)
-    for strategy in sorted({c.strategy for c in members if host_calibrated(c)} - {"pipeline"}):
-        first = min((c for c in members if c.strategy == strategy and host_calibrated(c)),
+    anchored = [c for c in members if host_calibrated(c)]
+    for model in sorted({modelled_by(c.strategy) for c in anchored} - {"pipeline"}):
+        first = min((c for c in anchored if modelled_by(c.strategy) == model),
                     key=anchor_key)  # fmt: skip
         if pool.host_anchor(Scenario(first, first.ranks, per_node)) is None:
             todo.append(first)

@@ -3,9 +3,11 @@ name. A source turns a PlanSpec into the RunConfigs that strategy could run it w
 threads, split, per-rank batch, precision, and its own knobs); sources that do not apply
 (inference-only splits for a training plan, GPU knobs on CPUs) yield nothing. New ways to run
 plug in as new sources: `@SOURCES.register("name", "what it varies")` over a function
-PlanSpec -> Iterator[RunConfig]. A user's `--model` needs no source of its own: its base
-config carries --model/--model-arg/--input-shape into every candidate, and a strategy its
-model cannot run under is left out with that strategy's own refusal (applies.py).
+PlanSpec -> Iterator[RunConfig]; a strategy that subclasses another needs none (its
+parent's candidates, renamed, when `--strategies` names it). A user's `--model` needs no
+source of its own: its base config carries --model/--model-arg/--input-shape into every
+candidate, and a strategy its model cannot run under is left out with that strategy's own
+refusal (applies.py).
 
     mpi / nccl       inference splits (batch, spatial, broadcast) x ranks x threads
     mpi-dp, ddp      data-parallel training
@@ -25,13 +27,14 @@ model calls not runnable) happens after, in rank.py, so every dropped candidate 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
 from scalelab.plan.space import PlanSpec
 from scalelab.registry import Registry
-from scalelab.strategies import STRATEGIES
+from scalelab.strategies import STRATEGIES, lineage
 from scalelab.workloads import WORKLOADS
 
 Source = Callable[[PlanSpec], Iterator[RunConfig]]
@@ -45,12 +48,28 @@ def candidates(spec: PlanSpec) -> list[RunConfig]:
     names = spec.strategies or tuple(SOURCES.names())
     seen, out = set(), []
     for name in names:
-        for cfg in SOURCES.get(name)(spec):
+        for cfg in _source_of(name)(spec):
             key = repr(cfg)
             if key not in seen:
                 seen.add(key)
                 out.append(cfg)
     return out
+
+
+def _source_of(name: str) -> Source:
+    """The strategy's own source, else its nearest ancestor's with the strategy renamed: a
+    subclass strategy (registered outside plan/) gets its parent's candidates under its name."""
+    if name in SOURCES or name not in STRATEGIES:
+        return SOURCES.get(name)
+    parent = next((n for n in lineage(name) if n in SOURCES), None)
+    if parent is None:
+        return SOURCES.get(name)  # the unknown-source error, listing the known ones
+
+    def renamed(spec: PlanSpec) -> Iterator[RunConfig]:
+        for cfg in SOURCES.get(parent)(spec):
+            yield dataclasses.replace(cfg, strategy=name) if cfg.strategy == parent else cfg
+
+    return renamed
 
 
 def plain(spec: PlanSpec) -> RunConfig:

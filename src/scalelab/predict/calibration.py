@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from scalelab.config import RunConfig
+from scalelab.predict.model_registry import modelled_by
 from scalelab.predict.scenario import Scenario
 from scalelab.strategies import STRATEGIES
 
@@ -105,9 +106,10 @@ class Pool:
         return [p for p in fam if p.split != "spatial"] or fam
 
     def multi(self, scenario: Scenario) -> list[MultiPoint]:
-        """Multi-rank points of the scenario's family and strategy."""
-        fam, strategy = scenario.family(), scenario.cfg.strategy
-        same = [m for m in self.multis if m.scenario.cfg.strategy == strategy]
+        """Multi-rank points of the scenario's family and strategy model (a subclass strategy's
+        runs and its parent's calibrate the one model they share)."""
+        fam, model = scenario.family(), modelled_by(scenario.cfg.strategy)
+        same = [m for m in self.multis if modelled_by(m.scenario.cfg.strategy) == model]
         return self._own([m for m in same if m.scenario.family() == fam])
 
     def host_anchor(self, scenario: Scenario) -> MultiPoint | None:

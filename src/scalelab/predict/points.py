@@ -111,7 +111,7 @@ def _classify(found: Found, path: Path, where: str, obj: Any) -> None:
 # --- run records -----------------------------------------------------------------------------
 def _run_record(found: Found, path: Path, where: str, rec: dict[str, Any]) -> None:
     from scalelab.analysis.frame import per_iteration, phase_scale, run_config
-    from scalelab.predict.models import MODELS
+    from scalelab.predict.model_registry import modelled_as
 
     if rec.get("status", "ok") not in FINISHED or "wall_s" not in rec:
         found.skipped["failed runs"] += 1
@@ -163,7 +163,7 @@ def _run_record(found: Found, path: Path, where: str, rec: dict[str, Any]) -> No
         found.pool(path).singles.append(point)
     elif host_calibrated(cfg) or dtensor_calibrated(cfg):
         found.pool(path).multis.append(MultiPoint(scenario, seconds, where, warned, host))
-    if cfg.strategy not in MODELS:
+    if modelled_as(cfg.strategy) is None:
         found.skipped[f"{cfg.strategy} runs (no model of that strategy)"] += 1
         return
     found.points.append(Measured(scenario, seconds, where, path, warned))

@@ -17,6 +17,7 @@ import math
 from pathlib import Path
 
 from scalelab.predict.calibration import Pool
+from scalelab.predict.model_registry import modelled_by
 from scalelab.predict.scenario import Scenario
 from scalelab.strategies import STRATEGIES
 
@@ -56,7 +57,7 @@ def extrapolations(pool: Pool, s: Scenario, ranks: list[int]) -> list[str]:
     fam, strategy = s.family(), s.cfg.strategy
     runs = [m.scenario for m in pool.multis if m.scenario.family() == fam]
     runs += [Scenario(p.cfg, 1, 1) for p in pool.singles if p.family == fam and p.cfg]
-    mine = [r for r in runs if r.cfg.strategy == strategy]
+    mine = [r for r in runs if modelled_by(r.cfg.strategy) == modelled_by(strategy)]
     out = []
     most = max((r.ranks for r in mine), default=0)
     beyond = [n for n in ranks if n > max(most, 1)]

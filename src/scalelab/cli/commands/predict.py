@@ -16,7 +16,7 @@ from scalelab.cli.base import COMMANDS, Command
 from scalelab.cli.options import RUN_ONLY, add_config_options, workload_config, workload_name
 from scalelab.errors import UsageError
 from scalelab.outputs import check_dir
-from scalelab.strategies import STRATEGIES
+from scalelab.strategies import STRATEGIES, lineage
 
 GPU_FIRST = {"ddp", "fsdp", "mpi-gpu", "nccl", "pipeline"}  # --device defaults to cuda for these
 TRAINING = {"ddp", "fsdp", "mpi-dp", "tensor"}  # these strategies only train (DTensor: both)
@@ -148,12 +148,18 @@ def _ranks(text: str) -> list[int]:
     return sorted(set(ranks))
 
 
+def _kind_of(strategy: str, names: set[str]) -> bool:
+    """Whether strategy or a strategy it subclasses is one of names."""
+    return strategy in STRATEGIES and any(n in names for n in lineage(strategy))
+
+
 def _scenario(args: argparse.Namespace, figures):
     from scalelab.predict.scenario import Scenario
 
-    gpu = args.device == "cuda" or (args.device is None and args.strategy in GPU_FIRST)
+    gpu = args.device == "cuda" or (args.device is None and _kind_of(args.strategy, GPU_FIRST))
     overrides = {"workload": workload_name(args), "ranks": 1, "device": "cuda" if gpu else "cpu"}
-    if args.strategy in TRAINING and not (STRATEGIES.get(args.strategy).traced_by_torch(args)):
+    trains = _kind_of(args.strategy, TRAINING)
+    if trains and not STRATEGIES.get(args.strategy).traced_by_torch(args):
         overrides["train"] = True
     cfg = workload_config(args, **overrides)
     cores = (figures.data.get("machine") or {}).get("cpu_cores") or 1

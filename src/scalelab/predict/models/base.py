@@ -15,9 +15,9 @@ from scalelab.predict.calibration import Pool
 from scalelab.predict.comm_model import Fabric
 from scalelab.predict.compute_model import ComputeModel, build_workload
 from scalelab.predict.figures import Figures
+from scalelab.predict.model_registry import MODELS, modelled_as
 from scalelab.predict.network import NetworkProfile
 from scalelab.predict.scenario import Prediction, Scenario
-from scalelab.registry import Registry
 
 
 @dataclass
@@ -93,16 +93,14 @@ class OverMPI(StrategyModel):
         return Wire("mpi", staged=gpu, gpu=gpu)
 
 
-MODELS: Registry[type[StrategyModel]] = Registry("strategy model")
-
-
 def model_for(strategy: str) -> StrategyModel:
-    if strategy not in MODELS:
+    name = modelled_as(strategy)
+    if name is None:
         known = ", ".join(sorted(MODELS.names()))
         raise UsageError(
             f"scalelab predict has no model of strategy {strategy!r} (modelled: {known})"
         )
-    return MODELS.get(strategy)()
+    return MODELS.get(name)()
 
 
 # --- what the cost table and the workload say about sizes -----------------------------------
