@@ -30,13 +30,16 @@ FIXTURES = Path(__file__).parent / "fixtures"
 
 @pytest.fixture(scope="module")
 def naive():
-    """The example's module imported here as a rank imports it (importing registers it)."""
+    """The example's module imported here as a rank imports it (importing registers it);
+    unregistered after this module's tests, so no other test sees a strategy it did not add."""
     sys.path.insert(0, str(PROGRAMS))
     try:
         import naive_strategy
     finally:
         sys.path.remove(str(PROGRAMS))
-    return naive_strategy.NaiveMPIDataParallel
+    yield naive_strategy.NaiveMPIDataParallel
+    STRATEGIES.unregister("mpi-dp-naive")
+    sys.modules.pop("naive_strategy", None)
 
 
 def _figures() -> Figures:

@@ -37,6 +37,11 @@ class Registry(Generic[T]):
             known = ", ".join(sorted(self._entries))
             raise UsageError(f"unknown {self.kind} {name!r} (known: {known})") from None
 
+    def unregister(self, name: str) -> None:
+        """Drop an entry (a test that registered a plugin puts the registry back)."""
+        self._entries.pop(name, None)
+        self._descriptions.pop(name, None)
+
     def describe(self, name: str) -> str:
         return self._descriptions[name]
 
