@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,10 @@ INDEPENDENT = (
     "scalelab ceilings --quick",  # tests/test_ceilings.py (on a host without a GPU)
 )
 
+
+# What such a line writes that another test reads: kept as the line left it (a later line may
+# rewrite it: plan --calibrate-missing measures the ceilings again into the same file).
+WRITES = {"scalelab ceilings --quick": ("scalelab-results/ceilings.json",)}
 
 USAGE = Path("docs") / "USAGE.md"  # holds the everyday block; README.md its tour
 
@@ -82,7 +87,21 @@ class ReadmeClone:
                 command, shell=True, cwd=self.path, env=self.env, capture_output=True,
                 text=True, timeout=600,
             )  # fmt: skip
+            writer = next((p for p in WRITES if command.startswith(p)), None)
+            for rel in WRITES.get(writer, ()):
+                if (self.path / rel).is_file():
+                    kept = self._kept(writer, rel)
+                    kept.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy(self.path / rel, kept)
         return self._done[command]
+
+    def written(self, prefix: str, rel: str) -> Path:
+        """The file `rel` as the line starting with `prefix` left it (run it first)."""
+        assert rel in WRITES[prefix] and self.line(prefix) in self._done, (prefix, rel)
+        return self._kept(prefix, rel)
+
+    def _kept(self, prefix: str, rel: str) -> Path:
+        return self.path.parent / "kept" / str(list(WRITES).index(prefix)) / rel
 
     def ran(self, command: str) -> bool:
         return command in self._done
