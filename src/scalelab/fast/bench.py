@@ -33,7 +33,7 @@ from scalelab.config import RunConfig
 from scalelab.fast import accelerate, bench_check, stderr_log
 from scalelab.fast.captured_step import GraphStep
 from scalelab.fast.timing import sync, time_calls
-from scalelab.instrument.peaks import datasheet_peak
+from scalelab.instrument import peaks
 from scalelab.instrument.progress import Progress
 from scalelab.oracle.check import relative_error
 from scalelab.precision import get_precision
@@ -382,15 +382,10 @@ def run_bench(
 def token_fields(rec: dict[str, Any], tokens_per_item: int, ceiling: float) -> dict[str, Any]:
     """tokens/s of the fast path and of its best peer, and the fast path's MFU against the
     GEMM rate measured in this run and, where the GPU has one, its datasheet peak (the
-    dtype the fast path computes in; the same definition as run/tokens.py's)."""
+    dtype the fast path computes in; run/tokens.py's definition, instrument/peaks.mfu)."""
     per_token = rec["flops_per_item"] / tokens_per_item  # x3 already where training
     tokens = rec["fast_throughput"] * tokens_per_item
-    mfu: dict[str, Any] = {"flops_per_token": per_token, "dtype": rec["fast_dtype"]}
-    mfu["measured"] = per_token * tokens / ceiling
-    mfu["measured_peak"] = {"flops": ceiling, "source": "this bench's GEMM ceiling"}
-    sheet = datasheet_peak(rec["gpu"])
-    if sheet is not None and sheet.flops(rec["fast_dtype"]):
-        mfu["datasheet"] = per_token * tokens / sheet.flops(rec["fast_dtype"])
-        mfu["datasheet_peak"] = {"flops": sheet.flops(rec["fast_dtype"]), "source": sheet.name}
+    measured = (ceiling, "this bench's GEMM ceiling")
+    mfu = peaks.mfu(per_token, tokens, rec["fast_dtype"], measured, rec["gpu"])
     best = rec[f"{rec['best_peer']}_throughput"] * tokens_per_item
     return {"tokens_per_s": tokens, "peer_tokens_per_s": best, "mfu": mfu}

@@ -105,3 +105,23 @@ def datasheet_peak(gpu_name: str | None) -> Peak | None:
         if re.search(row.match, gpu_name, flags=re.IGNORECASE):
             return row
     return None
+
+
+def mfu(
+    per_token: float, tokens_per_device: float, dtype: str, measured: tuple[float | None, str],
+    gpu_name: str | None,
+) -> dict[str, Any]:  # fmt: skip
+    """Model FLOPs utilisation against two peaks, each named: `measured` (a GEMM rate this
+    host measured, with where it comes from, or None with why there is none) and, where
+    gpu_name has a row, the datasheet's. per_token: FLOPs a token (x3 when training)."""
+    peak, source = measured
+    rate = per_token * tokens_per_device
+    out: dict[str, Any] = {"flops_per_token": per_token, "dtype": dtype}
+    out["measured"] = rate / peak if peak else None
+    out["measured_peak"] = {"flops": peak, "source": source} if peak else {"missing": source}
+    sheet = datasheet_peak(gpu_name)
+    if sheet is not None and sheet.flops(dtype):
+        out["datasheet"] = rate / sheet.flops(dtype)
+        named = f"{sheet.name}: {sheet.source}"
+        out["datasheet_peak"] = {"flops": sheet.flops(dtype), "source": named}
+    return out

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from scalelab.errors import UsageError
+from scalelab.instrument import peaks
 from scalelab.instrument.ceilings import mismatches, read_ceilings
-from scalelab.instrument.peaks import datasheet_peak
 
 
 def fields(rec: dict[str, Any], tokens_per_item: int, ceilings_path: Path | None) -> dict:
@@ -32,17 +32,9 @@ def fields(rec: dict[str, Any], tokens_per_item: int, ceilings_path: Path | None
     per_device = tokens / max(rec["ranks"], 1)
     per_token = rec["flops_per_item"] * (3 if rec["mode"] == "train" else 1) / tokens_per_item
     dtype = rec["precision"]
-    mfu: dict[str, Any] = {"flops_per_token": per_token, "dtype": dtype, "basis": basis}
-    peak, source = measured_peak(ceilings_path, dtype, rec)
-    mfu["measured"] = per_token * per_device / peak if peak else None
-    mfu["measured_peak"] = {"flops": peak, "source": source} if peak else {"missing": source}
-    sheet = datasheet_peak(rec["env"].get("gpu_name")) if rec["config"]["device"] != "cpu" else None
-    if sheet is not None and sheet.flops(dtype):
-        mfu["datasheet"] = per_token * per_device / sheet.flops(dtype)
-        mfu["datasheet_peak"] = {
-            "flops": sheet.flops(dtype),
-            "source": f"{sheet.name}: {sheet.source}",
-        }
+    gpu = rec["env"].get("gpu_name") if rec["config"]["device"] != "cpu" else None
+    mfu = peaks.mfu(per_token, per_device, dtype, measured_peak(ceilings_path, dtype, rec), gpu)
+    mfu["basis"] = basis
     return {"tokens_per_s": tokens, "tokens_per_s_per_device": per_device, "mfu": mfu}
 
 

@@ -205,7 +205,7 @@ def _tokens(r: dict[str, Any]) -> str:
     mfu = r["mfu"]
     peaks = [f"{mfu['measured']:.1%} of this run's {mfu['dtype']} GEMM ceiling"]
     if mfu.get("datasheet") is not None:
-        name = mfu["datasheet_peak"]["source"]
+        name = mfu["datasheet_peak"]["source"].split(":")[0]
         peaks.append(f"{mfu['datasheet']:.1%} of {name}'s datasheet {mfu['dtype']} peak")
     return (f"  {r['workload']}: {r['tokens_per_s']:,.0f} tok/s (best peer "
             f"{r['peer_tokens_per_s']:,.0f}) | MFU {', '.join(peaks)}")  # fmt: skip
