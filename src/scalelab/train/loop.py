@@ -64,11 +64,10 @@ def default_plan(
 ) -> TrainPlan:
     cfg = strategy.cfg
     require_labels(train, heldout)
+    size = eval_batch(workload, cfg.batch)
     return TrainPlan(
         source=GlobalBatches(strategy, train, cfg.batch, cfg.seed),
-        evaluate=lambda m: evaluate(
-            strategy, workload, m, heldout, eval_batch(workload, cfg.batch)
-        ),
+        evaluate=lambda m: evaluate(strategy, workload, m, heldout, size),
         module=model,
         prepare=workload.prepare,
         loss=workload.loss,
