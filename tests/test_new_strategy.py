@@ -81,6 +81,8 @@ def test_the_subclass_inherits_its_parents_model_and_candidates(naive):
     parent = [c for c in cfgs if c.strategy == "mpi-dp"]
     child = [c for c in cfgs if c.strategy == "mpi-dp-naive"]
     assert parent and [dataclasses.replace(c, strategy="mpi-dp") for c in child] == parent
+    every = cand.candidates(dataclasses.replace(both, strategies=None))  # no --strategies
+    assert [c for c in every if c.strategy == "mpi-dp-naive"] == child
 
     def point(batch: int, seconds: float) -> CalPoint:
         cfg = both.config(strategy="mpi-dp", ranks=1, threads=1, batch=batch)

@@ -4,7 +4,7 @@ threads, split, per-rank batch, precision, and its own knobs); sources that do n
 (inference-only splits for a training plan, GPU knobs on CPUs) yield nothing. New ways to run
 plug in as new sources: `@SOURCES.register("name", "what it varies")` over a function
 PlanSpec -> Iterator[RunConfig]; a strategy that subclasses another needs none (its
-parent's candidates, renamed, when `--strategies` names it). A user's `--model` needs no
+parent's candidates, renamed; a plan without `--strategies` takes them too). A user's `--model` needs no
 source of its own: its base config carries --model/--model-arg/--input-shape into every
 candidate, and a strategy its model cannot run under is left out with that strategy's own
 refusal (applies.py).
@@ -44,8 +44,9 @@ HALF = ("bf16", "fp16")
 
 
 def candidates(spec: PlanSpec) -> list[RunConfig]:
-    """Every source's candidates, duplicates (equal configs) dropped, in source order."""
-    names = spec.strategies or tuple(SOURCES.names())
+    """Every source's candidates, duplicates (equal configs) dropped, in source order; with no
+    --strategies, also every registered strategy that inherits its parent's source."""
+    names = spec.strategies or (*SOURCES.names(), *_inheriting())
     seen, out = set(), []
     for name in names:
         for cfg in _source_of(name)(spec):
@@ -54,6 +55,14 @@ def candidates(spec: PlanSpec) -> list[RunConfig]:
                 seen.add(key)
                 out.append(cfg)
     return out
+
+
+def _inheriting() -> tuple[str, ...]:
+    """Registered strategies with no source of their own whose ancestor has one (a plugin
+    that subclasses a built-in strategy), in registration order."""
+    return tuple(
+        n for n in STRATEGIES.names() if n not in SOURCES and any(p in SOURCES for p in lineage(n))
+    )
 
 
 def _source_of(name: str) -> Source:

@@ -40,6 +40,8 @@ class Strategy(ABC):
     ddp_buckets: ClassVar[bool] = False  # DDP's bucketed all-reduce (--bucket-mb, --batch total)
     reference: ClassVar[bool] = False  # the float64 one-process reference itself
     plain_local: ClassVar[bool] = False  # the plain torch one-process run (cpu or cuda)
+    gpu_first: ClassVar[bool] = False  # predict's --device defaults to cuda for it
+    trains_only: ClassVar[bool] = False  # it runs training steps only (tensor: DTensor's)
 
     @classmethod
     def build(cls, cfg: RunConfig) -> Strategy:

@@ -103,6 +103,8 @@ class DDPStrategy(TorchDistStrategy):
     needs_data_everywhere = True
     data_parallel = True
     ddp_buckets = True
+    gpu_first = True
+    trains_only = True
 
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)  # --amp: TorchStrategy's precision

@@ -250,6 +250,7 @@ class MPIDataParallel(OnMPIRanks):
     name = "mpi-dp"
     reads = ("mpi-dp", "checkpoint")
     data_parallel = True
+    trains_only = True
 
     def __init__(self, cfg: RunConfig) -> None:
         super().__init__(cfg)

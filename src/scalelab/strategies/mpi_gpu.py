@@ -82,6 +82,7 @@ def ompi_built_with_cuda() -> bool | None:
 )
 class MPIGPUStrategy(SplitStrategy):
     launcher = "mpi"
+    gpu_first = True
 
     def __init__(self, cfg) -> None:
         cfg.device = "cuda"  # the record says where it really computed, whatever --device said

@@ -26,6 +26,7 @@ from scalelab.workloads.base import Workload
 )
 class NCCLStrategy(SplitStrategy):
     launcher = "torchrun"
+    gpu_first = True
 
     @classmethod
     def check_devices(cls, cfg: RunConfig) -> None:

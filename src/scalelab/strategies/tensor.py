@@ -103,6 +103,7 @@ class TensorParallel(OnMPIRanks):
     reads = ("engine", "checkpoint")
     splits_model = True
     by_heads = True
+    trains_only = True  # the hand-written engine trains only (DTensor's also infers)
 
     @classmethod
     def reads_for(cls, cfg: RunConfig) -> tuple[str, ...]:

@@ -16,10 +16,8 @@ from scalelab.cli.base import COMMANDS, Command
 from scalelab.cli.options import RUN_ONLY, add_config_options, workload_config, workload_name
 from scalelab.errors import UsageError
 from scalelab.outputs import check_dir
-from scalelab.strategies import STRATEGIES, lineage
+from scalelab.strategies import STRATEGIES
 
-GPU_FIRST = {"ddp", "fsdp", "mpi-gpu", "nccl", "pipeline"}  # --device defaults to cuda for these
-TRAINING = {"ddp", "fsdp", "mpi-dp", "tensor"}  # these strategies only train (DTensor: both)
 GPUS_PER_NODE = 8
 
 
@@ -148,18 +146,13 @@ def _ranks(text: str) -> list[int]:
     return sorted(set(ranks))
 
 
-def _kind_of(strategy: str, names: set[str]) -> bool:
-    """Whether strategy or a strategy it subclasses is one of names."""
-    return strategy in STRATEGIES and any(n in names for n in lineage(strategy))
-
-
 def _scenario(args: argparse.Namespace, figures):
     from scalelab.predict.scenario import Scenario
 
-    gpu = args.device == "cuda" or (args.device is None and _kind_of(args.strategy, GPU_FIRST))
+    cls = STRATEGIES.get(args.strategy)
+    gpu = args.device == "cuda" or (args.device is None and cls.gpu_first)
     overrides = {"workload": workload_name(args), "ranks": 1, "device": "cuda" if gpu else "cpu"}
-    trains = _kind_of(args.strategy, TRAINING)
-    if trains and not STRATEGIES.get(args.strategy).traced_by_torch(args):
+    if cls.trains_only and not cls.traced_by_torch(args):
         overrides["train"] = True
     cfg = workload_config(args, **overrides)
     cores = (figures.data.get("machine") or {}).get("cpu_cores") or 1

@@ -58,6 +58,7 @@ from scalelab.workloads.base import Inputs, Workload
 )
 class PipelineStrategy(TorchStrategy):
     launcher = "torchrun"
+    gpu_first = True
     splits_model = True
     pipelined = True
     reads = ("pipeline", "placement", "engine", "gpus", "layout", "compile", "checkpoint")
