@@ -1,10 +1,10 @@
 """Where AlexNet's fast-path time goes outside the convolutions, and what could take it back.
 
-The H100 record (benchmarks/results/bench_h100_round/alexnet-infer.json) spent 1.92 ms in
-epi1 (bias + ReLU + LRN + max-pool over (1024, 96, 55, 55) bf16) and 1.57 ms in epi2 (over
-(1024, 256, 27, 27)), against ~0.2 and ~0.13 ms of HBM traffic, and 2.83 ms in c1 (uint8 ->
-space-to-depth bf16, then cuDNN). This probe times, on one GPU, each candidate beside the
-production kernel on the same tensors, and checks each against the fp32 reference:
+The H100 record (benchmarks/results/speed_vs_peers_h100_2026-11-23/alexnet-infer.json) spent
+1.92 ms in epi1 (bias + ReLU + LRN + max-pool over (1024, 96, 55, 55) bf16) and 1.57 ms in
+epi2 (over (1024, 256, 27, 27)), against ~0.2 and ~0.13 ms of HBM traffic, and 2.83 ms in c1
+(uint8 -> space-to-depth bf16, then cuDNN). This probe times, on one GPU, each candidate beside
+the production kernel on the same tensors, and checks each against the fp32 reference:
 
 - `triton-loads`: production lrn_pool2d (five channel-shifted loads per normalised pixel);
 - `gather-*`: the same pass with one aligned load per pixel, the window's neighbours taken

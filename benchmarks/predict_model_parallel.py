@@ -1,10 +1,11 @@
 """The example GPT's model parallelism on 2 and 4 GPUs: predictions first, then measurements.
 
     python benchmarks/predict_model_parallel.py predict [--out DIR]
-        predictions from the committed calibration (1-2 GPUs: gpu_s20's GPT runs, the 4x H200
-        ceilings) for pipeline (4 and 2 stages, 1F1B, 8 micro-batches), tensor (tp 2, 4) and
-        dp 2 x tp 2, all at global batch 32, into DIR/predictions.txt (committed before any
-        of them is measured: benchmarks/results/model_parallel/predictions.txt)
+        predictions from the committed calibration (1-2 GPUs: the GPT runs of
+        results/holdout_events_clock_mpi_h200x2_2026-11-26, the 4x H200 ceilings) for
+        pipeline (4 and 2 stages, 1F1B, 8 micro-batches), tensor (tp 2, 4) and dp 2 x tp 2,
+        all at global batch 32, into DIR/predictions.txt (committed before any of them is
+        measured: benchmarks/results/model_parallel/predictions.txt)
     python benchmarks/predict_model_parallel.py measure --out DIR [--gpus 4] [--smoke]
         on the GPU host, in one call: (1) the one-rank torch-engine pipeline run that
         calibrates the runtime's forward host work (GPipe, 8 micro-batches of 4), (2) the
@@ -27,7 +28,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CAL = Path("benchmarks/results/gpu_s20/gpt_calibration_complete.jsonl")  # from ROOT
+CAL = Path("benchmarks/results/holdout_events_clock_mpi_h200x2_2026-11-26")  # from ROOT
+CAL = CAL / "gpt_calibration_complete.jsonl"
 CEILINGS = Path("benchmarks/results/ceilings_h200x4.json")
 BANDS = Path("benchmarks/results/validate/bands.json")  # predict --validate benchmarks/results
 GPT = ["--model", "examples/models/gpt.py:gpt", "--model-arg", "vocab=4096", "--model-arg",
