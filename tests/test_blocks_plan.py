@@ -77,6 +77,36 @@ def test_tensor_by_heads_divides_the_blocks_and_all_reduces_their_activations(tr
     assert ("dp_allreduce" in mesh.phases) == train
 
 
+@pytest.mark.parametrize("train", [False, True])
+def test_tensor_prediction_reads_a_declared_plan_that_shards_the_embedding_and_head(train):
+    """Hugging Face's Llama declares its own plan: besides every block's projections it
+    shards the token embedding (row-wise: partial sums all-reduced) and lm_head (column-wise:
+    the logits gathered). predict reads the plan the ranks would run, so those rows divide
+    too and add their collectives; what the plan leaves whole (rotary table, final norm)
+    runs whole."""
+    pytest.importorskip("transformers")
+    zoo = f"{ROOT / 'tests' / 'programs' / 'zoo.py'}:hf_llama"
+    cfg = RunConfig(workload="model", model=zoo, input_shape="16", input_dtype="int64",
+                    vocab=40, dtype="fp64", batch=B, ranks=2, strategy="tensor",
+                    engine="torch", tp=2, train=train)  # fmt: skip
+    s, ctx = Scenario(cfg, 2, 4), _ctx()
+    pred = predict_one(ctx, s)
+    rows, seconds = _rows(s)
+    split = {"block", "embedding"} | {"linear"}  # the head is the only Linear row
+    assert [r.kind for r in rows if r.name.endswith(("embed_tokens", "lm_head"))] == [
+        "embedding", "linear"]  # fmt: skip
+    divided = sum(t for r, t in zip(rows, seconds) if r.kind in split)
+    whole = sum(seconds) - divided
+    assert whole > 0
+    slowdown = ctx.compute(s).contention
+    assert pred.phases["compute"] == pytest.approx(slowdown * (divided / 2 + whole), rel=1e-9)
+    blocks = [r for r in rows if r.kind == "block"]
+    embed, head = (next(r for r in rows if r.name.endswith(n)) for n in ("embed_tokens", "lm_head"))
+    expect = (4 if train else 2) * sum(r.out_elems for r in blocks)
+    expect += embed.out_elems + head.out_elems + (embed.in_elems + head.in_elems if train else 0)
+    assert pred.extra["allreduce_bytes"] == B * 8 * expect
+
+
 def test_predict_command_takes_dtensor_inference_and_names_the_heads(cli, tmp_path):
     ceilings = tmp_path / "ceilings.json"
     ceilings.write_text(json.dumps(figures().data))

@@ -7,20 +7,26 @@ memory estimate.
                splits before (layout/partition.snap_counts); `--cut NAMES` as given.
                The activation a cut sends is the input of the module the next stage begins
                at (a block's input: B x T x C per micro-batch).
-    tensor     the heads plan (strategies/tensor_plan.py): every block's attention by heads
-               and its MLP, so a block row's compute and parameters divide by the tp ranks;
-               what runs outside the blocks (embeddings, a position table, the final norm,
-               the head) is replicated. Per block two all-reduces of the block's activation
-               (B x T x C) forward, after the attention's output projection and after the
-               MLP's down projection (RowwiseParallel), and two more backward when training
-               (the gradients of the column-wise projections' inputs). A block's own norms
-               count in its row: FlopCounter counts them as a few FLOPs per value, far below
-               its matmuls.
+    tensor     the plan the ranks would run (strategies/tensor_plans/: a model's declared
+               HF plan, else the derived heads plan), read through tensor_plans/shares.py:
+               of each block row, the share of its projections the plan splits divides by
+               the tp ranks, the rest of the row runs whole; a row outside the blocks runs
+               whole unless the plan shards its module (a declared plan's embedding or
+               head), then it divides. Per block the plan splits, two all-reduces of the
+               block's activation (B x T x C) forward, after the attention's output
+               projection and after the MLP's down projection (RowwiseParallel), and two
+               more backward when training (the gradients of the column-wise projections'
+               inputs); per sharded row outside the blocks, one of its output forward (an
+               embedding's partial sums; a head's logits gathered, an all-gather counted as
+               an all-reduce of the same bytes: an upper bound) and, training, one of its
+               input. A block's own norms count in its row: FlopCounter counts them as a few
+               FLOPs per value, far below its matmuls.
 """
 
 from __future__ import annotations
 
 from scalelab.config import RunConfig
+from scalelab.errors import UsageError
 from scalelab.layout.partition import (
     LayerProfile,
     balance_auto,
@@ -85,23 +91,52 @@ def row_seconds(ctx, s: Scenario, compute: ComputeModel, batch: float) -> list[f
     return [t * scale for t in roof]
 
 
-def sharded(cfg: RunConfig) -> list[bool]:
-    """Per cost row: does the heads plan shard it (a block) or replicate it."""
-    return [r.kind == BLOCK for r in block_rows(cfg)]
+def shares(cfg: RunConfig) -> list[float]:
+    """Per cost row, the fraction of its work the tensor plan divides over the tp ranks:
+    a block's projections' share the plan splits, 1 for a row whose module the plan shards,
+    0 for a row it leaves whole. Without a plan (no heads plan applies), every block whole
+    divides, as the heads plan would split it."""
+    import torch
+
+    from scalelab.strategies.tensor_plans import shares as plan_shares
+
+    workload = build_workload(cfg)
+    rows = workload.cost_table()
+    try:
+        plan = plan_shares.plan_of(cfg, workload)
+    except UsageError:  # tp does not divide the heads: refused by undivided_heads, not here
+        plan = None
+    if plan is None:
+        return [1.0 if r.kind == BLOCK else 0.0 for r in rows]
+    with torch.device("meta"):
+        per_block = plan_shares.block_shares(workload.build_model(), plan)
+    styled = set(plan_shares.sharded_modules(plan))
+    return [
+        per_block.get(r.name, 1.0) if r.kind == BLOCK else float(r.name in styled) for r in rows
+    ]
 
 
 def tp_params(cfg: RunConfig, tp: int) -> float:
-    """Parameters one tensor rank holds: the blocks' over tp, the rest whole."""
-    rows = block_rows(cfg)
-    return sum(r.params / tp if r.kind == BLOCK else r.params for r in rows)
+    """Parameters one tensor rank holds: each row's sharded share over tp, the rest whole."""
+    return sum(r.params * (f / tp + 1 - f) for r, f in zip(block_rows(cfg), shares(cfg)))
 
 
 def tp_allreduces(cfg: RunConfig, batch: float, itemsize: int) -> list[float]:
-    """Bytes of every all-reduce of one step of `batch` items: per block two forward (the
-    block's output activation, B x T x C), two more backward when training."""
+    """Bytes of every all-reduce of one step of `batch` items: per block the plan splits, two
+    forward (the block's output activation, B x T x C), two more backward when training; per
+    sharded row outside the blocks, its output forward and, training, its input backward."""
     per_block = 4 if cfg.train else 2
-    rows = [r for r in block_rows(cfg) if r.kind == BLOCK]
-    return [batch * r.out_elems * itemsize for r in rows for _ in range(per_block)]
+    out = []
+    for r, f in zip(block_rows(cfg), shares(cfg)):
+        if f <= 0:
+            continue
+        if r.kind == BLOCK:
+            out += [batch * r.out_elems * itemsize] * per_block
+        else:
+            out += [batch * r.out_elems * itemsize] + (
+                [batch * r.in_elems * itemsize] if cfg.train else []
+            )
+    return out
 
 
 def undivided_heads(cfg: RunConfig, tp: int) -> str | None:

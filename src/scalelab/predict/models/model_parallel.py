@@ -100,9 +100,9 @@ class TensorModel(OverMPI):
         n, batch = s.ranks, s.cfg.batch
         compute = ctx.compute(s)
         rows = blocks.row_seconds(ctx, s, compute, batch)
-        split = blocks.sharded(s.cfg)
+        split = blocks.shares(s.cfg)
         total = max(sum(rows), 1e-30)
-        share = sum(t for t, b in zip(rows, split) if b) / total  # of the compute, the blocks'
+        share = sum(t * f for t, f in zip(rows, split)) / total  # of the compute, the plan's
         phases = compute.phases(batch)
         phases["compute"] *= share / n + (1 - share)
         sizes = blocks.tp_allreduces(s.cfg, batch, get_precision(s.precision).itemsize)
@@ -112,8 +112,8 @@ class TensorModel(OverMPI):
         pred = Prediction(s, phases, frozenset({"allreduce"}), compute.sources, list(compute.notes))
         per_block = 4 if s.cfg.train else 2
         pred.notes.append(
-            f"tensor by heads: the blocks ({share:.0%} of the compute) over the ranks, the rest "
-            f"replicated; {per_block} all-reduces per block of its activation "
+            f"tensor by heads: what the plan shards ({share:.0%} of the compute) over the "
+            f"ranks, the rest replicated; {per_block} all-reduces per block of its activation "
             f"({sizes[0] / 1e6 if sizes else 0:.3g} MB), {len(sizes)} per step"
         )
         if compute.fixed_s > 0:
