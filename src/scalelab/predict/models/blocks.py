@@ -25,6 +25,9 @@ memory estimate.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
 from scalelab.layout.partition import (
@@ -96,24 +99,32 @@ def shares(cfg: RunConfig) -> list[float]:
     a block's projections' share the plan splits, 1 for a row whose module the plan shards,
     0 for a row it leaves whole. Without a plan (no heads plan applies), every block whole
     divides, as the heads plan would split it."""
+    n = cfg.tp if cfg.tp is not None else max(cfg.ranks // max(cfg.dp, 1), 1)
+    return list(_shares(build_workload(cfg), n, cfg.tp_plan))
+
+
+@functools.lru_cache(maxsize=64)
+def _shares(workload, tp: int, tp_plan: str | None) -> tuple[float, ...]:
+    """shares() once per model and plan: deriving a plan builds the model on the meta device
+    (validate asks for hundreds of records of a few models)."""
     import torch
 
     from scalelab.strategies.tensor_plans import shares as plan_shares
 
-    workload = build_workload(cfg)
+    cfg = dataclasses.replace(workload.cfg, tp=tp, tp_plan=tp_plan)
     rows = workload.cost_table()
     try:
         plan = plan_shares.plan_of(cfg, workload)
     except UsageError:  # tp does not divide the heads: refused by undivided_heads, not here
         plan = None
     if plan is None:
-        return [1.0 if r.kind == BLOCK else 0.0 for r in rows]
+        return tuple(1.0 if r.kind == BLOCK else 0.0 for r in rows)
     with torch.device("meta"):
         per_block = plan_shares.block_shares(workload.build_model(), plan)
     styled = set(plan_shares.sharded_modules(plan))
-    return [
+    return tuple(
         per_block.get(r.name, 1.0) if r.kind == BLOCK else float(r.name in styled) for r in rows
-    ]
+    )
 
 
 def tp_params(cfg: RunConfig, tp: int) -> float:
