@@ -42,6 +42,20 @@ def pytest_xdist_make_scheduler(config, log):
     return GroupedFiles(config, log)
 
 
+def pytest_collection_modifyitems(config, items):
+    """The longest work first, so a spread run does not end on one long file alone: the
+    grouped files (the README group alone is a fifth of the run), then the files holding a
+    `slow` test, then the rest. A stable sort after pytest-randomly's shuffle (its hook wraps
+    this one): within each tier the order stays random."""
+    grouped = {name for files in FILE_GROUPS.values() for name in files}
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+
+    def tier(item) -> int:
+        return 0 if item.path.name in grouped else (1 if item.path in slow else 2)
+
+    items.sort(key=tier)
+
+
 @pytest.fixture(scope="session")
 def mnist_dir() -> Path:
     path = SHARED_DATA / "mnist"
