@@ -114,7 +114,7 @@ def check_epilogue2d() -> None:
         ((3, 24, 9), None, None),
         ((2, 20, 11), strong, (3, 2)),
         ((1, 7, 8), strong, None),
-        ((2, 96, 15), (5, 1e-4, 0.75, 2.0), (3, 2)),
+        ((1, 96, 15), (5, 1e-4, 0.75, 2.0), (3, 2)),  # AlexNet's 96 channels
     )
     for (n, c, h), lrn, pool in cases:
         y, b = 3 * torch.randn(n, c, h, h), torch.randn(c)
