@@ -79,12 +79,17 @@ def test_tensor_by_heads_divides_the_blocks_and_all_reduces_their_activations(tr
 
 @pytest.mark.parametrize("train", [False, True])
 def test_tensor_prediction_reads_a_declared_plan_that_shards_the_embedding_and_head(train):
-    """Hugging Face's Llama declares its own plan: besides every block's projections it
-    shards the token embedding (row-wise: partial sums all-reduced) and lm_head (column-wise:
-    the logits gathered). predict reads the plan the ranks would run, so those rows divide
-    too and add their collectives; what the plan leaves whole (rotary table, final norm)
-    runs whole."""
+    """Hugging Face's Llama declares its own plan: every block's projections and, in recent
+    transformers, the token embedding (row-wise: partial sums all-reduced) and lm_head
+    (column-wise: the logits gathered). predict reads the plan the ranks would run, so a row
+    outside the blocks divides when the plan shards its module and adds its collectives;
+    what the plan leaves whole (rotary table, final norm) runs whole. Which modules are
+    sharded is read off the model's own declaration (as the ranks map it onto DTensor)."""
     pytest.importorskip("transformers")
+    from fnmatch import fnmatch
+
+    from scalelab.strategies.tensor_plans import declared
+
     zoo = f"{ROOT / 'tests' / 'programs' / 'zoo.py'}:hf_llama"
     cfg = RunConfig(workload="model", model=zoo, input_shape="16", input_dtype="int64",
                     vocab=40, dtype="fp64", batch=B, ranks=2, strategy="tensor",
@@ -92,18 +97,17 @@ def test_tensor_prediction_reads_a_declared_plan_that_shards_the_embedding_and_h
     s, ctx = Scenario(cfg, 2, 4), _ctx()
     pred = predict_one(ctx, s)
     rows, seconds = _rows(s)
-    split = {"block", "embedding"} | {"linear"}  # the head is the only Linear row
-    assert [r.kind for r in rows if r.name.endswith(("embed_tokens", "lm_head"))] == [
-        "embedding", "linear"]  # fmt: skip
-    divided = sum(t for r, t in zip(rows, seconds) if r.kind in split)
+    patterns = declared.styles(declared.declared(WORKLOADS.get("model")(cfg).build_model()))
+    assert any(fnmatch("model.model.layers.0.self_attn.q_proj", p) for p in patterns)
+    outside = [r for r in rows if r.kind != "block" and any(fnmatch(r.name, p) for p in patterns)]
+    split = {r.name for r in rows if r.kind == "block"} | {r.name for r in outside}
+    divided = sum(t for r, t in zip(rows, seconds) if r.name in split)
     whole = sum(seconds) - divided
-    assert whole > 0
+    assert whole > 0 and divided > 0
     slowdown = ctx.compute(s).contention
     assert pred.phases["compute"] == pytest.approx(slowdown * (divided / 2 + whole), rel=1e-9)
-    blocks = [r for r in rows if r.kind == "block"]
-    embed, head = (next(r for r in rows if r.name.endswith(n)) for n in ("embed_tokens", "lm_head"))
-    expect = (4 if train else 2) * sum(r.out_elems for r in blocks)
-    expect += embed.out_elems + head.out_elems + (embed.in_elems + head.in_elems if train else 0)
+    expect = (4 if train else 2) * sum(r.out_elems for r in rows if r.kind == "block")
+    expect += sum(r.out_elems + (r.in_elems if train else 0) for r in outside)
     assert pred.extra["allreduce_bytes"] == B * 8 * expect
 
 
