@@ -43,17 +43,25 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The longest work first, so a spread run does not end on one long file alone: the
+    """The longest work first, so a spread run does not end on one long test alone: the
     grouped files (the README group alone is a fifth of the run), then the files holding a
-    `slow` test, then the rest. A stable sort after pytest-randomly's shuffle (its hook wraps
-    this one): within each tier the order stays random."""
+    `slow` test, then the rest; within a tier the files with a slow test first, and in a file
+    its slow tests first. xdist hands a process its next file when the current one has two
+    tests left, so a long test last in its file would hold the next file back behind it.
+    A stable sort after pytest-randomly's shuffle (its hook wraps this one): each file stays
+    whole, and the order within each tier, and within a file otherwise, stays random."""
     grouped = {name for files in FILE_GROUPS.values() for name in files}
     slow = {item.path for item in items if item.get_closest_marker("slow")}
+    place = {}
+    for item in items:
+        place.setdefault(item.path, len(place))
 
-    def tier(item) -> int:
-        return 0 if item.path.name in grouped else (1 if item.path in slow else 2)
+    def key(item) -> tuple[int, int, int, int]:
+        tier = 0 if item.path.name in grouped else (1 if item.path in slow else 2)
+        first = 0 if item.get_closest_marker("slow") else 1
+        return (tier, 0 if item.path in slow else 1, place[item.path], first)
 
-    items.sort(key=tier)
+    items.sort(key=key)
 
 
 @pytest.fixture(scope="session")
