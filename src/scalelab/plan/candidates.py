@@ -4,10 +4,10 @@ threads, split, per-rank batch, precision, and its own knobs); sources that do n
 (inference-only splits for a training plan, GPU knobs on CPUs) yield nothing. New ways to run
 plug in as new sources: `@SOURCES.register("name", "what it varies")` over a function
 PlanSpec -> Iterator[RunConfig]; a strategy that subclasses another needs none (its
-parent's candidates, renamed; a plan without `--strategies` takes them too). A user's `--model` needs no
-source of its own: its base config carries --model/--model-arg/--input-shape into every
-candidate, and a strategy its model cannot run under is left out with that strategy's own
-refusal (applies.py).
+parent's candidates, renamed; a plan without `--strategies` takes them too). A user's
+`--model` needs no source of its own: its base config carries --model/--model-arg/
+--input-shape into every candidate, and a strategy its model cannot run under is left out
+with that strategy's own refusal (applies.py).
 
     mpi / nccl       inference splits (batch, spatial, broadcast) x ranks x threads
     mpi-dp, ddp      data-parallel training
@@ -60,9 +60,12 @@ def candidates(spec: PlanSpec) -> list[RunConfig]:
 def _inheriting() -> tuple[str, ...]:
     """Registered strategies with no source of their own whose ancestor has one (a plugin
     that subclasses a built-in strategy), in registration order."""
-    return tuple(
-        n for n in STRATEGIES.names() if n not in SOURCES and any(p in SOURCES for p in lineage(n))
-    )
+    return tuple(n for n in STRATEGIES.names() if n not in SOURCES and _ancestor(n) is not None)
+
+
+def _ancestor(name: str) -> str | None:
+    """The nearest strategy in name's lineage (itself first) that has a source."""
+    return next((n for n in lineage(name) if n in SOURCES), None)
 
 
 def _source_of(name: str) -> Source:
@@ -70,7 +73,7 @@ def _source_of(name: str) -> Source:
     subclass strategy (registered outside plan/) gets its parent's candidates under its name."""
     if name in SOURCES or name not in STRATEGIES:
         return SOURCES.get(name)
-    parent = next((n for n in lineage(name) if n in SOURCES), None)
+    parent = _ancestor(name)
     if parent is None:
         return SOURCES.get(name)  # the unknown-source error, listing the known ones
 

@@ -41,7 +41,7 @@ class Strategy(ABC):
     reference: ClassVar[bool] = False  # the float64 one-process reference itself
     plain_local: ClassVar[bool] = False  # the plain torch one-process run (cpu or cuda)
     gpu_first: ClassVar[bool] = False  # predict's --device defaults to cuda for it
-    trains_only: ClassVar[bool] = False  # it runs training steps only (tensor: DTensor's)
+    trains_only: ClassVar[bool] = False  # predict models its training step only
 
     @classmethod
     def build(cls, cfg: RunConfig) -> Strategy:

@@ -99,8 +99,9 @@ def shares(cfg: RunConfig) -> list[float]:
     a block's projections' share the plan splits, 1 for a row whose module the plan shards,
     0 for a row it leaves whole. Without a plan (no heads plan applies), every block whole
     divides, as the heads plan would split it."""
-    n = cfg.tp if cfg.tp is not None else max(cfg.ranks // max(cfg.dp, 1), 1)
-    return list(_shares(build_workload(cfg), n, cfg.tp_plan))
+    from scalelab.strategies.tensor_plans.derived import tp_degree
+
+    return list(_shares(build_workload(cfg), tp_degree(cfg), cfg.tp_plan))
 
 
 @functools.lru_cache(maxsize=64)

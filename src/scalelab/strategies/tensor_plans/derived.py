@@ -43,6 +43,11 @@ from scalelab.workloads.blocks import head_attrs, heads_refusal, repeated_blocks
 OUT_NAMES = ("out_proj", "o_proj", "proj", "c_proj", "wo", "dense", "out")
 
 
+def tp_degree(cfg) -> int:
+    """The tensor-parallel degree of cfg: --tp, else every rank of one replica (--dp)."""
+    return cfg.tp if cfg.tp is not None else max(cfg.ranks // max(cfg.dp, 1), 1)
+
+
 @dataclass
 class HeadPlan:
     styles: dict[str, ParallelStyle]  # module name -> its style

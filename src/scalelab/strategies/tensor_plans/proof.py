@@ -46,7 +46,7 @@ def prove(cfg) -> None:
     """One line and exit 2 when the plan fails or disagrees on a tiny forward."""
     from scalelab.workloads import WORKLOADS
 
-    n = cfg.tp if cfg.tp is not None else max(cfg.ranks // max(cfg.dp, 1), 1)
+    n = tp.tp_degree(cfg)
     kind = WORKLOADS.get(cfg.workload)
     if cfg.tp_plan is None and not hasattr(kind, "linear_pairs"):
         return  # a built-in workload: its marked Linear pairs, no plan to prove

@@ -42,7 +42,7 @@ def plan_of(cfg, workload) -> derived.HeadPlan | None:
     device; None: sharded by Linear pairs, not by a plan)."""
     from scalelab.strategies.tensor_plans.proof import by_heads
 
-    n = cfg.tp if cfg.tp is not None else max(cfg.ranks // max(cfg.dp, 1), 1)
+    n = derived.tp_degree(cfg)
     with torch.device("meta"):
         model = workload.build_model()
         if not by_heads(cfg, workload, model):
