@@ -12,6 +12,7 @@ or, for the shape sections (SHAPES), the workload does not read (the runner, swe
 
 from __future__ import annotations
 
+import functools
 import math
 import typing
 from collections.abc import Callable
@@ -270,22 +271,34 @@ def check(cfg: Any, strategy: type, workload: type | None = None) -> None:
             section.when_read(cfg)
 
 
+@functools.cache
+def _field_kinds(cls: type) -> tuple[tuple[str, tuple[type, ...], bool], ...]:
+    """(field, the types its value may have, whether the hint is a tuple) per field of cls.
+    Cached per class: get_type_hints evaluates every string annotation again on each call
+    (~4 ms a RunConfig), and plan and predict build thousands of configs."""
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in fields(cls):
+        hint = hints[f.name]
+        kinds = tuple(a for a in typing.get_args(hint) if a is not type(None)) or (hint,)
+        out.append((f.name, kinds, typing.get_origin(hint) is tuple))
+    return tuple(out)
+
+
 def _check_types(cfg: Any) -> None:
     """Values from TOML or Python must have the field's type (an int field given 2.5 or
     True would pass the range checks and fail deep inside a strategy)."""
-    hints = typing.get_type_hints(type(cfg))
-    for f in fields(cfg):
-        value, hint = getattr(cfg, f.name), hints[f.name]
+    for name, kinds, is_tuple in _field_kinds(type(cfg)):
+        value = getattr(cfg, name)
         if value is None:
             continue
-        kinds = tuple(a for a in typing.get_args(hint) if a is not type(None)) or (hint,)
-        if typing.get_origin(hint) is tuple:  # tuple[str, ...]: every item a str
+        if is_tuple:  # tuple[str, ...]: every item a str
             kinds = (tuple,) if all(isinstance(v, str) for v in value) else (str,)
         ok = isinstance(value, kinds) and not (bool not in kinds and isinstance(value, bool))
         if float in kinds and isinstance(value, int) and not isinstance(value, bool):
             ok = True
         if not ok:
-            raise UsageError(f"--{flag(f.name)}: {value!r} is not {kinds[0].__name__}")
+            raise UsageError(f"--{flag(name)}: {value!r} is not {kinds[0].__name__}")
 
 
 def read_by(cfg: Any, strategy: type, workload: type | None = None) -> set[str]:
