@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -162,3 +163,14 @@ def _no_leaked_torch_settings():
         torch.set_default_dtype(before[1])
         torch.set_grad_enabled(before[2])
         pytest.fail(f"test left torch settings (threads, dtype, grad) {after}, was {before}")
+
+
+@pytest.fixture(autouse=True)
+def _no_kept_worker_pools():
+    """A test that measured a cpu_concurrency curve in this process leaves no worker pool for
+    the next one (`Workers.kept` keeps pools for the process's life: a command's, not a test
+    run's)."""
+    yield
+    concurrency = sys.modules.get("scalelab.instrument.concurrency")
+    if concurrency is not None:
+        concurrency.Workers.close_kept()

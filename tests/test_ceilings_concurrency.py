@@ -174,3 +174,18 @@ def _pinned_to_one_core(measure):
         return measure()
     finally:
         os.sched_setaffinity(0, before)
+
+
+def test_a_process_measures_a_kernels_curves_from_one_pool_of_workers():
+    """plan measures the same curve beside every verify round: the second measurement reuses
+    the first one's workers (their start, each importing torch, costs more than the curve),
+    another kernel gets its own pool, and a closed pool is started afresh."""
+    C.measure(2, quick=True)
+    first = C.Workers.kept(2, C.QUICK)
+    pids = [p.pid for p in first.procs]
+    C.measure(2, quick=True)
+    assert [p.pid for p in C.Workers.kept(2, C.QUICK).procs] == pids
+    assert C.Workers.kept(2, C.DEFAULT) is not first
+    C.Workers.close_kept()
+    assert all(p.poll() is not None for p in first.procs)
+    assert [p.pid for p in C.Workers.kept(2, C.QUICK).procs] != pids

@@ -37,7 +37,8 @@ rank's batch): how much processes slow each other depends on what they run (on a
 the convolution showed no slowdown at 2 processes while two ranks of MNIST's mlp ran their
 steps 1.15-1.6x slower than one alone).
 
-The workers are started once (importing torch takes a second) and reused for every k; they
+The workers are started once (importing torch takes a second) and reused for every k, and
+for every later curve of the same kernel in the process (`Workers.kept`); they
 are plain subprocesses talking JSON lines over stdin/stdout, so nothing depends on how the
 parent was started (`python -m scalelab`, pytest, under a launcher). Workers are not pinned to
 cores: the OS places them, as it places MPI ranks started without a binding.
@@ -45,15 +46,17 @@ cores: the OS places them, as it places MPI ranks started without a binding.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from scalelab.config import RunConfig
 
@@ -160,19 +163,15 @@ def measure_curves(
     default, window = (QUICK, 0.1) if quick else (DEFAULT, 0.4)
     kernel = kernel or default
     ks = levels(max(cores // threads, 1))
-    pool = Workers(ks[-1], kernel, threads)
+    pool = Workers.kept(ks[-1], kernel, threads)
     if not isinstance(kernel, StepKernel):  # the ceilings' convolution: the window, as always
-        try:  # per curve, per k: seconds of each process
+        with pool.closed_on_error():  # per curve, per k: seconds of each process
             runs = [[pool.run(k, window) for k in ks] for _ in range(repeats)]
-        finally:
-            pool.close()
         method = METHOD.format(window=window)
         return [{**curve(ks, per_k, kernel.describe(threads), method), "threads": threads}
                 for per_k in runs]  # fmt: skip
-    try:  # per curve, per k: per round, seconds of each process
+    with pool.closed_on_error():  # per curve, per k: per round, seconds of each process
         rounds = [[pool.lockstep(k, window) for k in ks] for _ in range(repeats)]
-    finally:
-        pool.close()
     method = LOCKSTEP.format(window=window, rounds=MIN_ROUNDS)
     what, step = kernel.describe(threads), kernel.step(threads)
     return [{**lockstep_curve(ks, per_k, what, method), "threads": threads, "step": step}
@@ -210,6 +209,39 @@ def lockstep_curve(
 class Workers:
     """n worker subprocesses of `threads` torch threads each, holding the kernel's tensors,
     warmed up and waiting."""
+
+    # Pools kept for the rest of the process by (workers, kernel, threads): `plan` measures the
+    # same curve again beside every verify round, and a pool's start (n imports of torch,
+    # the model built) cost more than the curve's windows. Closed at exit.
+    _kept: ClassVar[dict[str, Workers]] = {}
+
+    @classmethod
+    def kept(cls, n: int, kernel: Kernel | StepKernel, threads: int = 1) -> Workers:
+        """The live pool for (n, kernel, threads), started on first use."""
+        # the CPUs this process may use now: workers inherit them (a pool started pinned to
+        # one core measures that core, not the host)
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        key = json.dumps([n, kernel.spec(), threads, cpus], sort_keys=True, default=str)
+        pool = cls._kept.get(key)
+        if pool is None or any(p.poll() is not None for p in pool.procs):
+            if not cls._kept:
+                atexit.register(cls.close_kept)
+            pool = cls._kept[key] = cls(n, kernel, threads)
+        return pool
+
+    @classmethod
+    def close_kept(cls) -> None:
+        while cls._kept:
+            cls._kept.popitem()[1].close()
+
+    @contextmanager
+    def closed_on_error(self) -> Iterator[None]:
+        """A pool whose measurement failed is closed (and started afresh next time)."""
+        try:
+            yield
+        except BaseException:
+            self.close()
+            raise
 
     def __init__(self, n: int, kernel: Kernel | StepKernel, threads: int = 1) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
