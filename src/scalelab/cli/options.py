@@ -129,17 +129,16 @@ def config_from_args(args: argparse.Namespace, **overrides: Any) -> RunConfig:
         for f in dataclasses.fields(RunConfig)
         if f.name not in SKIP and getattr(args, f.name, None) is not None
     }
-    return RunConfig(**_stages_from_ranks({**given, **overrides}))
+    return RunConfig(**_derived_by_strategy({**given, **overrides}))
 
 
-def _stages_from_ranks(given: dict[str, Any]) -> dict[str, Any]:
-    """A pipeline over --ranks R without --stages: R / --dp stages (one rank each, as
-    `predict` and `plan` model it), not the field's default of 2 refused against R."""
-    ranks, dp = given.get("ranks", 1), given.get("dp", 1)
-    if (given.get("strategy") != "pipeline" or "stages" in given or ranks < 2 or ranks % dp
-            or given.get("placement") == "manual"):  # fmt: skip
-        return given
-    return {**given, "stages": ranks // dp}
+def _derived_by_strategy(given: dict[str, Any]) -> dict[str, Any]:
+    """The given flags with what the chosen strategy derives from them (a pipeline's stages
+    from --ranks); an unknown strategy is left for RunConfig to refuse."""
+    from scalelab.strategies import STRATEGIES
+
+    name = given.get("strategy", RunConfig.strategy)
+    return STRATEGIES.get(name).derived_flags(given) if name in STRATEGIES else given
 
 
 def workload_config(args: argparse.Namespace, **overrides: Any) -> RunConfig:

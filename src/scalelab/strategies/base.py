@@ -7,7 +7,7 @@ returns the gathered output and its timings. The workload never learns which str
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from torch import nn
 
@@ -79,6 +79,12 @@ class Strategy(ABC):
         """What it asks of the model, as Workload.check_strategy's keywords (workloads/ sits
         below strategies/, so the fact travels as data)."""
         return {"stages": cls.pipelined, "tensor_pairs": cls.traced_by_torch(cfg)}
+
+    @classmethod
+    def derived_flags(cls, given: dict[str, Any]) -> dict[str, Any]:
+        """The flags a command line gave (field name -> value), with any this strategy derives
+        from them where they were not given, before the config is built: none here."""
+        return given
 
     @classmethod
     def describe(cls, cfg: RunConfig) -> str:

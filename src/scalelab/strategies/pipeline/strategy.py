@@ -69,6 +69,15 @@ class PipelineStrategy(TorchStrategy):
         return PLACEMENTS[placement_name(cfg)].load()(cfg)
 
     @classmethod
+    def derived_flags(cls, given: dict[str, Any]) -> dict[str, Any]:
+        """Over --ranks R without --stages: R / --dp stages (one rank each, as `predict` and
+        `plan` model it), not the field's default of 2 refused against R."""
+        ranks, dp = given.get("ranks", 1), given.get("dp", 1)
+        if "stages" in given or ranks < 2 or ranks % dp or given.get("placement") == "manual":
+            return given
+        return {**given, "stages": ranks // dp}
+
+    @classmethod
     def reads_for(cls, cfg: RunConfig) -> tuple[str, ...]:
         """The sections of the placement the config names."""
         return PLACEMENTS[placement_name(cfg)].load().reads
