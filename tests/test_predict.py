@@ -164,6 +164,23 @@ def test_validate_pairs_each_file_with_its_own_hosts_ceilings(tmp_path):
     assert "from ceilings_h200x2.json (vm, 32 cpus, 2x NVIDIA H200)" in took
 
 
+def test_a_file_of_gpu_runs_takes_the_ceilings_measured_on_the_gpu(tmp_path):
+    """A host's folder holds ceilings_cpu.json (measured on its CPU) and ceilings_gpu.json
+    (on its GPU, its CPU figures too), and a results file of CPU and GPU runs: the GPU
+    file serves it whatever the names (a CPU file named closer to it included), so no GPU
+    point is left out for a cuda figure the CPU file cannot hold."""
+    shutil.copytree(COMMITTED / "holdout_strategies_h200x2_2026-11-26", tmp_path / "h")
+    for part in ("cal", "measure"):
+        folder = tmp_path / "h" / part
+        cpu, gpu = (json.loads((folder / f"ceilings_{d}.json").read_text()) for d in ("cpu", "gpu"))
+        assert (cpu["device"], gpu["device"]) == ("cpu", "cuda")
+        (folder / "ceilings_cpu.json").rename(folder / "holdout_mixed_ceilings.json")
+    v = validate(tmp_path / "h", None, None, held_out=False)
+    assert v.ceilings["holdout_mixed_measured.jsonl"].startswith("ceilings_gpu.json")
+    assert v.ceilings["holdout_mixed_calibration.jsonl"].startswith("ceilings_gpu.json")
+    assert not [k for k in v.skipped if "measured on cuda" in k], v.skipped
+
+
 def test_profiled_runs_calibrate_nothing():
     """A --trace run's times carry torch.profiler's overhead (a traced 2-GPU resnet18
     step read as 70 ms of DDP host cost per step): such records are skipped, and said."""

@@ -163,7 +163,8 @@ def _explicit(path: str | None):
 
 
 def _pair(origin: Path, found: Found) -> tuple[Path, dict]:
-    """The ceilings of origin's machine: its own host's files (a full one first), then the
+    """The ceilings of origin's machine: its own host's files (a full one first, measured on
+    the GPU where origin's runs used one), then the
     other ceilings in the nearest folder up from it, the name closest to origin's first; each
     later file fills the sections the earlier ones lack (a `--comm-only` file beside a full
     one). What came from another host's file is noted under "_borrowed"."""
@@ -174,10 +175,15 @@ def _pair(origin: Path, found: Found) -> tuple[Path, dict]:
         )
     host = found.hosts.get(origin, Host())
     by_name = lambda c: (-SequenceMatcher(None, c.stem, origin.stem).ratio(), str(c))  # noqa: E731
+    # A file of GPU runs takes a file measured on its GPU first (one measured on the host's
+    # CPU holds no cuda GEMM or memory figure): that one also holds the host's CPU figures.
+    gpu = any(p.scenario.cfg.device == "cuda" for p in found.points if p.origin == origin)
+    off_device = lambda c: gpu and found.ceilings[c].get("device") == "cpu"  # noqa: E731
     own = [c for c in found.ceilings if host.same(Host.of_ceilings(found.ceilings[c]))]
-    own.sort(key=lambda c: ("gemm_flops" not in found.ceilings[c], by_name(c)))
+    own.sort(key=lambda c: ("gemm_flops" not in found.ceilings[c], off_device(c), by_name(c)))
     near = _nearest(origin, list(found.ceilings))
     files = own + sorted((c for c in near if c not in own), key=by_name)
+    files.sort(key=off_device)  # a CPU-measured file last, even where it is the host's own
     first = found.ceilings[files[0]]
     merged = {**first, "comm": dict(first.get("comm") or {})}
     taken = {files[0]: ["all sections"]} if not own else {}
