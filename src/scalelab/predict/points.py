@@ -202,15 +202,26 @@ def _step_seconds(rec: dict[str, Any], default: float) -> float:
 
 
 def computed_in(cfg: RunConfig, rec: dict[str, Any]) -> RunConfig:
-    """The config with the dtype the run computed in: `serial` computes in float64 whatever
+    """The config with the dtype and threads the run computed with. The dtype: `serial` computes in float64 whatever
     --dtype asked (its record says precision fp64 under config dtype fp32), and its time must
     not calibrate an fp32 rank's compute (AlexNet's batch of 32: 2.6 s predicted from serial's
     float64 step, 1.5 s measured). Under --amp the record's precision is the autocast dtype,
     which the family already carries as `amp`."""
     ran = rec.get("precision")
-    if cfg.amp or not ran or ran == cfg.dtype:
+    if not (cfg.amp or not ran or ran == cfg.dtype):
+        cfg = dataclasses.replace(cfg, dtype=ran)
+    return _threads_used(cfg, rec)
+
+
+def _threads_used(cfg: RunConfig, rec: dict[str, Any]) -> RunConfig:
+    """The config with the torch threads per rank the run used where it did not give
+    --threads: the record's `threads` says what was chosen (one per rank on a 32-core host,
+    where the config's None read as 16 per rank predicted 2 MPI ranks 12x too fast)."""
+    used = rec.get("threads")
+    used = used.get("threads") if isinstance(used, dict) else used
+    if cfg.threads is not None or not isinstance(used, int) or isinstance(used, bool):
         return cfg
-    return dataclasses.replace(cfg, dtype=ran)
+    return dataclasses.replace(cfg, threads=used)
 
 
 def _cal_point(rec: dict, s: Scenario, seconds: float, scale: float, where: str) -> CalPoint:
