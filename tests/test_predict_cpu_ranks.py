@@ -177,3 +177,19 @@ def test_a_curve_of_the_ranks_own_step_gives_their_compute():
     assert compute(_step_curve(batch=4), threads=2, ranks=8)[0] == pytest.approx(
         compute(plain_curve, threads=2, ranks=8)[0]
     )
+
+
+def test_a_point_takes_the_threads_its_run_used_where_the_config_gave_none():
+    """A run without --threads records what it chose (one per rank here): its point is
+    predicted at that, not at the config's None (read as the host's cores over the ranks:
+    2 MPI ranks on a 32-core host were predicted at 16 threads each, 12x fast). A given
+    --threads stands; an old record's bare integer is read too."""
+    from scalelab.predict.points import computed_in
+
+    cfg = RunConfig(workload="alexnet", strategy="mpi", ranks=2)
+    chose = {"threads": {"threads": 1, "source": "chosen", "why": "32 CPUs, 2 ranks"}}
+    assert computed_in(cfg, chose).threads == 1
+    assert computed_in(cfg, {"threads": 3}).threads == 3
+    assert computed_in(cfg, {}).threads is None
+    given = RunConfig(workload="alexnet", strategy="mpi", ranks=2, threads=4)
+    assert computed_in(given, chose).threads == 4
