@@ -202,11 +202,11 @@ def _step_seconds(rec: dict[str, Any], default: float) -> float:
 
 
 def computed_in(cfg: RunConfig, rec: dict[str, Any]) -> RunConfig:
-    """The config with the dtype and threads the run computed with. The dtype: `serial` computes in float64 whatever
-    --dtype asked (its record says precision fp64 under config dtype fp32), and its time must
-    not calibrate an fp32 rank's compute (AlexNet's batch of 32: 2.6 s predicted from serial's
-    float64 step, 1.5 s measured). Under --amp the record's precision is the autocast dtype,
-    which the family already carries as `amp`."""
+    """The config with the dtype and threads the run computed with. The dtype: `serial`
+    computes in float64 whatever --dtype asked (its record says precision fp64 under config
+    dtype fp32), and its time must not calibrate an fp32 rank's compute (AlexNet's batch of
+    32: 2.6 s predicted from serial's float64 step, 1.5 s measured). Under --amp the record's
+    precision is the autocast dtype, which the family already carries as `amp`."""
     ran = rec.get("precision")
     if not (cfg.amp or not ran or ran == cfg.dtype):
         cfg = dataclasses.replace(cfg, dtype=ran)
