@@ -224,8 +224,6 @@ class Workers:
         key = json.dumps([n, kernel.spec(), threads, cpus], sort_keys=True, default=str)
         pool = cls._kept.get(key)
         if pool is None or any(p.poll() is not None for p in pool.procs):
-            if not cls._kept:
-                atexit.register(cls.close_kept)
             pool = cls._kept[key] = cls(n, kernel, threads)
         return pool
 
@@ -302,6 +300,9 @@ class Workers:
         if not line:
             raise RuntimeError(f"cpu_concurrency worker exited (code {p.wait()})")
         return json.loads(line)
+
+
+atexit.register(Workers.close_kept)
 
 
 def worker() -> None:

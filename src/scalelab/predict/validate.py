@@ -120,7 +120,8 @@ def validate(
             f"{root}: no measured point the model covers (skipped: {dict(found.skipped)})"
         )
     explicit = _explicit(ceilings)
-    pairs = {p.origin: explicit or _pair(p.origin, found) for p in found.points}
+    origins = dict.fromkeys(p.origin for p in found.points)  # each file once, in order
+    pairs = {origin: explicit or _pair(origin, found) for origin in origins}
     rows = []
     for origin, (cpath, cdata) in sorted(pairs.items()):
         pool = _pool(found, pairs, cpath)
@@ -180,13 +181,13 @@ def _pair(origin: Path, found: Found) -> tuple[Path, dict]:
     gpu = any(p.scenario.cfg.device == "cuda" for p in found.points if p.origin == origin)
     off_device = lambda c: gpu and found.ceilings[c].get("device") == "cpu"  # noqa: E731
     own = [c for c in found.ceilings if host.same(Host.of_ceilings(found.ceilings[c]))]
-    own.sort(key=lambda c: ("gemm_flops" not in found.ceilings[c], off_device(c), by_name(c)))
+    own.sort(key=lambda c: ("gemm_flops" not in found.ceilings[c], by_name(c)))
     near = _nearest(origin, list(found.ceilings))
     files = own + sorted((c for c in near if c not in own), key=by_name)
     files.sort(key=off_device)  # a CPU-measured file last, even where it is the host's own
     first = found.ceilings[files[0]]
     merged = {**first, "comm": dict(first.get("comm") or {})}
-    taken = {files[0]: ["all sections"]} if not own else {}
+    taken = {files[0]: ["all sections"]} if files[0] not in own else {}
     for other in files[1:]:
         added = _fill(merged, found.ceilings[other])
         if added:
