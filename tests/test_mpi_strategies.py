@@ -158,6 +158,34 @@ def test_open_mpi_leaves_placing_threads_to_the_os(monkeypatch, extra):
     )
 
 
+WAIT_IN_BARRIER = """
+import time
+from mpi4py import MPI
+if MPI.COMM_WORLD.rank == 0:
+    while time.process_time() < 1.5:
+        pass
+MPI.COMM_WORLD.Barrier()
+print(MPI.COMM_WORLD.rank, time.process_time(), flush=True)
+"""
+
+
+@pytest.mark.mpi
+def test_ranks_waiting_on_an_oversubscribed_core_leave_it_to_the_one_computing(monkeypatch):
+    """More ranks than cores: a rank waiting in a collective must not poll its core away from
+    the one computing. Three ranks on one core, rank 0 computing 1.5 s of CPU: polling
+    ranks took as much CPU as rank 0 (and the job 3x as long); yielding ranks a fraction."""
+    monkeypatch.delenv("MPIR_CVAR_ENABLE_HEAVY_YIELD", raising=False)  # conftest's, for CI
+    cmd, env = mpiexec_command(len(os.sched_getaffinity(0)) + 1)
+    cmd[cmd.index("-n") + 1] = "3"
+    one_core = min(os.sched_getaffinity(0))
+    proc = subprocess.run([*cmd, sys.executable, "-c", WAIT_IN_BARRIER], capture_output=True,
+                          text=True, timeout=120, env=env,
+                          preexec_fn=lambda: os.sched_setaffinity(0, {one_core}))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    cpu = dict(tuple(map(float, line.split())) for line in proc.stdout.splitlines())
+    assert cpu[0] >= 1.5 and max(cpu[1], cpu[2]) < 0.5 * cpu[0], cpu
+
+
 @pytest.mark.mpi
 def test_ranks_bound_to_one_core_each_had_both(tmp_path, monkeypatch):
     """The launcher binds each rank to its own core (SCALELAB_MPIEXEC_ARGS): the record's

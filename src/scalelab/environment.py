@@ -16,6 +16,13 @@ import numpy as np
 import torch
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity, which its children inherit)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -4,7 +4,6 @@ of back-to-back calls, each block long enough to swamp the clock and the first c
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -40,10 +39,6 @@ class Plan:
         if quick:
             return cls((128, 256), (16 * MiB,), 0, (256,), 8 * MiB, 0.01, 3, 0.05)
         return cls((256, 512, 1024), (64 * MiB,), 0, (256, 512), 32 * MiB, 0.03, 5, 0.25)
-
-
-def cpu_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 def _block(fn: Callable[[], object], calls: int) -> Callable[[], None]:

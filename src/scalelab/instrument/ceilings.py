@@ -79,10 +79,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from scalelab.environment import cpu_model
+from scalelab.environment import cpu_model, usable_cpus
 from scalelab.errors import UsageError
 from scalelab.instrument import concurrency
-from scalelab.instrument.ceiling_timing import Plan, best_and_spread, cpu_cores, seconds_per_call
+from scalelab.instrument.ceiling_timing import Plan, best_and_spread, seconds_per_call
 from scalelab.instrument.comm_bench import fit_alpha_beta  # noqa: F401  (part of this API)
 from scalelab.instrument.host_ceilings import host_ceilings  # noqa: F401  (part of this API)
 from scalelab.instrument.peaks import datasheet_peak
@@ -107,7 +107,7 @@ def machine_fingerprint() -> dict[str, Any]:
     return {
         "hostname": socket.gethostname(),
         "cpu": cpu_model(),
-        "cpu_cores": cpu_cores(),
+        "cpu_cores": usable_cpus(),
         "gpu": torch.cuda.get_device_name(0) if cuda else None,
         "gpu_count": torch.cuda.device_count() if cuda else 0,
         "torch": torch.__version__,
@@ -223,7 +223,7 @@ def measure_local(device: torch.device, quick: bool, quiet: bool = False) -> dic
         ("gemm", lambda: {"gemm_flops": gemm_flops(device, plan, names)}),
         ("copy", lambda: _mem_section(copy_bandwidth(device, plan))),
         ("host", lambda: host_ceilings(plan)),
-        ("cpu concurrency", lambda: {"cpu_concurrency": concurrency.measure(cpu_cores(), quick)}),
+        ("cpu concurrency", lambda: {"cpu_concurrency": concurrency.measure(usable_cpus(), quick)}),
     ]
     if cuda:
         steps.insert(2, ("h2d/d2h", lambda: transfer_bandwidth(device, plan)))

@@ -10,7 +10,8 @@ from typing import Any
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from scalelab.instrument.ceiling_timing import Plan, cpu_cores, seconds_per_call
+from scalelab.environment import usable_cpus
+from scalelab.instrument.ceiling_timing import Plan, seconds_per_call
 
 
 def numpy_gemm_flops(n: int, threads: int, plan: Plan) -> float:
@@ -35,7 +36,7 @@ def numpy_copy_bandwidth(nbytes: int, threads: int, plan: Plan) -> float:
 
 
 def host_ceilings(plan: Plan) -> dict[str, Any]:
-    cores = cpu_cores()
+    cores = usable_cpus()
     best = lambda threads: max(numpy_gemm_flops(n, threads, plan) for n in plan.cpu_gemm_sizes)  # noqa: E731
     copy = lambda threads: numpy_copy_bandwidth(plan.cpu_copy_bytes, threads, plan)  # noqa: E731
     return {

@@ -21,6 +21,7 @@ import torch
 from scalelab.cli.base import COMMANDS, Command
 from scalelab.cli.commands import ceilings_collectives as coll
 from scalelab.comm.launch import inside_launcher
+from scalelab.environment import usable_cpus
 from scalelab.errors import UsageError
 from scalelab.instrument import ceilings as C
 from scalelab.instrument.ceiling_checks import flag_moved, self_check
@@ -103,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
             coll.file_comm(data, args.backend, comm)
     if not data.get("comm"):
         data.pop("comm", None)
-    busy = load_warning(probe.host_load(probe.own_cpu_s()), need_cpus=C.cpu_cores())
+    busy = load_warning(probe.host_load(probe.own_cpu_s()), need_cpus=usable_cpus())
     if busy:  # a ceiling is what a quiet machine reaches: these may be low
         data["warnings"] = [*data.get("warnings", []), *busy]
     C.write_ceilings(args.out, data)

@@ -139,14 +139,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _spec(args: argparse.Namespace, figures):
-    from scalelab.instrument.ceiling_timing import cpu_cores
+    from scalelab.environment import usable_cpus
     from scalelab.plan.space import PlanSpec
 
     base = config_from_args(args, workload=workload_name(args))
-    cores = int((figures.data.get("machine") or {}).get("cpu_cores") or cpu_cores() or 1)
+    cores = int((figures.data.get("machine") or {}).get("cpu_cores") or usable_cpus())
     # the ceilings may describe a larger machine, but --calibrate-missing and --verify run the
     # candidates on this one: one of more cores than it has would time its oversubscription
-    here = cpu_cores() or 1
+    here = usable_cpus()
     capped = (args.calibrate_missing or args.verify > 0) and cores > here
     described, cores = cores, here if capped else cores
     per_node = args.gpus_per_node or (8 if base.device == "cuda" else cores)
