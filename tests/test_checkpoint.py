@@ -168,6 +168,13 @@ def test_comma_list_errors_and_argv_rewrite(cli, tmp_path):
     assert code == 2 and "invalid float value: '0.1,x'" in err
     code, _, err = cli(*ARGS, "--batch", "8,0", "--out", tmp_path / "r.jsonl")
     assert code == 2 and "--batch must be >= 1" in err and not (tmp_path / "r.jsonl").exists()
+    # a value refused by the strategy, not the parser: refused before the first value runs
+    code, _, err = cli(*ARGS, "--ranks", "1,2", "--out", tmp_path / "r.jsonl")
+    assert code == 2 and not (tmp_path / "r.jsonl").exists()
+    assert err.strip() == (
+        "scalelab run: error: strategy local runs in one process: --ranks 2 needs a strategy "
+        "of ranks (scalelab list)"
+    )
     argv = ["run", "mlp", "--lr", "0.1,0.5", "--ranks=1,2"]
     assert substitute(argv, "--lr", 0.5) == ["run", "mlp", "--lr", "0.5", "--ranks=1,2"]
     assert substitute(argv, "--ranks", 2)[-1] == "--ranks=2"

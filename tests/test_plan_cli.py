@@ -67,12 +67,12 @@ def test_a_larger_machines_ceilings_cap_the_cores_only_where_plan_runs_here(
     (--calibrate-missing, --verify), candidates of more cores would time its
     oversubscription (16-thread runs on 2 cores, seen taking minutes each), so they are
     capped at this host's cores with a warning."""
+    from scalelab import environment
     from scalelab.cli.commands.plan import _spec
     from scalelab.cli.main import build_parser
     from scalelab.errors import UsageError
-    from scalelab.instrument import ceiling_timing
 
-    monkeypatch.setattr(ceiling_timing, "cpu_cores", lambda: 2)
+    monkeypatch.setattr(environment, "usable_cpus", lambda: 2)
     data = {**figures().data, "machine": {"cpu_cores": 16}}
     args = build_parser().parse_args(["plan", "alexnet", "--ranks-max", "2", *runs_here])
     got = _spec(args, Figures(data, "sixteen.json"))

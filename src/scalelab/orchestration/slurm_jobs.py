@@ -131,7 +131,7 @@ class Layout:
 
 def layout(point: Point, opts: SlurmOptions) -> Layout:
     cfg = point.config
-    launcher = STRATEGIES.get(cfg.strategy).launcher
+    launcher = STRATEGIES.get(cfg.strategy).launcher_for(cfg)
     ranks = cfg.ranks if launcher else 1
     if cfg.device == "cuda" and not (opts.gpus_per_node or opts.gpus_per_task):
         raise UsageError(

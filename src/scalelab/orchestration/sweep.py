@@ -317,9 +317,7 @@ def command(point: Point, results: Path) -> tuple[list[str], dict[str, str] | No
 
 
 def _launcher(point: Point) -> str | None:
-    strategy = STRATEGIES.get(point.config.strategy)
-    pick = getattr(strategy, "launcher_for", None)  # tensor: mpiexec, or torchrun for DTensor
-    return pick(point.config) if pick is not None else strategy.launcher
+    return STRATEGIES.get(point.config.strategy).launcher_for(point.config)
 
 
 # --- running -------------------------------------------------------------------------------

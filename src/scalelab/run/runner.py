@@ -92,7 +92,15 @@ def check_config(cfg: RunConfig) -> None:
     """The config under its strategy and workload (config_sections.check): no option they would
     ignore, and the rules of the sections it reads. `scalelab run` calls this before it
     starts a launcher, the runner again on every rank."""
-    config_sections.check(cfg, STRATEGIES.get(cfg.strategy), WORKLOADS.get(cfg.workload))
+    strategy = STRATEGIES.get(cfg.strategy)
+    if cfg.ranks > 1 and strategy.launcher_for(cfg) is None:
+        # refused here, not on the rank: a comma list (`--ranks 1,2`) ran its first value
+        # before the second was refused
+        raise UsageError(
+            f"strategy {cfg.strategy} runs in one process: --ranks {cfg.ranks} needs a strategy "
+            "of ranks (scalelab list)"
+        )
+    config_sections.check(cfg, strategy, WORKLOADS.get(cfg.workload))
     train_check.refuse(cfg)
 
 

@@ -55,6 +55,12 @@ class Strategy(ABC):
         self.comm: Comm = self.make_comm()
 
     @classmethod
+    def launcher_for(cls, cfg: RunConfig) -> str | None:
+        """Who starts cfg's ranks (a strategy with two engines says per engine); None: it
+        runs in one process."""
+        return cls.launcher
+
+    @classmethod
     def reads_for(cls, cfg: RunConfig) -> tuple[str, ...]:
         """The sections a run of cfg reads (a strategy with two engines says per engine)."""
         return cls.reads

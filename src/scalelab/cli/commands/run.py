@@ -156,13 +156,13 @@ def run_one(args: argparse.Namespace) -> tuple[int, dict[str, Any] | None]:
     """(exit code, the record this process printed or None: launched jobs print their own)."""
     cfg = config_from_args(args, workload=workload_name(args), **_defaults(args))
     strategy = STRATEGIES.get(cfg.strategy)
-    node_agent = srun_task.is_node_agent(_launcher(strategy, cfg), args.nnodes)
+    node_agent = srun_task.is_node_agent(strategy.launcher_for(cfg), args.nnodes)
     cfg = settle_config(cfg, None if node_agent else strategy.launcher)
     preflight(strategy, cfg)
     check_run_outputs(cfg, None if args.no_record else Path(args.out))
     if cfg.compare_devices:
         return _compare_devices(cfg, args)
-    launcher = _launcher(strategy, cfg)
+    launcher = strategy.launcher_for(cfg)
     results = None if args.no_record else Path(args.out)
     if launcher is None and srun_tasks() is not None and srun_tasks() > 1:
         raise UsageError(
@@ -227,12 +227,6 @@ def _lines(path: Path | None) -> int:
     return len(path.read_bytes().splitlines()) if path is not None and path.exists() else 0
 
 
-def _launcher(strategy: type, cfg: RunConfig) -> str | None:
-    """Who starts the ranks: a strategy with two engines (tensor) says per config."""
-    pick = getattr(strategy, "launcher_for", None)
-    return pick(cfg) if pick is not None else strategy.launcher
-
-
 def _record_lost_job(cfg: RunConfig, results: Path, error: str) -> None:
     """A launched job failed and no rank wrote a record (a rank died or was killed, taking
     the root with it): the launching process records the failure, in the line it printed."""
@@ -249,7 +243,7 @@ def _defaults(args: argparse.Namespace) -> dict[str, Any]:
 def preflight(strategy: type, cfg: RunConfig) -> None:
     """Checks a strategy can make without ranks (so a launcher never starts for bad input)."""
     check_config(cfg)
-    if _launcher(strategy, cfg) == "mpi":  # mpi4py and a library it loads, or one line
+    if strategy.launcher_for(cfg) == "mpi":  # mpi4py and a library it loads, or one line
         problem = environment.mpi_problem()
         if problem is not None:
             raise UsageError(problem)

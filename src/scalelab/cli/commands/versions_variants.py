@@ -128,7 +128,7 @@ def _refusal(cfg: RunConfig) -> None:
 
     strategy = STRATEGIES.get(cfg.strategy)
     preflight(strategy, cfg)
-    if strategy.launcher == "mpi":
+    if strategy.launcher_for(cfg) == "mpi":
         find_mpiexec()
     WORKLOADS.get(cfg.workload)(cfg).check_strategy(
         cfg.strategy, cfg, **STRATEGIES.get(cfg.strategy).model_needs(cfg)
