@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from scalelab.comm import slurm_env as slurm
-from scalelab.environment import usable_cpus
 from scalelab.errors import UsageError
 
 if TYPE_CHECKING:
@@ -139,7 +138,7 @@ def mpiexec_command(ranks: int) -> tuple[list[str], dict[str, str]]:
             cmd += ["--bind-to", "none"]
         if os.geteuid() == 0:
             env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    elif ranks > usable_cpus():
+    elif ranks > _usable_cpus():
         # A rank waiting in a collective polls in a loop: with more ranks than cores each
         # waiting rank takes a core from one still computing (3 MPICH ranks on one core: 7.2 s
         # for 2.5 s of work; 3.0 s with a nanosleep between polls). Open MPI yields by itself
@@ -150,6 +149,14 @@ def mpiexec_command(ranks: int) -> tuple[list[str], dict[str, str]]:
 
 # MPICH: sleep between polls of a waiting rank (an MPI_T control variable, read at MPI_Init).
 MPICH_YIELD_VAR = "MPIR_CVAR_ENABLE_HEAVY_YIELD"
+
+
+def _usable_cpus() -> int:
+    # imported here: environment.py imports torch, and this module stays importable without
+    # it (what a Slurm job asks in its kill grace imports comm/ only)
+    from scalelab.environment import usable_cpus
+
+    return usable_cpus()
 
 
 def torchrun_command(ranks: int) -> list[str]:
