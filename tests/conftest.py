@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from scalelab.comm.launch import MPICH_YIELD_VAR
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("SCALELAB_TEST_DATA", ROOT.parent / "shared" / "data"))
 
@@ -18,7 +20,7 @@ SHARED_DATA = Path(os.environ.get("SCALELAB_TEST_DATA", ROOT.parent / "shared" /
 # so every MPI job shares its cores with another: MPICH ranks waiting in a collective sleep
 # between polls, as scalelab's own launch does when a job alone has more ranks than cores
 # (comm/launch.py), instead of polling a core away from the rank they wait for.
-os.environ.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")
+os.environ.setdefault(MPICH_YIELD_VAR, "1")
 
 # When the run is spread over processes (README's test command: pytest-xdist `-n 2 --dist
 # loadfile`), each file goes whole to one process (module fixtures launch ranks once), and

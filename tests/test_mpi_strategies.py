@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from rank_procs import find_rank
-from scalelab.comm.launch import mpiexec_command, torchrun_command
+from scalelab.comm.launch import MPICH_YIELD_VAR, mpiexec_command, torchrun_command
 from scalelab.instrument.rank_table import RankReport, critical_path, format_rank_table
 from scalelab.record import read_records
 from scalelab.strategies.split.head import plan_head
@@ -178,7 +178,7 @@ def test_ranks_waiting_on_an_oversubscribed_core_leave_it_to_the_one_computing(m
     """More ranks than cores: a rank waiting in a collective must not poll its core away from
     the one computing. Three ranks on one core, rank 0 computing 1.5 s of CPU: polling
     ranks took as much CPU as rank 0 (and the job 3x as long); yielding ranks a fraction."""
-    monkeypatch.delenv("MPIR_CVAR_ENABLE_HEAVY_YIELD", raising=False)  # conftest's, for CI
+    monkeypatch.delenv(MPICH_YIELD_VAR, raising=False)  # conftest's, for CI
     cmd, env = mpiexec_command(len(os.sched_getaffinity(0)) + 1)
     cmd[cmd.index("-n") + 1] = "3"
     one_core = min(os.sched_getaffinity(0))
