@@ -199,6 +199,9 @@ def flops_per_sequence(s: dict) -> float:
 
 
 def collect(a: argparse.Namespace, shape: dict, peak: float | None) -> list[dict]:
+    from scalelab.config import RunConfig
+
+    default_unit_mb = RunConfig.__dataclass_fields__["fsdp_unit_mb"].default
     rows = []
     fps = flops_per_sequence(shape)
     records = a.out / "records.jsonl"
@@ -206,8 +209,8 @@ def collect(a: argparse.Namespace, shape: dict, peak: float | None) -> list[dict
         r = json.loads(line)
         c = r["config"]
         name = c["strategy"] + (" compile" if c.get("compile") else "")
-        if c.get("fsdp_unit_mb"):
-            name += f" unit_mb={c['fsdp_unit_mb']:g}"
+        if c["strategy"] == "fsdp" and c.get("fsdp_unit_mb") != default_unit_mb:
+            name += f" unit_mb={c.get('fsdp_unit_mb', 0):g}"  # records before 200 was the default
         rate = r.get("steady_throughput") if r.get("status") == "ok" else None
         rows.append(row("scalelab", name, c["ranks"], rate, shape, fps, peak, r))
     peer = a.out / "peer.jsonl"

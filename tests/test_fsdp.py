@@ -54,7 +54,9 @@ KILLED = {**MLP, "epochs": 3, "momentum": 0.9, "ckpt_every": 3}
 
 
 def fsdp(fields: dict, ranks: int, reshard: str = "on", replicate: int = 1) -> dict:
-    return {**BASE, **fields, "strategy": "fsdp", "ranks": ranks,
+    """A run with one FSDP unit per block or layer (--fsdp-unit-mb 0): the units these tests
+    count; "tr-grouped" runs the default grouping."""
+    return {**BASE, **fields, "strategy": "fsdp", "ranks": ranks, "fsdp_unit_mb": 0.0,
             "reshard_after_forward": reshard, "dp_replicate": replicate}  # fmt: skip
 
 
@@ -76,6 +78,8 @@ def two(tmp_path_factory):
         # resnet18's 8 BasicBlocks joined 3 at a time (--fsdp-unit-mb 2.5 mean blocks, so
         # k = 3 by size): units that are lists of blocks, one gather each
         "res-grouped": {**fsdp(RESNET, 2), "fsdp_unit_mb": 2.5 * RESNET_BLOCK_MB},
+        # the default unit size (200 MB) joins the transformer's two small blocks
+        "tr-grouped": {k: v for k, v in fsdp(TRANSFORMER, 2).items() if k != "fsdp_unit_mb"},
         "infer": {"workload": "mlp", "hidden": 16, "strategy": "fsdp", "ranks": 2,
                   "dtype": "fp64", "batch": 7, "check": True, "quiet": True, "threads": 1},
         "killed": {**fsdp(KILLED, 2), "ckpt_dir": str(tmp / "ck")},
@@ -147,13 +151,16 @@ def check_trained(recs: dict, weights: dict, runs: dict, world: int, names: list
             rec["fsdp_units"] > 1
             and rec["reshard_after_forward"] == runs[name]["reshard_after_forward"]
         )
+        # SGD steps each rank's local shards (fsdp_step.py), to the same weights
+        assert rec["fsdp"]["optimizer_step"] == "local shards", name
 
 
 # --- the tests ----------------------------------------------------------------------------------
 @pytest.mark.mpi
 def test_two_ranks_train_what_one_process_trains(two):
     recs, weights, runs, _ = two
-    check_trained(recs, weights, runs, 2, ["mlp-on", "mlp-off", "tr-on", "res-on", "res-grouped"])
+    names = ["mlp-on", "mlp-off", "tr-on", "tr-grouped", "res-on", "res-grouped"]
+    check_trained(recs, weights, runs, 2, names)
     # the mlp also against the float64 NumPy SGD with hand-derived gradients (no torch)
     oracle = oracle_weights(RunConfig(**{**BASE, **MLP}))
     assert relerr(weights["mlp-off"], oracle) < 1e-10
@@ -161,6 +168,9 @@ def test_two_ranks_train_what_one_process_trains(two):
     grouped = recs["res-grouped"]["fsdp"]
     assert grouped["units"] == 4 and grouped["unit_kind"] == "3 blocks per unit"  # 3, 3, 2
     assert grouped["reshard_after_forward"] == [True] * 4  # "on": every unit and the root
+    default = recs["tr-grouped"]["fsdp"]
+    assert default["unit_mb"] == 200 and default["units"] == 2  # both blocks, then the root
+    assert default["unit_kind"] == "2 blocks per unit" and recs["tr-on"]["fsdp"]["units"] == 3
     # 8 steps over fc1 and fc2: one reduce-scatter per unit and step either way; resharding
     # after forward gathers each unit again in backward (2 more all-gathers a step)
     on, off = recs["mlp-on"]["fsdp_comm"][1], recs["mlp-off"]["fsdp_comm"][1]
@@ -173,7 +183,9 @@ def test_two_ranks_train_what_one_process_trains(two):
 def test_inference_under_fsdp_passes_the_oracle_check(two):
     rec = two[0]["infer"]
     assert rec["mode"] == "infer" and rec["check_passed"] and rec["relerr"] < 1e-12
-    assert rec["ranks"] == 2 and rec["fsdp_units"] == 3  # fc1, fc2, the root
+    # the default unit size joins fc1 and fc2 (0.1 MB) into one unit, then the root
+    assert rec["ranks"] == 2 and rec["fsdp"]["unit_kind"] == "2 blocks per unit"
+    assert rec["fsdp_units"] == 2
 
 
 @pytest.mark.mpi
@@ -226,14 +238,13 @@ def test_fsdp_options_elsewhere_are_refused_in_one_line(args, says, capsys):
 
 def test_units_are_joined_by_gathered_size():
     """k consecutive units per FSDP unit, k the fewest whose mean gathered bytes reach the
-    asked MB; 0 (the default): one unit each."""
+    asked MB; 0: one unit each."""
     from torch import nn
 
     from scalelab.strategies.fsdp_units import group_units
 
     blocks = [nn.Linear(256, 256, bias=False) for _ in range(7)]  # 256 KiB each in fp32
     assert [len(g) for g in group_units(blocks, 0.0, 4)] == [1] * 7
-    assert RunConfig(workload="mlp").fsdp_unit_mb == 0.0
     assert [len(g) for g in group_units(blocks, 0.25, 4)] == [1] * 7  # one block is enough
     assert [len(g) for g in group_units(blocks, 0.6, 4)] == [3, 3, 1]  # 0.6 / 0.25 -> 3
     assert [len(g) for g in group_units(blocks, 0.6, 2)] == [5, 2]  # bf16: half the bytes
@@ -242,11 +253,29 @@ def test_units_are_joined_by_gathered_size():
     assert [b for g in joined for b in g] == blocks  # consecutive, in order, each once
 
 
+@pytest.mark.mpi
+def test_the_optimizer_on_local_shards_steps_as_on_the_dtensors():
+    """SGD (momentum, Nesterov, weight decay), Adam and AdamW stepped through
+    LocalShardOptimizer on 2 real ranks (rows that do not split evenly) reach torch's own
+    step over the DTensors bit for bit, parameters and state, and leave the state as
+    DTensors keyed by the parameters (what torch.distributed.checkpoint reads)."""
+    cmd = [*launcher("torchrun", 2), str(PROGRAMS / "fsdp_local_step.py")]
+    proc = run(cmd, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = {r["optimizer"]: r for r in map(json.loads, proc.stdout.splitlines()[-3:])}
+    assert set(got) == {"sgd", "adam", "adamw"}
+    for r in got.values():
+        assert r["params"] == 0.0 and r["state"] == 0.0 and r["moved"] > 1e-3, r
+        assert "DTensor" in r["kinds"] and r["keys_dtensor"], r
+    assert got["adam"]["kinds"] == ["DTensor", "Tensor"]  # the step count stays a scalar
+
+
 # --- the models: memory per rank and the step's collectives (no ranks) ---------------------------
 def test_memory_model_shards_state_and_counts_the_gathered_units():
     from scalelab.plan import memory
 
-    cfg = RunConfig(workload="mlp", train=True, hidden=1024, batch=64, momentum=0.9)
+    cfg = RunConfig(workload="mlp", train=True, hidden=1024, batch=64, momentum=0.9,
+                    fsdp_unit_mb=0.0)  # one unit per layer  # fmt: skip
     weights = 4 * (1024 * 784 + 1024 + 10 * 1024 + 10)  # fp32
     ddp = memory.breakdown(memory.as_strategy(cfg, "ddp", 4))
     fsdp = memory.breakdown(memory.as_strategy(cfg, "fsdp", 4))
@@ -266,11 +295,16 @@ def test_memory_model_shards_state_and_counts_the_gathered_units():
     # 8 equal layers (fsdp_memory.py's model, small): resharded, the backward's end; not
     # resharded, the forward's end (all 8 layers gathered).
     deep = RunConfig(workload="deepstack", convs=1, fcs=8, image_size=32, train=True,
-                     batch=8, momentum=0.9, strategy="fsdp", ranks=2)  # fmt: skip
+                     batch=8, momentum=0.9, strategy="fsdp", ranks=2, fsdp_unit_mb=0.0)  # fmt: skip
     parts = memory.breakdown(deep)
     shard, acts = parts["params"], parts["activations"]
     assert memory.device_bytes(deep) == 3 * shard + parts["gathered"]
+    # units joined up to M MB (here one layer's): under M MB and one more layer each, two
+    # of them gathered, fewer than all 8
+    layer = parts["gathered"] // 2
+    grouped = memory.breakdown(dataclasses.replace(deep, fsdp_unit_mb=layer / 2**20))
     not_resharded = dataclasses.replace(deep, reshard_after_forward="off")
+    assert grouped["gathered"] == 4 * layer < memory.breakdown(not_resharded)["gathered"]
     whole = memory.breakdown(not_resharded)["gathered"]
     assert abs(whole - 2 * shard) <= 1 and whole > 2 * parts["gathered"]
     assert memory.device_bytes(not_resharded) == 2 * shard + whole + acts

@@ -19,8 +19,9 @@ backward) at the rank's share of the model and of the batch.
                                                  second step beside the first)
     fsdp, N ranks, --dp-replicate R (HSDP)       parameters, gradients, optimizer state
                                                  1/(N/R) each, plus the whole weights of the
-                                                 largest layer twice (the gathered unit and
-                                                 the prefetched next), or with
+                                                 largest unit twice (the gathered unit and
+                                                 the prefetched next; a unit: the largest
+                                                 layer and --fsdp-unit-mb), or with
                                                  --reshard-after-forward off all the weights
                                                  (gathered from forward until backward);
                                                  ceil(B / N) items; training: the larger of
@@ -103,10 +104,13 @@ def device_bytes(cfg: RunConfig) -> int:
 
 def _unit_bytes(cfg: RunConfig) -> tuple[int, int]:
     """fsdp's gathered weights: (all of them, the largest unit's twice: gathered and
-    prefetched, at most all)."""
+    prefetched, at most all). A unit is a layer, or with --fsdp-unit-mb M blocks joined
+    until their mean reaches M MB: under M MB and one more block (fsdp_units.group_units)."""
     rows = build_workload(cfg).cost_table()
     itemsize, whole = get_precision(cfg.dtype).itemsize, sum(r.params for r in rows)
-    return itemsize * whole, itemsize * min(whole, 2 * max(r.params for r in rows))
+    largest = itemsize * max(r.params for r in rows)
+    unit = largest + max(0, int(cfg.fsdp_unit_mb * 2**20))
+    return itemsize * whole, min(itemsize * whole, 2 * unit)
 
 
 def gathered_bytes(cfg: RunConfig) -> int:

@@ -43,10 +43,10 @@ from scalelab.strategies import fsdp_units as units
 from scalelab.strategies.base import STRATEGIES
 from scalelab.strategies.compile_scope import compile_blocks, compile_whole
 from scalelab.strategies.ddp import DDPStrategy, per_rank_batch
+from scalelab.strategies.fsdp_step import ShardedStep
 from scalelab.strategies.torchdist_base import TorchDistStrategy
 from scalelab.train.loop import eval_batch, run_training
 from scalelab.train.sources import batch_slices
-from scalelab.train.steps import TorchStep
 from scalelab.workloads.base import Inputs, Workload
 
 if TYPE_CHECKING:  # torch's fsdp is imported where it is used (a second at start-up)
@@ -184,6 +184,7 @@ class FSDPStrategy(DDPStrategy):
         out = run_training(self, workload, module, plan, step=step)
         out.notes.update(self.memory_notes(module, step.opt))
         out.notes.update(self.compile_record())  # the graphs dynamo built while training
+        out.notes["fsdp"] = {**out.notes.get("fsdp", {}), "optimizer_step": step.optimizer_step}
         out.model = self.full_model(workload, module)
         return out
 
@@ -250,14 +251,6 @@ class FSDPStrategy(DDPStrategy):
             held["peak_allocated"] = torch.cuda.max_memory_allocated(self.device)
             held["peak_reserved"] = torch.cuda.max_memory_reserved(self.device)
         return {"memory_per_rank": self.comm.gather_object(held), "fsdp_comm": comm}
-
-
-class ShardedStep(TorchStep):
-    """torch's autograd step on the sharded module; the NaN guard reads each rank's shards
-    (a DTensor's isfinite would gather)."""
-
-    def weights(self) -> list[torch.Tensor]:
-        return [units.local(p).detach() for p in self.model.parameters()]
 
 
 def _unit_kind(sizes: list[int]) -> str:
