@@ -5,6 +5,7 @@
 # `scalelab timeline` (per rank: compute, communication, their overlap, exposed communication,
 # wait) and `scalelab phases`.
 #   benchmarks/diag_transformer_step.sh OUT_DIR [GPUS]
+#   RUNS="fsdp ddp-compile" benchmarks/diag_transformer_step.sh OUT_DIR 4   # some of the runs
 set -u
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -27,10 +28,16 @@ one() {  # one NAME ARGS...: a traced training run, its record in OUT/runs.jsonl
     --trace "$OUT/$name" --out "$OUT/runs.jsonl" "$@" >"$OUT/$name.out" 2>"$OUT/$name.err"
   echo "$name exit $? after $(( $(date +%s) - t0 )) s"; tail -2 "$OUT/$name.err"
 }
-one ddp --strategy ddp --ranks $N --amp bf16
-one fsdp --strategy fsdp --ranks $N --dtype bf16
-one fsdp-fp32 --strategy fsdp --ranks $N
-one ddp-compile --strategy ddp --ranks $N --amp bf16 --compile
+declare -A RUN=(
+  [ddp]="--strategy ddp --ranks $N --amp bf16"
+  [fsdp]="--strategy fsdp --ranks $N --dtype bf16"
+  [fsdp-fp32]="--strategy fsdp --ranks $N"
+  [ddp-compile]="--strategy ddp --ranks $N --amp bf16 --compile"
+)
+for name in ${RUNS:-ddp fsdp fsdp-fp32 ddp-compile}; do
+  # shellcheck disable=SC2086  # the run's options, split
+  one "$name" ${RUN[$name]}
+done
 python3 -m scalelab timeline "$OUT/runs.jsonl" -o "$OUT/trace.json" > "$OUT/timeline.txt" 2>&1
 python3 -m scalelab phases "$OUT/runs.jsonl" > "$OUT/phases.txt" 2>&1
 python3 - "$OUT/runs.jsonl" <<'PY' | tee "$OUT/summary.txt"

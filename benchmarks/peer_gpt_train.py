@@ -15,8 +15,11 @@ Every run in --runs trains a fresh model in this one launch (one process group):
   fsdp's levers, each a "+" suffix (several may be joined: fsdp+noreshard+units3):
   +noreshard  no unit frees its gathered weights after forward (ZeRO-2-like);
   +unitsK     K consecutive blocks per FSDP unit (fully_shard of a list of blocks);
+  +unitmbM    as many blocks per unit as gather M MB (in the gathered dtype);
   +localopt   the optimizer steps each rank's local shards (plain tensors: no DTensor
-              dispatch per optimizer op), their gradients handed over after backward.
+              dispatch per optimizer op), their gradients handed over after backward;
+  ddp's levers: +bucketN  N MB gradient buckets (25 by default);
+                +bf16grad  gradients all-reduced in bf16 (torch's bf16_compress_hook).
 Same loss (cross-entropy of the last position's fp32 logits against uniform labels), same
 optimizer (SGD with momentum, foreach), token ids resident on the GPU, SDPA's causal kernel
 (the model's own). Steady sequences/s: --warmup untimed steps, then --steps timed between
@@ -93,8 +96,11 @@ def build(a: argparse.Namespace, kind: str, extras: set[str], device: torch.devi
 
         mesh = init_device_mesh(device.type, (world,))
         mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
-        k = next((int(e[5:]) for e in extras if e.startswith("units")), 1)
         blocks = list(model.blocks)
+        k = next((int(e[5:]) for e in extras if e.startswith("units")), 1)
+        for e in (e for e in extras if e.startswith("unitmb")):
+            block = sum(p.numel() for p in blocks[0].parameters()) * (2 if low else 4)
+            k = min(len(blocks), max(1, -(-int(float(e[6:]) * 2**20) // block)))
         groups = [blocks[i : i + k] for i in range(0, len(blocks), k)]
         for i, group in enumerate(groups):
             reshard = i < len(groups) - 1 and "noreshard" not in extras
@@ -107,10 +113,15 @@ def build(a: argparse.Namespace, kind: str, extras: set[str], device: torch.devi
         from torch.nn.parallel import DistributedDataParallel
 
         ids = [device.index] if device.type == "cuda" else None
+        mb = next((int(e[6:]) for e in extras if e.startswith("bucket")), 25)
         net = DistributedDataParallel(
-            model, device_ids=ids, bucket_cap_mb=25, gradient_as_bucket_view=True,
+            model, device_ids=ids, bucket_cap_mb=mb, gradient_as_bucket_view=True,
             static_graph=True,
         )  # fmt: skip
+        if "bf16grad" in extras:
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            net.register_comm_hook(None, default_hooks.bf16_compress_hook)
     if low is None:
         return net, nullcontext
     return net, lambda: torch.autocast(device.type, dtype=low)

@@ -13,8 +13,9 @@ GPUs the 1-GPU chain runs on GPU 0 beside the 2-GPU chain on GPUs 1-2, then the 
   scalelab  ddp --amp bf16, fsdp --dtype bf16, and both with --compile;
             on one GPU also local --amp bf16 [--compile]
   peer      benchmarks/peer_gpt_train.py: the same model under DDP and FSDP2 with the same
-            policies (bf16 autocast / MixedPrecisionPolicy(bf16, fp32 reduce), per-block
-            units, per-block compile), no scalelab code
+            policies (bf16 autocast / MixedPrecisionPolicy(bf16, fp32 reduce), scalelab's
+            default unit size and its optimizer on local shards, per-block compile), no
+            scalelab code
 
 Steady sequences/s after warm-up (scalelab: the record's steady_throughput; peer: timed steps
 between two syncs), tokens/s, MFU against the GPU's datasheet bf16 peak (the model's FLOPs:
@@ -53,7 +54,10 @@ SCALELAB = {
     "fsdp": dict(strategy="fsdp", dtype="bf16"),
     "local": dict(strategy="local", amp="bf16"),
 }
-PEER_OF = {"ddp": "ddp", "fsdp": "fsdp", "local": "ddp"}
+# scalelab's run -> the peer's run of the same policy (a compiled run: both + " compile");
+# fsdp: scalelab's default unit size and its optimizer on local shards (fsdp_step.py)
+PEER_OF = {"ddp": "ddp", "fsdp": "fsdp unitmb{mb:g} localopt", "fsdp unit_mb=0": "fsdp localopt",
+           "local": "ddp"}  # fmt: skip
 
 
 def parse() -> argparse.Namespace:
@@ -125,7 +129,8 @@ def launches(a: argparse.Namespace, n: int, shape: dict, device: str) -> list[di
         fields = scalelab_fields("fsdp", n, False, shape, device)
         eager.append({**fields, "fsdp_unit_mb": float(mb)})
     out = [{"what": f"scalelab eager x{n}", "gpus": n, "runs": eager}]
-    peer_runs = ["ddp", "fsdp", *(["ddp+compile", "fsdp+compile"] if compiled else [])]
+    fsdp = peer_name("fsdp").replace(" ", "+")
+    peer_runs = ["ddp", fsdp, *(["ddp+compile", f"{fsdp}+compile"] if compiled else [])]
     peer_runs += list(filter(None, a.peer_extra.split(",")))
     out.append({"what": f"peer x{n}", "gpus": n, "peer": peer_runs})
     if compiled:
@@ -208,9 +213,10 @@ def collect(a: argparse.Namespace, shape: dict, peak: float | None) -> list[dict
     for line in records.read_text().splitlines() if records.exists() else []:
         r = json.loads(line)
         c = r["config"]
-        name = c["strategy"] + (" compile" if c.get("compile") else "")
+        name = c["strategy"]
         if c["strategy"] == "fsdp" and c.get("fsdp_unit_mb") != default_unit_mb:
             name += f" unit_mb={c.get('fsdp_unit_mb', 0):g}"  # records before 200 was the default
+        name += " compile" if c.get("compile") else ""
         rate = r.get("steady_throughput") if r.get("status") == "ok" else None
         rows.append(row("scalelab", name, c["ranks"], rate, shape, fps, peak, r))
     peer = a.out / "peer.jsonl"
@@ -246,8 +252,8 @@ def table(rows: list[dict], counts: list[int]) -> list[str]:
         rates = [(by.get((who, run, n)) or {}).get("sequences_per_s") for n in counts]
         last = by.get((who, run, top)) or {}
         eff = ratio_of(rates[-1], top * rates[0] if rates[0] else None)
-        base, _, rest = run.partition(" ")
-        peer_run = " ".join(filter(None, (PEER_OF.get(base, base), rest)))
+        base, compiled, _ = run.partition(" compile")
+        peer_run = peer_name(base) + compiled
         peer = (by.get(("peer", peer_run, top)) or {}).get("sequences_per_s")
         ratio = ratio_of(rates[-1], peer) if who == "scalelab" else None
         cells = [
@@ -261,6 +267,14 @@ def table(rows: list[dict], counts: list[int]) -> list[str]:
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+def peer_name(run: str) -> str:
+    """The peer's run (names as in the table) that runs scalelab's `run` policy."""
+    from scalelab.config import RunConfig
+
+    mb = RunConfig.__dataclass_fields__["fsdp_unit_mb"].default
+    return PEER_OF.get(run, run).format(mb=mb)
 
 
 def ratio_of(a: float | None, b: float | None) -> float | None:
