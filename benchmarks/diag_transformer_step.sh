@@ -31,6 +31,7 @@ one() {  # one NAME ARGS...: a traced training run, its record in OUT/runs.jsonl
 declare -A RUN=(
   [ddp]="--strategy ddp --ranks $N --amp bf16"
   [fsdp]="--strategy fsdp --ranks $N --dtype bf16"
+  [fsdp-block]="--strategy fsdp --ranks $N --dtype bf16 --fsdp-unit-mb 0"
   [fsdp-fp32]="--strategy fsdp --ranks $N"
   [ddp-compile]="--strategy ddp --ranks $N --amp bf16 --compile"
 )
