@@ -34,6 +34,7 @@ declare -A RUN=(
   [fsdp-block]="--strategy fsdp --ranks $N --dtype bf16 --fsdp-unit-mb 0"
   [fsdp-fp32]="--strategy fsdp --ranks $N"
   [ddp-compile]="--strategy ddp --ranks $N --amp bf16 --compile"
+  [fsdp-compile]="--strategy fsdp --ranks $N --dtype bf16 --compile"
 )
 for name in ${RUNS:-ddp fsdp fsdp-fp32 ddp-compile}; do
   # shellcheck disable=SC2086  # the run's options, split

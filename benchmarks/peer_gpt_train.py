@@ -12,6 +12,9 @@ Every run in --runs trains a fresh model in this one launch (one process group):
            reduce_dtype=fp32) over fp32 sharded weights, reshard_after_forward on for every
            block but the last, then the root (torchtitan's llama recipe);
   +compile each block compiled in place (`block.compile()`) before DDP/FSDP wrap it;
+           +fwdcompile: each block's forward compiled instead (the module's hooks, FSDP's
+           among them, stay outside the compiled frame); +wrapcompile: each block replaced
+           by torch.compile(block) (torchtitan's apply_compile);
   fsdp's levers, each a "+" suffix (several may be joined: fsdp+noreshard+units3):
   +noreshard  no unit frees its gathered weights after forward (ZeRO-2-like);
   +unitsK     K consecutive blocks per FSDP unit (fully_shard of a list of blocks);
@@ -90,6 +93,12 @@ def build(a: argparse.Namespace, kind: str, extras: set[str], device: torch.devi
     if "compile" in extras:
         for block in model.blocks:
             block.compile()
+    if "fwdcompile" in extras:
+        for block in model.blocks:
+            block.forward = torch.compile(block.forward)
+    if "wrapcompile" in extras:
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = torch.compile(block)
     if kind == "fsdp":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
