@@ -1,8 +1,8 @@
 """`--compile`: what torch.compile wraps, the same way for local, ddp and fsdp.
 
 A model with a repeated block stack (a transformer's layers, ResNet's BasicBlocks) is compiled
-block by block, in place: each block's `forward` is replaced by its compiled form, so the
-state_dict keys stay the model's own, as torchtitan and torchtune compile their transformers:
+block by block, in place (`nn.Module.compile`: the state_dict keys stay the model's own), as
+torchtitan and torchtune compile their transformers:
 
 - identical blocks share one compiled graph (dynamo guards on the block's code, not on which
   instance it is), so a 12-block GPT compiles one block, not twelve;
@@ -11,12 +11,7 @@ state_dict keys stay the model's own, as torchtitan and torchtune compile their 
   is instead split by DDPOptimizer into one graph per gradient bucket, so Inductor cannot
   fuse across bucket boundaries and the bucket all-reduces wait on graph boundaries (measured
   on 4x H200 at GPT-2 small's shape: 1,694.5 sequences/s compiled against 1,895.2 eager);
-- fsdp wraps each compiled block with fully_shard afterwards. The module's hooks (FSDP2's
-  pre-forward all-gather and post-forward reshard among them) stay outside the compiled
-  frame: compiling the whole `_call_impl` (`nn.Module.compile`) took them in, and measured on
-  one H200 (GPT-2 small's shape, bf16, 12 blocks in one FSDP unit, the plain-PyTorch peer)
-  the compiled step ran at 429 sequences/s against 523 eager, its GPU idle 26 of 50 ms; the
-  forward compiled alone ran 536 (benchmarks/results/compile_fsdp_h200/).
+- fsdp wraps each compiled block with fully_shard afterwards (dynamo skips FSDP2's hooks).
 
 A model without such a stack is compiled whole. What was chosen goes into the record as
 `compile`: the scope, how many blocks, and the compiled graphs Inductor built.
@@ -39,7 +34,7 @@ def compile_blocks(module: nn.Module, backend: str = "inductor") -> dict[str, An
     if not blocks:
         return None
     for block in blocks:
-        block.forward = torch.compile(block.forward, backend=backend)
+        block.compile(backend=backend)
     kinds = sorted({type(b).__name__ for b in blocks})
     return {"scope": "per-block", "blocks": len(blocks), "block_types": kinds, "backend": backend}
 
