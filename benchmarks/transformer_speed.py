@@ -57,7 +57,7 @@ SCALELAB = {
 # scalelab's run -> the peer's run of the same policy (a compiled run: both + " compile");
 # fsdp: scalelab's default unit size and its optimizer on local shards (fsdp_step.py)
 PEER_OF = {"ddp": "ddp", "fsdp": "fsdp unitmb{mb:g} localopt", "fsdp unit_mb=0": "fsdp localopt",
-           "local": "ddp"}  # fmt: skip
+           "local": "ddp", "ddp grad_compress=bf16": "ddp bf16grad"}  # fmt: skip
 
 
 def parse() -> argparse.Namespace:
@@ -72,6 +72,12 @@ def parse() -> argparse.Namespace:
         "--fsdp-unit-mb",
         default="",
         help="comma list: more scalelab fsdp runs, one per --fsdp-unit-mb value",
+    )
+    p.add_argument(
+        "--grad-compress",
+        default="",
+        help="comma list (bf16, fp16): more scalelab ddp runs on 2+ GPUs, gradients all-reduced "
+        "in that dtype (the peer's ddp+bf16grad is the bf16 one's peer)",
     )
     p.add_argument(
         "--peer-extra",
@@ -128,6 +134,8 @@ def launches(a: argparse.Namespace, n: int, shape: dict, device: str) -> list[di
     for mb in filter(None, a.fsdp_unit_mb.split(",")):
         fields = scalelab_fields("fsdp", n, False, shape, device)
         eager.append({**fields, "fsdp_unit_mb": float(mb)})
+    for dtype in filter(None, a.grad_compress.split(",") if n > 1 else []):
+        eager.append({**scalelab_fields("ddp", n, False, shape, device), "grad_compress": dtype})
     out = [{"what": f"scalelab eager x{n}", "gpus": n, "runs": eager}]
     fsdp = peer_name("fsdp").replace(" ", "+")
     peer_runs = ["ddp", fsdp, *(["ddp+compile", f"{fsdp}+compile"] if compiled else [])]
@@ -216,6 +224,8 @@ def collect(a: argparse.Namespace, shape: dict, peak: float | None) -> list[dict
         name = c["strategy"]
         if c["strategy"] == "fsdp" and c.get("fsdp_unit_mb") != default_unit_mb:
             name += f" unit_mb={c.get('fsdp_unit_mb', 0):g}"  # records before 200 was the default
+        if c.get("grad_compress"):
+            name += f" grad_compress={c['grad_compress']}"
         name += " compile" if c.get("compile") else ""
         rate = r.get("steady_throughput") if r.get("status") == "ok" else None
         rows.append(row("scalelab", name, c["ranks"], rate, shape, fps, peak, r))

@@ -65,9 +65,10 @@ def main() -> None:
         keys = all(isinstance(p, DTensor) for p in inner.state)
         moved = max(float((full(p) - full(q)).abs().max())
                     for p, q in zip(ours.parameters(), model(mesh).parameters()))  # fmt: skip
+        said = {"optimizer": name, "params": params, "state": state, "kinds": kinds,
+                "keys_dtensor": keys, "moved": moved}  # fmt: skip
         if dist.get_rank() == 0:
-            print(json.dumps({"optimizer": name, "params": params, "state": state,
-                              "kinds": kinds, "keys_dtensor": keys, "moved": moved}), flush=True)  # fmt: skip
+            print(json.dumps(said), flush=True)
     dist.destroy_process_group()
 
 
