@@ -164,3 +164,13 @@ def test_records_written_before_sections_still_load():
     assert upgrade_record_config(mpi_dp)["batch"] == 16
     new = RunConfig(workload="mlp", strategy="ddp", batch=16, ranks=2).to_dict()
     assert upgrade_record_config(new) == new
+
+
+def test_fsdp_records_from_before_unit_sizes_read_one_unit_per_block():
+    """A record written before --fsdp-unit-mb existed ran one FSDP unit per block: it reads 0,
+    not the default (200) a run today takes; a record that names its size keeps it."""
+    now = RunConfig(workload="mlp", strategy="fsdp", ranks=2).to_dict()
+    assert now["fsdp_unit_mb"] == 200.0
+    before = {k: v for k, v in now.items() if k != "fsdp_unit_mb"}
+    assert RunConfig(**upgrade_record_config(before)).fsdp_unit_mb == 0.0
+    assert upgrade_record_config({**now, "fsdp_unit_mb": 40.0})["fsdp_unit_mb"] == 40.0

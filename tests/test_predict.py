@@ -12,6 +12,7 @@ import pytest
 from predict_helpers import CEILINGS, COMMITTED, FIXTURES, FOUR_GPUS
 from scalelab.config import RunConfig
 from scalelab.predict.models.spatial import halo_bytes, trunk_of
+from scalelab.predict.points import discover
 from scalelab.predict.scenario import Scenario
 from scalelab.predict.validate import UNCALIBRATED, validate
 from scalelab.strategies.halo import plan_trunk
@@ -211,7 +212,8 @@ def test_committed_results_within_bound_on_the_criterions_scope():
     # So are the transformer speed benchmark's bf16 runs at GPT-2 small's shape (speed_*),
     # which no calibration record here covers.
     held = ("holdout_", "clock_mpi_holdout_", "heldout_", "speed_")
-    studies = v.table["source"].str.startswith(held)
+    # a source names its file, or its path where two files share a name
+    studies = v.table["source"].str.split("/").str[-1].str.startswith(held)
     v.table = v.table[~studies]  # `scored` follows the table
     bounds = v.table[v.table["role"] == UNCALIBRATED]
     assert set(bounds["workload"]) == {"deepstack"} and (bounds["error_pct"] < -15).all()
@@ -234,3 +236,33 @@ def test_committed_results_within_bound_on_the_criterions_scope():
     assert abs(worst["error_pct"]) <= 15.0, f"{worst['source']}: {worst['error_pct']:+.1f}%"
     assert t["error_pct"].abs().mean() <= 10.0
     assert len(t) >= 60 and (t["role"] == "predicted").sum() >= 36
+
+
+# --- one measurement, one point; FSDP's host cost from its own unit size ------------------------
+def test_a_record_filed_twice_is_one_point_and_fsdp_calibrates_on_its_unit_size(tmp_path):
+    """The fsdp unit-size study's records (2x H200: per block, 40 MB and 1000 MB units, on 1
+    and 2 ranks) filed in two folders under one name: each measurement is scored once, the
+    sources name the folder where the names collide, and every 2-rank point takes FSDP's host
+    cost from the one-rank run of its own unit size (none other would calibrate it)."""
+    study = COMMITTED / "fsdp_units_h200x2" / "speed_records.jsonl"
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        shutil.copy(study, tmp_path / folder / study.name)
+    shutil.copy(COMMITTED / "ceilings_h200x2.json", tmp_path)
+    records = [json.loads(line) for line in study.read_text().splitlines() if line.strip()]
+    v = validate(tmp_path, None, None, held_out=False)
+    copies = v.skipped["copies of a measurement counted once (the same record elsewhere)"]
+    assert copies == len(v.table) > 0  # b's copy of every point a holds
+    assert v.table["source"].str.startswith("a/speed_records.jsonl:").all()
+    two = v.table[(v.table["strategy"] == "fsdp") & (v.table["ranks"] == 2)]
+    assert len(two) == 3  # per block, 40 MB, 1000 MB
+    unit_of = {f"a/{study.name}:{n}": r["config"].get("fsdp_unit_mb")
+               for n, r in enumerate(records, 1)}  # fmt: skip
+
+    found = discover(tmp_path)
+    pool = found.pools[tmp_path / "a" / study.name]
+    for point in found.points:
+        if point.scenario.cfg.strategy == "fsdp" and point.scenario.ranks == 2:
+            single = pool.fsdp_single(point.scenario)
+            assert single is not None
+            assert unit_of[single.source] == point.scenario.cfg.fsdp_unit_mb

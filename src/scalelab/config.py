@@ -361,9 +361,12 @@ class RunConfig:
 def upgrade_record_config(config: dict[str, Any]) -> dict[str, Any]:
     """A record's `config` as this RunConfig reads it. Records written before the config had
     sections carry `extra` and `global_batch`, and ddp's `batch` there counted items per
-    rank: it becomes the global batch (--global-batch, else per rank x ranks)."""
+    rank: it becomes the global batch (--global-batch, else per rank x ranks). Records
+    written before --fsdp-unit-mb existed ran one FSDP unit per block: 0, not today's
+    default."""
+    config = {"fsdp_unit_mb": 0.0, **config}
     if "extra" not in config and "global_batch" not in config:
-        return dict(config)
+        return config
     out = {k: v for k, v in config.items() if k not in ("extra", "global_batch")}
     if out.get("strategy") == "ddp" and isinstance(out.get("batch"), int):
         given = config.get("global_batch")

@@ -99,7 +99,8 @@ class Pool:
         of the (B, classes) logits over one rank, and it is what calibrates a tensor rank's
         compute at its shard's width (model_parallel.shard_config)."""
         mine = [p for p in self.singles if p.family == scenario.family()]
-        fam = self._own([p for p in mine if p.bare] or mine)
+        bare = [p for p in mine if p.bare]
+        fam = self._own(bare or [p for p in mine if _same_units(p, scenario)])
         if spatial:
             same = [p for p in fam if p.split == "spatial"]
             return same or fam
@@ -134,9 +135,13 @@ class Pool:
 
     def fsdp_single(self, scenario: Scenario) -> CalPoint | None:
         """The one-rank fsdp run of the scenario's family nearest its per-rank batch (FSDP's
-        host cost per step: that run's step less the bare step at its batch), or None."""
+        host cost per step: that run's step less the bare step at its batch), or None. Only a
+        run of the scenario's unit size: FSDP's host work is per unit (one H200, GPT-2 small:
+        13 units cost 13 to 20 ms a step more than 2), so another size's run would calibrate
+        the wrong cost."""
         runs = [p for p in self.singles if p.family == scenario.family()]
-        runs = self._own([p for p in runs if STRATEGIES.get(p.strategy).shards_parameters])
+        runs = [p for p in runs if STRATEGIES.get(p.strategy).shards_parameters]
+        runs = self._own([p for p in runs if _same_units(p, scenario)])
         target = max(scenario.rank_batch, 1e-9)
         return min(runs, key=lambda p: (abs(math.log(p.batch / target)), p.source), default=None)
 
@@ -154,6 +159,11 @@ class Pool:
         runs = [m for m in self.multi(scenario) if dtensor_calibrated(m.scenario.cfg)]
         key = lambda m: (m.scenario.ranks, m.scenario.cfg.batch, m.source)  # noqa: E731
         return min(runs, key=key, default=None)
+
+
+def _same_units(point: CalPoint, scenario: Scenario) -> bool:
+    """Whether a one-rank point ran FSDP's units as the scenario would (--fsdp-unit-mb)."""
+    return point.cfg is not None and point.cfg.fsdp_unit_mb == scenario.cfg.fsdp_unit_mb
 
 
 def dtensor_run(cfg: RunConfig) -> bool:

@@ -44,6 +44,10 @@ class Measured:
     source: str  # file:line or file[row]
     origin: Path  # the file, to pair it with the ceilings of its machine
     warnings: tuple[str, ...] = ()  # the record's run warnings (oversubscribed, busy host, ...)
+    # what the measurement is, whichever file holds it: the record's id, or a summary row's
+    # file name, row and time (the committed results copy records and summaries between
+    # folders; one measurement is one point)
+    key: tuple = ()
 
 
 @dataclass
@@ -54,6 +58,9 @@ class Found:
     skipped: Counter = field(default_factory=Counter)
     ddp_files: list[Path] = field(default_factory=list)  # DDP summaries read so far
     hosts: dict[Path, Host] = field(default_factory=dict)  # the machine each file ran on
+    # each file as its points' sources name it: the file name, or where two files share a
+    # name (every study folder's speed_records.jsonl) its path under the root
+    labels: dict[Path, str] = field(default_factory=dict)
 
     def pool(self, origin: Path) -> Pool:
         return self.pools.setdefault(origin, Pool())
@@ -68,8 +75,11 @@ def discover(root: Path) -> Found:
     files = sorted([*root.rglob("*.jsonl"), *root.rglob("*.json")]) if root.is_dir() else [root]
     files.sort(key=lambda f: ".partial." in f.name)  # a complete summary before its partial
     found = Found()
+    names = Counter(f.name for f in files)
+    for f in files:
+        found.labels[f] = str(f.relative_to(root)) if names[f.name] > 1 else f.name
     for path in files:
-        objects = _objects(path)
+        objects = _objects(path, found.labels[path])
         if objects is None:
             found.skipped[f"not JSON: {path.name}"] += 1
             continue
@@ -81,13 +91,13 @@ def discover(root: Path) -> Found:
     return found
 
 
-def _objects(path: Path) -> list[tuple[str, Any]] | None:
+def _objects(path: Path, label: str) -> list[tuple[str, Any]] | None:
     text = path.read_text(errors="replace")
     try:
         if path.suffix == ".jsonl":
             lines = [(n, ln) for n, ln in enumerate(text.splitlines(), 1) if ln.strip()]
-            return [(f"{path.name}:{n}", json.loads(ln)) for n, ln in lines]
-        return [(path.name, json.loads(text))]
+            return [(f"{label}:{n}", json.loads(ln)) for n, ln in lines]
+        return [(label, json.loads(text))]
     except json.JSONDecodeError:
         return None
 
@@ -166,7 +176,8 @@ def _run_record(found: Found, path: Path, where: str, rec: dict[str, Any]) -> No
     if modelled_as(cfg.strategy) is None:
         found.skipped[f"{cfg.strategy} runs (no model of that strategy)"] += 1
         return
-    found.points.append(Measured(scenario, seconds, where, path, warned))
+    key = ("record", rec["id"]) if rec.get("id") else ("at", path.name, where, seconds)
+    found.points.append(Measured(scenario, seconds, where, path, warned, key))
 
 
 def forward_host(rec: dict[str, Any]) -> float | None:
@@ -272,7 +283,7 @@ def _ddp_summary(found: Found, path: Path, obj: dict) -> None:
         gpus, name = int(row["gpus"]), str(row["config"])
         weak = None if str(row["config"]).startswith("strong") else int(row["per_gpu"])
         s = Scenario(_summary_config(obj, row), gpus, per_node=gpus, series=name, weak_batch=weak)
-        seconds, where = row["global"] / row["ours"], f"{path.name}[{i}] {name} x{gpus}"
+        seconds, where = row["global"] / row["ours"], f"{found.labels[path]}[{i}] {name} x{gpus}"
         if gpus == 1:
             point = CalPoint(
                 s.family(), "ddp", None, int(row["per_gpu"]), seconds, 0.0, where, name
@@ -280,7 +291,7 @@ def _ddp_summary(found: Found, path: Path, obj: dict) -> None:
             found.pool(path).singles.append(point)
         else:
             found.pool(path).multis.append(MultiPoint(s, seconds, where))
-        found.points.append(Measured(s, seconds, where, path))
+        found.points.append(Measured(s, seconds, where, path, key=("at", path.name, i, seconds)))
         if row.get("plain") is not None:
             found.skipped["plain-DDP baseline rows (not a scalelab strategy)"] += 1
 

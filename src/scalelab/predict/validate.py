@@ -109,6 +109,7 @@ def validate(
     if not root.exists():
         raise UsageError(f"{root}: no such results file or folder")
     found = discover(root)
+    _count_once(found)
     if drop_warned:
         kept = [p for p in found.points if not p.warnings]
         dropped = len(found.points) - len(kept)
@@ -125,7 +126,7 @@ def validate(
     rows = []
     for origin, (cpath, cdata) in sorted(pairs.items()):
         pool = _pool(found, pairs, cpath)
-        pool.prefer = origin.name
+        pool.prefer = found.labels[origin]  # a file's own runs calibrate it first
         ctx = Context(Figures(cdata, str(cpath)), network, pool)
         for point in (p for p in found.points if p.origin == origin):
             row, why = _row(ctx, point)
@@ -140,6 +141,21 @@ def validate(
     used = {str(o.name): _named(c, d) for o, (c, d) in pairs.items()}
     borrowed = {o.name: d["_borrowed"] for o, (_, d) in pairs.items() if d.get("_borrowed")}
     return Validation(pd.DataFrame(rows), dict(found.skipped), used, borrowed)
+
+
+def _count_once(found: Found) -> None:
+    """Each measurement one point: a record copied into several results files (a calibration
+    run filed beside each study that used it) is scored where it is first found (files in
+    path order); its copies still calibrate, as every file's runs do."""
+    seen: set[tuple] = set()
+    kept = []
+    for point in found.points:
+        if point.key and point.key in seen:
+            found.skipped["copies of a measurement counted once (the same record elsewhere)"] += 1
+            continue
+        seen.add(point.key)
+        kept.append(point)
+    found.points = kept
 
 
 def _some_held_out(root: Path, rows: list[dict]) -> None:
