@@ -21,7 +21,13 @@ OPTIMIZERS = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-2),
     "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
-}
+    "adamax": lambda ps: torch.optim.Adamax(ps, lr=1e-2),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-2, initial_accumulator_value=0.1),
+    "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.5, centered=True),
+    "nadam": lambda ps: torch.optim.NAdam(ps, lr=1e-2),
+    "radam": lambda ps: torch.optim.RAdam(ps, lr=1e-2, decoupled_weight_decay=True,
+                                          weight_decay=0.1),
+}  # every optimizer fsdp_step.ELEMENTWISE names
 
 
 def model(mesh) -> nn.Module:
