@@ -25,8 +25,9 @@ OPTIMIZERS = {
     "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-2, initial_accumulator_value=0.1),
     "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.5, centered=True),
     "nadam": lambda ps: torch.optim.NAdam(ps, lr=1e-2),
-    "radam": lambda ps: torch.optim.RAdam(ps, lr=1e-2, decoupled_weight_decay=True,
-                                          weight_decay=0.1),
+    "radam": lambda ps: torch.optim.RAdam(
+        ps, lr=1e-2, decoupled_weight_decay=True, weight_decay=0.1
+    ),
 }  # every optimizer fsdp_step.ELEMENTWISE names
 
 
