@@ -349,9 +349,9 @@ def test_fsdp_step_model_overlaps_gathers_and_scatters():
 
 
 def test_fsdp_host_cost_is_calibrated_on_a_one_rank_fsdp_run():
-    """A one-rank fsdp run of the family (10 ms plain + 4 ms of FSDP's hooks and copies at 8
-    items) sets fsdp's host cost to the difference, added to every fsdp step; it never
-    calibrates another strategy's compute, which stays on the plain run."""
+    """A one-rank fsdp run of the family and unit size (10 ms plain + 4 ms of FSDP's hooks and
+    copies at 8 items) sets fsdp's host cost to the difference, added to every fsdp step; it
+    never calibrates another strategy's compute, which stays on the plain run."""
     from scalelab.predict.calibration import CalPoint, Pool
     from scalelab.predict.figures import Figures
     from scalelab.predict.frame import predict_one
@@ -363,19 +363,25 @@ def test_fsdp_host_cost_is_calibrated_on_a_one_rank_fsdp_run():
     cfg = RunConfig(workload="mlp", train=True, device="cuda", batch=16, strategy="fsdp")
     fam = Scenario(cfg, 1, 1).family()
     plain = CalPoint(fam, "local", None, 8, 0.010, 0.0, "plain")
-    sharded = CalPoint(fam, "fsdp", None, 8, 0.014, 0.0, "fsdp1")
+    one = dataclasses.replace(cfg, batch=8)  # the one-rank run's own config: its unit size
+    sharded = CalPoint(fam, "fsdp", None, 8, 0.014, 0.0, "fsdp1", cfg=one)
     pool = Pool([plain, sharded])
     pred = predict_one(Context(figures, None, pool), Scenario(cfg, 2, 2))
     assert pred.phases["fsdp_host"] == pytest.approx(0.004)
     assert pred.calibration == {"plain": "compute", "fsdp1": "FSDP host cost"}
     assert not any("lower bound" in n for n in pred.notes)  # host 0.4x the 10 ms compute
-    heavy = CalPoint(fam, "fsdp", None, 8, 0.030, 0.0, "fsdp1")  # host 20 ms: 2x the compute
+    heavy = CalPoint(fam, "fsdp", None, 8, 0.030, 0.0, "fsdp1", cfg=one)  # host 2x the compute
     flagged = predict_one(Context(figures, None, Pool([plain, heavy])), Scenario(cfg, 2, 2))
     assert any("likely a lower bound" in n for n in flagged.notes), flagged.notes
     ddp = predict_one(
         Context(figures, None, pool), Scenario(dataclasses.replace(cfg, strategy="ddp"), 2, 2)
     )
     assert ddp.calibration.get("plain") == "compute" and "fsdp1" not in ddp.calibration
-    # without the one-rank fsdp run: no host cost, and the prediction says it is a bound
+    # without the one-rank fsdp run: no host cost, and the prediction says it is a bound;
+    # likewise with only a run of another unit size (its host work is another unit count's)
     alone = predict_one(Context(figures, None, Pool([plain])), Scenario(cfg, 2, 2))
     assert "fsdp_host" not in alone.phases and any("lower bound" in n for n in alone.notes)
+    other = CalPoint(fam, "fsdp", None, 8, 0.014, 0.0, "fsdp1", cfg=dataclasses.replace(
+        one, fsdp_unit_mb=0.0))  # fmt: skip
+    blind = predict_one(Context(figures, None, Pool([plain, other])), Scenario(cfg, 2, 2))
+    assert "fsdp_host" not in blind.phases and "fsdp1" not in blind.calibration
