@@ -3,8 +3,10 @@
 Each rank keeps 1/W of every parameter, of its gradient and of the optimizer state (DTensor
 shards along dim 0). Before a unit's forward the unit's parameters are all-gathered, after its
 backward its gradients are reduce-scattered (averaged: the gradient of the global mean loss,
-as DDP's all-reduce). Units: one per repeated block, else one per layer with parameters
-(fsdp_units.shard_units), then the root. `--reshard-after-forward off` keeps the gathered
+as DDP's all-reduce). Units: repeated blocks, else layers with parameters
+(fsdp_units.shard_units), consecutive ones joined until a unit gathers --fsdp-unit-mb (200 MB
+by default; 0: one each), then the root. The optimizer steps each rank's local shards where it
+is elementwise (fsdp_step.py). `--reshard-after-forward off` keeps the gathered
 parameters from forward to backward (ZeRO-2-like: one all-gather per unit and step, more
 memory); `on` (ZeRO-3) frees them and gathers again in backward; `auto`, the default and
 torchtitan's, is `on` for every unit but the last (its backward follows at once). FSDP2
