@@ -22,9 +22,10 @@ repeated block the units are coarser than that, so fewer, larger collectives.
                    ceiling measures: each unit's pre-forward and post-backward hooks, the
                    copy of its shard into the gather buffer and out of it into the unsharded
                    parameters, the gradients' copy into the reduce-scatter buffer, the
-                   optimizer over DTensors. Calibrated on one GPU: a one-rank fsdp run of the
-                   family (every hook and copy runs, the collectives are local) less the bare
-                   step at its batch, H = t_fsdp1(b) - t(b), taken as constant per step (the
+                   optimizer's step on the shards. Calibrated on one GPU: a one-rank fsdp run
+                   of the family and unit size (every hook and copy runs, the collectives are
+                   local) less the bare step at its batch, H = t_fsdp1(b) - t(b), taken as
+                   constant per step (the
                    copies' bytes move from 1/1 to 1/S of the weights: an upper bound). Without
                    such a run H = 0 and the prediction says it is a lower bound.
 """
