@@ -25,9 +25,9 @@ repeated block the units are coarser than that, so fewer, larger collectives.
                    optimizer's step on the shards. Calibrated on one GPU: a one-rank fsdp run
                    of the family and unit size (every hook and copy runs, the collectives are
                    local) less the bare step at its batch, H = t_fsdp1(b) - t(b), taken as
-                   constant per step (the
-                   copies' bytes move from 1/1 to 1/S of the weights: an upper bound). Without
-                   such a run H = 0 and the prediction says it is a lower bound.
+                   constant per step (the copies' bytes move from 1/1 to 1/S of the
+                   weights: an upper bound). Without such a run H = 0 and the prediction
+                   says it is a lower bound.
 """
 
 from __future__ import annotations
