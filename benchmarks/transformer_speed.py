@@ -212,9 +212,7 @@ def flops_per_sequence(s: dict) -> float:
 
 
 def collect(a: argparse.Namespace, shape: dict, peak: float | None) -> list[dict]:
-    from scalelab.config import RunConfig
-
-    default_unit_mb = RunConfig.__dataclass_fields__["fsdp_unit_mb"].default
+    default = default_unit_mb()
     rows = []
     fps = flops_per_sequence(shape)
     records = a.out / "records.jsonl"
@@ -222,7 +220,7 @@ def collect(a: argparse.Namespace, shape: dict, peak: float | None) -> list[dict
         r = json.loads(line)
         c = r["config"]
         name = c["strategy"]
-        if c["strategy"] == "fsdp" and c.get("fsdp_unit_mb") != default_unit_mb:
+        if c["strategy"] == "fsdp" and c.get("fsdp_unit_mb") != default:
             name += f" unit_mb={c.get('fsdp_unit_mb', 0):g}"  # records before 200 was the default
         if c.get("grad_compress"):
             name += f" grad_compress={c['grad_compress']}"
@@ -281,10 +279,14 @@ def table(rows: list[dict], counts: list[int]) -> list[str]:
 
 def peer_name(run: str) -> str:
     """The peer's run (names as in the table) that runs scalelab's `run` policy."""
+    return PEER_OF.get(run, run).format(mb=default_unit_mb())
+
+
+def default_unit_mb() -> float:
+    """RunConfig's --fsdp-unit-mb default (scalelab imported only where it is read)."""
     from scalelab.config import RunConfig
 
-    mb = RunConfig.__dataclass_fields__["fsdp_unit_mb"].default
-    return PEER_OF.get(run, run).format(mb=mb)
+    return RunConfig.__dataclass_fields__["fsdp_unit_mb"].default
 
 
 def ratio_of(a: float | None, b: float | None) -> float | None:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from scalelab.strategies import fsdp_units as units
-from scalelab.train.steps import TorchStep, train_step
+from scalelab.train.steps import TorchStep
 
 # exact types (a subclass may read a whole tensor); torch's own foreach/fused kernels all
 # work per element, weight decay included
@@ -105,11 +105,6 @@ class ShardedStep(TorchStep):
         local = type(self.opt) in ELEMENTWISE
         self.stepper = LocalShardOptimizer(self.opt) if local else self.opt
         self.optimizer_step = "local shards" if local else "DTensor"
-
-    def __call__(self, step: Any) -> torch.Tensor:
-        return train_step(
-            self.strategy, self.plan, self.model, self.stepper, step, self.timer, self.scaler
-        )
 
     def weights(self) -> list[torch.Tensor]:
         return [units.local(p).detach() for p in self.model.parameters()]

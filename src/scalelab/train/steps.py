@@ -7,7 +7,7 @@ schedule's step (strategies/pipeline/schedule_step.py, torch_engine.py)."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -119,11 +119,12 @@ class TorchStep(TrainStep):
     ) -> None:
         self.strategy, self.model, self.plan, self.timer = strategy, model, plan, strategy.timer
         self.opt = single_tensor_if_mixed(workload.optimizer(model))
+        self.stepper: Any = self.opt  # what steps it (fsdp: the optimizer on local shards)
         self.scaler = grad_scaler(strategy)
 
     def __call__(self, step: Step) -> torch.Tensor:
         return train_step(
-            self.strategy, self.plan, self.model, self.opt, step, self.timer, self.scaler
+            self.strategy, self.plan, self.model, self.stepper, step, self.timer, self.scaler
         )
 
     def weights(self) -> list[torch.Tensor]:
