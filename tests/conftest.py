@@ -41,6 +41,11 @@ def pytest_xdist_make_scheduler(config, log):
         return None
     from xdist.scheduler import LoadFileScheduling
 
+    # xdist's default re-sorts the files by how many tests each holds, which put the README
+    # group (4 tests, a fifth of the run) among the last and left one process alone at the
+    # end: keep the order pytest_collection_modifyitems gives (the longest work first)
+    config.option.loadscopereorder = False
+
     class GroupedFiles(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             file = nodeid.split("::", 1)[0]

@@ -33,11 +33,11 @@ def figures() -> Figures:
 
 
 # The mlp plan verifies the top 3 (and the plain choice) with medians of two runs; the user
-# model's plan measures its full candidate set, also with medians of two. On the shared
-# 2-core host a run is mostly process start-up (8-30 s under load), so CI time is the number
-# of runs (16 + 24): each loop has a file of its own, so that two test processes run them
-# side by side. AlexNet's whole loop runs as README's plan line (without the regret
-# assertion) and as docs/PLAN.md's worked example: a third loop here put CI past 30 minutes.
+# model's plan the top 2 (and the plain one), also with medians of two. On the shared 2-core
+# host a run is mostly process start-up (8-30 s under load), so CI time is the number of
+# runs: each loop has a file of its own, so that two test processes run them side by side.
+# AlexNet's whole loop runs as README's plan line (without the regret assertion) and as
+# docs/PLAN.md's worked example: a third loop here put CI past 30 minutes.
 def _plan(cli, tmp_path: Path, *args: str, verify=99, repeats=3) -> tuple[dict, Path]:
     """The plan with --calibrate-missing --verify `verify` --repeats `repeats` (runs per
     calibration point and per verified candidate: their medians)."""
