@@ -85,3 +85,22 @@ def test_a_larger_machines_ceilings_cap_the_cores_only_where_plan_runs_here(
         with pytest.raises(UsageError, match="2 ranks per node"):
             _spec(too_many, Figures(data, "sixteen.json"))
         assert "ceilings describe" not in caplog.text
+
+
+def test_calibrate_missing_on_a_fresh_machine_measures_the_ceilings_first(
+    cli, tmp_path, monkeypatch
+):
+    """No --ceilings and no scalelab-results/ceilings.json: --calibrate-missing measures them
+    (`scalelab ceilings --quick`, said first) instead of stopping at "measure this machine
+    first"; without it the plan still stops in one line, writing nothing."""
+    monkeypatch.chdir(tmp_path)
+    args = ["plan", "mlp", "--hidden", "8", "--batch", "4", "--ranks-max", "1", "--repeats", "1"]
+    code, _, err = cli(*args)
+    assert code == 2 and "measure this machine first" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "scalelab-results").exists()
+    code, stdout, err = cli(*args, "--calibrate-missing")
+    assert code == 0, err
+    assert "calibrate: no ceilings here yet: scalelab ceilings --quick --device cpu" in stdout
+    ceilings = json.loads((tmp_path / "scalelab-results" / "ceilings.json").read_text())
+    assert ceilings["cpu_gemm_flops"] and "mpi" in ceilings["comm"]  # this host's, measured now
+    assert json.loads((tmp_path / "scalelab-results" / "plan" / "plan.json").read_text())["rows"]

@@ -107,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
     from scalelab.predict.network import load_network
 
     network = load_network(args.network)
+    if args.calibrate_missing and args.ceilings is None:
+        _measure_ceilings(args)
     figures = figures_at(args.ceilings)
     spec = _spec(args, figures)
     out = Path(args.out)
@@ -205,6 +207,24 @@ def _calibrate(spec, pool, cfgs, args, out: Path):
         echo = Progress("calibrate", len(todo) * args.repeats)
         measure_medians(todo, out / "calibration.jsonl", args.repeats, run, echo)
     return _pool(args.calibrate, out)
+
+
+def _measure_ceilings(args: argparse.Namespace) -> None:
+    """--calibrate-missing on a fresh machine (no --ceilings, no scalelab-results/ceilings.json):
+    measure this machine's ceilings first, as `scalelab ceilings --quick` does, so the plan
+    needs no command run before it (the communication fits it lacks come after the ranking)."""
+    import subprocess
+
+    from scalelab.instrument.ceilings import DEFAULT_PATH
+
+    if DEFAULT_PATH.is_file():
+        return
+    device = "cuda" if getattr(args, "device", None) == "cuda" else "cpu"
+    command = ["scalelab", "ceilings", "--quick", "--device", device, "-o", str(DEFAULT_PATH)]
+    print(f"calibrate: no ceilings here yet: {' '.join(command)}", flush=True)
+    done = subprocess.run([sys.executable, "-m", "scalelab", *command[1:]], check=False)
+    if done.returncode != 0 or not DEFAULT_PATH.is_file():
+        raise UsageError(f"measuring this machine's ceilings failed: {' '.join(command)}")
 
 
 def _measure_comm(ranked, ceilings: str) -> bool:
