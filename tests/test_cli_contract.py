@@ -376,3 +376,29 @@ def test_malformed_data_sets(images, labels, csv):
     contract(["run", "mlp", *SMALL_RUN, "--train", "--steps", "1", "--data-dir", "d"], files)
     contract(["run", "charcnn", "--batch", "1", "--iters", "1", "--warmup", "0", "--quiet",
               "--data-dir", "a"], files)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "machine, comm, field",
+    [
+        ({"cpu_cores": [None]}, {}, "machine.cpu_cores"),  # found by test_predict's fuzzing
+        ({"cpu_cores": "two"}, {}, "machine.cpu_cores"),
+        ({"cpu_cores": 2, "gpu_count": -1}, {}, "machine.gpu_count"),
+        ({"cpu_cores": 2}, {"ranks": 2.5}, "comm.mpi.ranks"),
+    ],
+)
+def test_a_ceilings_file_with_a_count_that_is_not_a_whole_number_is_one_line(
+    cli, tmp_path, machine, comm, field
+):
+    fit = {"alpha_s": 5e-6, "beta_Bps": 2e9}
+    data = {"schema": "scalelab.ceilings/1", "machine": machine, "device": "cpu",
+            "gemm_flops": {"fp32": 1e11}, "mem_bw": 1e10,
+            "comm": {"mpi": {"ranks": 2, "allreduce": fit, **comm}}}  # fmt: skip
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(data))
+    code, _, err = cli("predict", "--no-plots", "mlp", "--strategy", "mpi", "--ranks", "2",
+                       "--ceilings", path,
+                       "-o", tmp_path / "out")  # fmt: skip
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "malformed ceilings file" in err and field in err, err
+    assert not (tmp_path / "out").exists()

@@ -111,6 +111,7 @@ def _kind(value: Any) -> str:
 
 # --- ceilings files -----------------------------------------------------------------------
 RATE_TABLES = ("gemm_flops", "cpu_gemm_flops", "cpu_mem_bw", "h2d", "d2h", "peaks")
+COUNTS = ("cpu_cores", "gpu_count")  # machine's whole numbers
 
 
 def ceilings_problem(data: dict[str, Any]) -> str | None:
@@ -118,6 +119,13 @@ def ceilings_problem(data: dict[str, Any]) -> str | None:
     for name in ("machine", "comm", *RATE_TABLES):
         if data.get(name) is not None and not isinstance(data[name], dict):
             return f"{name!r} holds {_kind(data[name])}, expected an object"
+    counts = [(f"machine.{k}", (data.get("machine") or {}).get(k)) for k in COUNTS]
+    counts.append(("cpu_gemm_flops.cores", (data.get("cpu_gemm_flops") or {}).get("cores")))
+    counts += [(f"comm.{b}.ranks", ops.get("ranks")) for b, ops in (data.get("comm") or {}).items()
+               if isinstance(ops, dict)]  # fmt: skip
+    for name, value in counts:  # cores and ranks size what a plan or prediction sets up
+        if value is not None and not (_is(value, (int,)) and value >= 0):
+            return f"{name} holds {value!r}, expected a whole number"
     if data.get("mem_bw") is not None and not _positive(data["mem_bw"]):
         return "'mem_bw' is not a positive number"
     for name in RATE_TABLES:
