@@ -390,6 +390,8 @@ def test_malformed_data_sets(images, labels, csv):
 def test_a_ceilings_file_with_a_count_that_is_not_a_whole_number_is_one_line(
     cli, tmp_path, machine, comm, field
 ):
+    """cpu_cores, gpu_count, cpu_gemm_flops.cores and a backend's ranks size what predict and
+    plan set up: a value that is not a whole number is named in one line, exit 2."""
     fit = {"alpha_s": 5e-6, "beta_Bps": 2e9}
     data = {"schema": "scalelab.ceilings/1", "machine": machine, "device": "cpu",
             "gemm_flops": {"fp32": 1e11}, "mem_bw": 1e10,
@@ -397,8 +399,7 @@ def test_a_ceilings_file_with_a_count_that_is_not_a_whole_number_is_one_line(
     path = tmp_path / "c.json"
     path.write_text(json.dumps(data))
     code, _, err = cli("predict", "--no-plots", "mlp", "--strategy", "mpi", "--ranks", "2",
-                       "--ceilings", path,
-                       "-o", tmp_path / "out")  # fmt: skip
+                       "--ceilings", path, "-o", tmp_path / "out")  # fmt: skip
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "malformed ceilings file" in err and field in err, err
     assert not (tmp_path / "out").exists()
