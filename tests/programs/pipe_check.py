@@ -31,7 +31,10 @@ from scalelab.workloads.base import Inputs, Workload
 
 PipelineStrategy.close = lambda self: None  # one process group for every scenario
 
-T_FWD, T_BWD = 0.03, 0.06  # seconds each sleep layer takes per micro-batch
+# seconds each sleep layer takes per micro-batch: long against the stages' CPU work and
+# sends, which a loaded 2-core host delays (at 30/60 ms, 3 ranks beside another test
+# process measured a bubble of 0.40 against the textbook 0.33)
+T_FWD, T_BWD = 0.06, 0.12
 
 
 class _Sleep(torch.autograd.Function):
