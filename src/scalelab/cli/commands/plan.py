@@ -213,35 +213,37 @@ def _measure_ceilings(args: argparse.Namespace) -> None:
     """--calibrate-missing on a fresh machine (no --ceilings, no scalelab-results/ceilings.json):
     measure this machine's ceilings first, as `scalelab ceilings --quick` does, so the plan
     needs no command run before it (the communication fits it lacks come after the ranking)."""
-    import subprocess
-
     from scalelab.instrument.ceilings import DEFAULT_PATH
 
     if DEFAULT_PATH.is_file():
         return
     device = "cuda" if getattr(args, "device", None) == "cuda" else "cpu"
     command = ["scalelab", "ceilings", "--quick", "--device", device, "-o", str(DEFAULT_PATH)]
-    print(f"calibrate: no ceilings here yet: {' '.join(command)}", flush=True)
-    done = subprocess.run([sys.executable, "-m", "scalelab", *command[1:]], check=False)
-    if done.returncode != 0 or not DEFAULT_PATH.is_file():
+    _calibration_command(command, "no ceilings here yet: ", "this machine's ceilings")
+    if not DEFAULT_PATH.is_file():
         raise UsageError(f"measuring this machine's ceilings failed: {' '.join(command)}")
 
 
 def _measure_comm(ranked, ceilings: str) -> bool:
     """--calibrate-missing: measure the communication fits whose absence left candidates
     out, into the ceilings file (so no candidate family is dropped on a fresh machine)."""
-    import subprocess
-
     from scalelab.plan.calibrate import comm_command, lacking_comm
 
     backends = lacking_comm(list(ranked["status"]))
     for backend in backends:
-        command = comm_command(backend, ceilings)
-        print(f"calibrate: {' '.join(command)}", flush=True)
-        done = subprocess.run([sys.executable, "-m", "scalelab", *command[1:]], check=False)
-        if done.returncode != 0:
-            raise UsageError(f"measuring comm.{backend} failed: {' '.join(command)}")
+        _calibration_command(comm_command(backend, ceilings), "", f"comm.{backend}")
     return bool(backends)
+
+
+def _calibration_command(command: list[str], why: str, what: str) -> None:
+    """Run a `scalelab ...` measuring command in this Python, said first on stdout; a failure
+    is one line naming the command to paste."""
+    import subprocess
+
+    print(f"calibrate: {why}{' '.join(command)}", flush=True)
+    done = subprocess.run([sys.executable, "-m", "scalelab", *command[1:]], check=False)
+    if done.returncode != 0:
+        raise UsageError(f"measuring {what} failed: {' '.join(command)}")
 
 
 def _contention(figures, spec, args, out: Path):
