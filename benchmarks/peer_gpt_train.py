@@ -68,6 +68,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--amp", default="bf16", choices=("bf16", "fp32"))
     p.add_argument("--out", required=True, help="JSON lines file (appended, rank 0)")
+    p.add_argument("--profile", help="folder: rank 0's trace of 3 steps after the timed ones")
     return p.parse_args()
 
 
@@ -172,6 +173,8 @@ def train(a: argparse.Namespace, name: str, device: torch.device, rank: int, wor
     sync(device)
     seconds = time.perf_counter() - t0
     seqs = a.steps * a.per_gpu * world
+    if a.profile:
+        profile(a, name, rank, lambda: [step(i) for i in range(a.warmup, a.warmup + 3)])
     peak_mem = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     return {
         "run": name, "gpus": world, "steps": a.steps, "warmup": a.warmup,
@@ -179,6 +182,20 @@ def train(a: argparse.Namespace, name: str, device: torch.device, rank: int, wor
         "tokens_per_s": seqs * a.seq / seconds, "step_ms": 1e3 * seconds / a.steps,
         "loss": float(loss), "peak_allocated": peak_mem,
     }  # fmt: skip
+
+
+def profile(a: argparse.Namespace, name: str, rank: int, steps) -> None:
+    """3 more steps under torch.profiler (CPU and CUDA); rank 0 writes a chrome trace."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with torch_profile(activities=acts) as prof:
+        steps()
+        torch.cuda.synchronize() if torch.cuda.is_available() else None
+    if rank == 0:
+        Path(a.profile).mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(Path(a.profile) / f"peer_{name.replace('+', '_')}.json"))
 
 
 def sync(device: torch.device) -> None:
