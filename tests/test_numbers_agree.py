@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from scalelab.instrument import threads as T
+from scalelab.orchestration.strategy_roles import strategy_roles
 from scalelab.record import read_records
 
 
@@ -386,7 +387,9 @@ def test_report_from_constructed_records_flags_every_contradiction(tmp_path):
         "unstable ceiling: fp32 GEMM 1.94e+11 FLOP/s is the best of 3 "
         "blocks whose median was 105% slower (host busy? re-measure)"
     ]
-    page = write_report([layers, train, *system], tmp_path, ceilings, plots=False)
+    page = write_report(
+        [layers, train, *system], tmp_path, ceilings, plots=False, roles=strategy_roles()
+    )
     text = page.read_text()
     for said in ("slower than c5 (same shape)", "faster than c3 (same shape)",
                  "layers exceed the wall", "rank skew: rank 1", "unstable ceiling",

@@ -15,6 +15,7 @@ import pytest
 from scalelab.instrument import ceiling_checks as CC
 from scalelab.instrument import ceilings as C
 from scalelab.instrument import threads as T
+from scalelab.orchestration.strategy_roles import strategy_roles
 from scalelab.record import read_records
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -152,6 +153,6 @@ def test_a_superlinear_versions_row_is_flagged_in_its_table():
 
     records = [rec("local", 1, 0.0905), rec("mpi", 2, 0.0200, "batch"),
                rec("mpi", 2, 0.0400, "spatial")]  # fmt: skip
-    _, _, body = versions_section(records)
+    _, _, body = versions_section(records, strategy_roles())
     assert body.count("superlinear: 2 ranks") == 1, body
     assert "superlinear: 2 ranks 4.5x local" in body

@@ -13,6 +13,7 @@ from scalelab.analysis import load_records
 from scalelab.analysis import system_roofline as sysroof
 from scalelab.analysis.report import write_report
 from scalelab.analysis.roofline import read_ceilings
+from scalelab.orchestration.strategy_roles import strategy_roles
 
 DEMO = Path(__file__).parent / "fixtures" / "demo"
 
@@ -22,7 +23,10 @@ def page(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo-report")
     shutil.copy(DEMO / "runs.jsonl", out / "runs.jsonl")
     records = load_records(out / "runs.jsonl")
-    path = write_report(records, out / "report", read_ceilings(DEMO / "ceilings.json"), plots=False)
+    path = write_report(
+        records, out / "report", read_ceilings(DEMO / "ceilings.json"), plots=False,
+        roles=strategy_roles(),
+    )  # fmt: skip
     return path.read_text()
 
 

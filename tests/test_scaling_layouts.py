@@ -14,6 +14,7 @@ import pytest
 from scalelab.analysis.frame import sibling_labels
 from scalelab.analysis.report import write_report
 from scalelab.analysis.scaling import families, scaling_table
+from scalelab.orchestration.strategy_roles import strategy_roles
 from scalelab.record import read_records
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -58,7 +59,7 @@ def test_node_layouts_stay_two_series(cli, tmp_path):
     assert "no series has more than one rank count" not in out
     assert "nodes=1" in out and "(1 runs in series with a single rank count" in out
 
-    page = write_report(recs, tmp_path / "rep", plots=False).read_text()
+    page = write_report(recs, tmp_path / "rep", plots=False, roles=strategy_roles()).read_text()
     scaling = page.split('<section id="scaling">')[1].split("</section>")[0]
     assert "No series with more than one rank count" not in scaling
     assert "alexnet mpi fp32 cpu nodes=1" in scaling

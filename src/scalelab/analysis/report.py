@@ -23,6 +23,7 @@ from scalelab.analysis.report_context import (
     versions_section,
 )
 from scalelab.analysis.report_waits import waits_section, with_phases
+from scalelab.analysis.roles import StrategyRoles
 from scalelab.errors import UsageError
 from scalelab.instrument.progress import Progress
 
@@ -217,7 +218,9 @@ def scaling_section(records: list[dict[str, Any]], page: Page, mode: str | None)
     return "scaling", "Scaling", body
 
 
-def roofline_section(records: list[dict[str, Any]], ceilings: dict | None, page: Page) -> Section:
+def roofline_section(
+    records: list[dict[str, Any]], ceilings: dict | None, page: Page, roles: StrategyRoles
+) -> Section:
     parts = []
     if ceilings is not None and roofline.layer_records(records):
         df = roofline.layer_roofline(records, ceilings)
@@ -234,11 +237,13 @@ def roofline_section(records: list[dict[str, Any]], ceilings: dict | None, page:
         ]
     else:
         parts.append(html.note("Per-layer roofline: needs --per-layer runs and ceilings."))
-    parts.append(_system_roofline(records, ceilings, page))
+    parts.append(_system_roofline(records, ceilings, page, roles))
     return "roofline", "Roofline", "\n".join(parts)
 
 
-def _system_roofline(records: list[dict[str, Any]], ceilings: dict | None, page: Page) -> str:
+def _system_roofline(
+    records: list[dict[str, Any]], ceilings: dict | None, page: Page, roles: StrategyRoles
+) -> str:
     if not sysroof.training_runs(records):
         return html.note("System roofline: needs distributed training runs (e.g. mlp, mpi-dp).")
     peaks = sysroof.estimate_peaks(records)
@@ -250,7 +255,7 @@ def _system_roofline(records: list[dict[str, Any]], ceilings: dict | None, page:
     if peaks.beta_Bps:
         fit = f"alpha = {peaks.alpha_s * 1e6:.1f} us, beta = {peaks.beta_Bps / 1e9:.3g} GB/s"
         lead += f"; all-reduce fit {fit}"
-    backend = sysroof.ceiling_backend(records)
+    backend = sysroof.ceiling_backend(records, roles)
     disagree = sysroof.against_ceilings(peaks, ceilings, backend)  # one quantity, two figures
     fmts = {
         c: ".3g"
@@ -338,9 +343,13 @@ def write_report(
     mode: str | None = None,
     extra: list[Section] = (),
     progress: bool = False,
+    *,
+    roles: StrategyRoles,
 ) -> Path:
     """Write out_dir/index.html (+ PNGs, CSVs); returns the page's path. With `progress`, a
-    line on stderr after each section once a few seconds passed (figures take seconds)."""
+    line on stderr after each section once a few seconds passed (figures take seconds).
+    roles: which strategy names are the reference, the plain local run, MPI's all-reduce
+    (orchestration/strategy_roles.py; analyses import no strategy)."""
     if not records:
         raise UsageError("no records to report on")
     out = Path(out_dir)
@@ -349,12 +358,12 @@ def write_report(
     makers = {
         "environment": lambda: [environment_section(records)],
         "ceilings": lambda: [ceilings_section(ceilings, records), *extra],
-        "versions": lambda: [versions_section(records)],
+        "versions": lambda: [versions_section(records, roles)],
         "runs": lambda: [runs_section(records, page)],
         "phases": lambda: [phase_section(records)],
         "waits": lambda: [waits_section(records, page)],
         "scaling": lambda: [scaling_section(records, page, mode)],
-        "roofline": lambda: [roofline_section(records, ceilings, page)],
+        "roofline": lambda: [roofline_section(records, ceilings, page, roles)],
         "convergence": lambda: [convergence_section(records, page)],
         "memory": lambda: [memory_section(records, page)],
     }

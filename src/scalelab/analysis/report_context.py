@@ -9,6 +9,7 @@ import pandas as pd
 
 from scalelab.analysis import html, roofline
 from scalelab.analysis.frame import nodes_of, ok_records
+from scalelab.analysis.roles import StrategyRoles
 
 # N ranks more than this x N faster than one `local` process: a contradiction to flag.
 SUPERLINEAR = 1.5
@@ -119,7 +120,7 @@ def _mib(nbytes: Any, tail: str = "") -> str:
     return f", {nbytes / (1 << 20):g} MiB{tail}" if isinstance(nbytes, int) and nbytes else ""
 
 
-def versions_section(records: list[dict[str, Any]]) -> Section:
+def versions_section(records: list[dict[str, Any]], roles: StrategyRoles) -> Section:
     """One table per `scalelab versions` invocation (its shared `versions` id), else per
     workload / input / batch, of the checked inference runs."""
     checked = [r for r in ok_records(records) if r.get("mode") != "train" and "relerr" in r]
@@ -141,7 +142,7 @@ def versions_section(records: list[dict[str, Any]]) -> Section:
         size = cfg.get("image_size")
         title = f"{recs[0]['workload']} {f'{size}x{size}' if size else '(native size)'}, "
         parts.append(f"<h3>{html.esc(title)}batch {cfg.get('batch')}</h3>")
-        parts.append(_versions_table(recs))
+        parts.append(_versions_table(recs, roles))
     return "versions", "Versions", "\n".join(parts)
 
 
@@ -150,7 +151,7 @@ def _cv(spread: dict[str, Any]) -> float | None:
     return spread.get("cv") if (spread.get("n") or 0) >= 2 else None
 
 
-def _versions_table(recs: list[dict[str, Any]]) -> str:
+def _versions_table(recs: list[dict[str, Any]], roles: StrategyRoles) -> str:
     rows = []
     for rec in recs:
         cfg = rec.get("config") or {}
@@ -174,11 +175,11 @@ def _versions_table(recs: list[dict[str, Any]]) -> str:
     nodes = [nodes_of(r) for r in recs]
     if max(nodes) > 1:  # one config on 1 and on 2 nodes: two rows, told apart
         df.insert(3, "nodes", nodes)
-    serial = df.loc[df["strategy"] == "serial", "wall ms"]
+    serial = df.loc[df["strategy"].isin(roles.reference), "wall ms"]
     base = serial.iloc[-1] if len(serial) else df["wall ms"].max()
     df.insert(df.columns.get_loc("CV") + 2, "speedup", base / df["wall ms"])
     df["warnings"] = [
-        "; ".join(x for x in pair if x) for pair in zip(_superlinear(df), df["warnings"])
+        "; ".join(x for x in pair if x) for pair in zip(_superlinear(df, roles), df["warnings"])
     ]
     fmts = {"wall ms": ".2f", "CV": ".1%", "items/s": ".1f", "speedup": lambda v: f"{v:.1f}x",
             "relerr": ".1e"}  # fmt: skip
@@ -189,7 +190,7 @@ def _versions_table(recs: list[dict[str, Any]]) -> str:
     return html.table(df, fmts, classes=bad, text_cols={"digest"} | text_columns(df))
 
 
-def _superlinear(df: pd.DataFrame) -> list[str]:
+def _superlinear(df: pd.DataFrame, roles: StrategyRoles) -> list[str]:
     """Per row: a note when N ranks ran more than SUPERLINEAR x N faster than the table's
     torch `local` run of the same dtype and device. On a busy host N ranks get N shares of
     the CPUs against local's one (seen: `ddp --ranks 2` 58x `local`; the demo beside two
@@ -198,7 +199,7 @@ def _superlinear(df: pd.DataFrame) -> list[str]:
     base = {
         k: wall
         for k, wall, strategy, n in zip(keys, df["wall ms"], df["strategy"], df["ranks"])
-        if strategy == "local" and n == 1
+        if strategy in roles.plain_local and n == 1
     }
     out = []
     for k, wall, n in zip(keys, df["wall ms"], df["ranks"]):

@@ -33,6 +33,7 @@ import pandas as pd
 
 from scalelab.analysis.frame import ok_records, per_iteration, phase_scale, run_config
 from scalelab.analysis.phases import rank_phases, self_times
+from scalelab.analysis.roles import StrategyRoles
 from scalelab.analysis.roofline import fit_alpha_beta
 from scalelab.errors import UsageError
 from scalelab.precision import get_precision
@@ -249,10 +250,10 @@ def above_model(row: dict[str, Any]) -> str:
 DISAGREE = 2.0
 
 
-def ceiling_backend(records: list[dict[str, Any]]) -> str:
+def ceiling_backend(records: list[dict[str, Any]], roles: StrategyRoles) -> str:
     """The ceilings' `comm` entry the training runs' all-reduces went over."""
     runs = training_runs(records)
-    if runs and all(r.get("strategy") == "mpi-dp" for r in runs):
+    if runs and all(r.get("strategy") in roles.mpi_allreduce for r in runs):
         return "mpi"
     gpu = any((r.get("config") or {}).get("device") == "cuda" for r in runs)
     return "nccl" if gpu else "gloo"

@@ -191,6 +191,7 @@ class Demo:
         from scalelab.analysis import html, load_records, plots
         from scalelab.analysis.report import write_report
         from scalelab.analysis.roofline import find_ceilings, read_ceilings
+        from scalelab.orchestration.strategy_roles import strategy_roles
 
         records = load_records(self.results)
         path = find_ceilings(self.results, None)
@@ -206,6 +207,7 @@ class Demo:
             "scalelab demo",
             plots=plots.available(),
             extra=[steps],
+            roles=strategy_roles(),
         )
 
 

@@ -35,6 +35,7 @@ def run(args: argparse.Namespace) -> int:
     records, ceilings = load_for_roofline(args.results, args.ceilings, not args.no_plots)
     from scalelab.analysis.plan_report import plan_sections
     from scalelab.analysis.report import write_report
+    from scalelab.orchestration.strategy_roles import strategy_roles
 
     if args.drop_warned:
         kept = [r for r in records if not r.get("warnings")]
@@ -45,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
 
     path = write_report(
         records, args.out_dir, ceilings, args.title, plots=not args.no_plots, mode=args.mode,
-        extra=plan_sections(args.results), progress=True,
+        extra=plan_sections(args.results), progress=True, roles=strategy_roles(),
     )  # fmt: skip
     print(f"report: {path} ({len(records)} records)")
     return 0
