@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from scalelab.analysis.roles import StrategyRoles
 
 
@@ -10,7 +12,7 @@ def strategy_roles() -> StrategyRoles:
 
     classes = {name: STRATEGIES.get(name) for name in STRATEGIES.names()}
 
-    def having(trait) -> frozenset[str]:  # noqa: ANN001
+    def having(trait: Callable[[type], bool]) -> frozenset[str]:
         return frozenset(name for name, cls in classes.items() if trait(cls))
 
     return StrategyRoles(
