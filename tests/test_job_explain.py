@@ -184,3 +184,31 @@ def test_which_rank_failures_the_launching_side_records(
     else:
         monkeypatch.delenv(JOB_DIR_VAR, raising=False)
     assert launcher_records(error) is left_to_launcher
+
+
+def test_a_line_said_before_a_cancel_waits_until_its_pipe_is_read(tmp_path):
+    """jobs.until_read: a watcher's last line must leave its pipe (for slurmstepd, then srun)
+    before it cancels its step. It waits while the pipe holds unread bytes, up to its bound;
+    returns at once once they are read, and for a file (no pipe to wait on)."""
+    import os
+    import time
+
+    from scalelab.orchestration.jobs import until_read
+
+    read_end, write_end = os.pipe()
+    with os.fdopen(write_end, "w") as out:
+        out.write("scalelab: rank 1 on n2 died (signal 9)\n")
+        out.flush()
+        t0 = time.monotonic()
+        until_read(out, most_s=0.3)
+        assert time.monotonic() - t0 >= 0.3  # nobody read it: waited the whole bound
+        os.read(read_end, 100)
+        t0 = time.monotonic()
+        until_read(out, most_s=5.0)
+        assert time.monotonic() - t0 < 1.0  # read: at once
+    os.close(read_end)
+    with open(tmp_path / "f", "w") as f:
+        f.write("x")
+        t0 = time.monotonic()
+        until_read(f, most_s=5.0)
+        assert time.monotonic() - t0 < 1.0

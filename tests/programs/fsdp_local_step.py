@@ -6,6 +6,8 @@ the largest parameter and optimizer-state differences (full tensors) after 3 ste
 state's types."""
 
 import json
+import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -76,7 +78,13 @@ def main() -> None:
                 "keys_dtensor": keys, "moved": moved}  # fmt: skip
         if dist.get_rank() == 0:
             print(json.dumps(said), flush=True)
+    dist.barrier()  # no rank tears down while its peer still talks to it
     dist.destroy_process_group()
+    sys.stdout.flush()
+    # Skip interpreter finalization: gloo's worker threads can still be releasing tensors
+    # then, which aborted rank 1 once in CI ("terminate called without an active exception",
+    # SIGABRT: pytorch/pytorch#179291), as pipe_check.py and torchpp_check.py do.
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -333,3 +333,30 @@ def relaunch_job(launcher: str, ranks: int, argv: list[str], say: bool = True) -
     env.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (shared hosts)
     env["SCALELAB_LAUNCHED"] = "1"
     return run_job(cmd, env, launcher, say=say)
+
+
+def until_read(stream, most_s: float = 2.0) -> None:  # noqa: ANN001  (a text stream)
+    """Until whoever reads `stream`'s pipe (slurmstepd, which forwards it to srun) has taken
+    what was written, so that a line said just before this task cancels its step is not
+    still in the pipe when the cancel ends the step (once in CI a killed rank's line was
+    missing from srun's stderr, its step CANCELLED right after its watcher said it).
+    FIONREAD says how many bytes a pipe still holds; not a pipe (a terminal, a file): done."""
+    import fcntl
+    import stat
+    import struct
+    import termios
+
+    try:
+        if not stat.S_ISFIFO(os.fstat(stream.fileno()).st_mode):
+            return
+    except (OSError, ValueError):
+        return
+    end = time.monotonic() + most_s
+    while time.monotonic() < end:
+        try:
+            held = struct.unpack("i", fcntl.ioctl(stream.fileno(), termios.FIONREAD, b"\0" * 4))
+        except (OSError, ValueError):
+            return
+        if held[0] == 0:
+            return
+        time.sleep(0.005)

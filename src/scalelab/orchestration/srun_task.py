@@ -325,6 +325,7 @@ def _wait_for(stopped: list[int], seconds: float) -> None:
 def _say(line: str) -> None:
     sys.stderr.write(line + "\n")
     sys.stderr.flush()
+    jobs.until_read(sys.stderr)
 
 
 def _end_step() -> None:
