@@ -2,7 +2,7 @@
 the GPU's kernel time and its idle time, the kernels that take it, and the host operators that
 take the host (self time: an operator's time less the operators it called).
 
-    python benchmarks/compare_traces.py --steps 3 A/rank0.json.gz B/peer_fsdp.json
+    PYTHONPATH=src python benchmarks/compare_traces.py --steps 3 A/rank0.json.gz B/peer.json
 
 It reads what torch writes (`export_chrome_trace`): events of category "kernel" on the GPU
 streams and "cpu_op" on the host threads. Made to find where scalelab's step and the peer's
@@ -12,26 +12,11 @@ streams and "cpu_op" on the host threads. Made to find where scalelab's step and
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 from collections import Counter
 from pathlib import Path
 
-
-def load(path: Path) -> list[dict]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt") as f:
-        return json.load(f)["traceEvents"]
-
-
-def union_us(spans: list[tuple[float, float]]) -> float:
-    """Microseconds covered by the spans (overlapping kernels on two streams count once)."""
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(spans):
-        if b > end:
-            total += b - max(a, end)
-            end = b
-    return total
+from scalelab.analysis.waits import union
+from scalelab.instrument.kernel_trace import load_trace
 
 
 def self_times(ops: list[dict]) -> Counter:
@@ -42,7 +27,7 @@ def self_times(ops: list[dict]) -> Counter:
         by_tid.setdefault(e["tid"], []).append(e)
     for evs in by_tid.values():
         evs.sort(key=lambda e: (e["ts"], -e["dur"]))
-        stack: list[list] = []  # [end, name, child time]
+        stack: list[list] = []  # [end, name, children's time, own duration]
         for e in evs:
             while stack and stack[-1][0] <= e["ts"]:
                 end, name, child, dur = stack.pop()
@@ -56,7 +41,7 @@ def self_times(ops: list[dict]) -> Counter:
 
 
 def summary(path: Path, steps: int, top: int) -> str:
-    events = [e for e in load(path) if e.get("ph") == "X"]
+    events = [e for e in load_trace(path)["traceEvents"] if e.get("ph") == "X"]
     kernels = [e for e in events if e.get("cat") == "kernel"]
     ops = [e for e in events if e.get("cat") == "cpu_op"]
     runtime = [e for e in events if e.get("cat") == "cuda_runtime"]
@@ -64,7 +49,8 @@ def summary(path: Path, steps: int, top: int) -> str:
     if kernels:
         t0 = min(e["ts"] for e in kernels)
         t1 = max(e["ts"] + e["dur"] for e in kernels)
-        busy = union_us([(e["ts"], e["ts"] + e["dur"]) for e in kernels])
+        # overlapping kernels on two streams count once
+        busy = sum(b - a for a, b in union([(e["ts"], e["ts"] + e["dur"]) for e in kernels]))
         span = t1 - t0
         lines.append(
             f"per step: GPU span {span / steps / 1e3:.2f} ms, kernels busy {busy / steps / 1e3:.2f}"

@@ -174,7 +174,7 @@ def train(a: argparse.Namespace, name: str, device: torch.device, rank: int, wor
     seconds = time.perf_counter() - t0
     seqs = a.steps * a.per_gpu * world
     if a.profile:
-        profile(a, name, rank, lambda: [step(i) for i in range(a.warmup, a.warmup + 3)])
+        profile(a, name, rank, device, step)
     peak_mem = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     return {
         "run": name, "gpus": world, "steps": a.steps, "warmup": a.warmup,
@@ -184,15 +184,16 @@ def train(a: argparse.Namespace, name: str, device: torch.device, rank: int, wor
     }  # fmt: skip
 
 
-def profile(a: argparse.Namespace, name: str, rank: int, steps) -> None:
+def profile(a: argparse.Namespace, name: str, rank: int, device: torch.device, step) -> None:
     """3 more steps under torch.profiler (CPU and CUDA); rank 0 writes a chrome trace."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with torch_profile(activities=acts) as prof:
-        steps()
-        torch.cuda.synchronize() if torch.cuda.is_available() else None
+        for i in range(a.warmup, a.warmup + 3):  # inputs already made: those of timed steps
+            step(i)
+        sync(device)
     if rank == 0:
         Path(a.profile).mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(Path(a.profile) / f"peer_{name.replace('+', '_')}.json"))

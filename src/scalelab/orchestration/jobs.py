@@ -23,6 +23,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TextIO
 
 from scalelab.comm.job_status import JOB_DIR_VAR, PEER_GONE, RECORD_FILE, is_check_failure
 from scalelab.comm.launch import die_with_parent, mpiexec_command, torchrun_command
@@ -335,7 +336,7 @@ def relaunch_job(launcher: str, ranks: int, argv: list[str], say: bool = True) -
     return run_job(cmd, env, launcher, say=say)
 
 
-def until_read(stream, most_s: float = 2.0) -> None:  # noqa: ANN001  (a text stream)
+def until_read(stream: TextIO, most_s: float = 2.0) -> None:
     """Until whoever reads `stream`'s pipe (slurmstepd, which forwards it to srun) has taken
     what was written, so that a line said just before this task cancels its step is not
     still in the pipe when the cancel ends the step (once in CI a killed rank's line was
