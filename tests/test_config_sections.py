@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from scalelab.analysis.frame import config_of
 from scalelab.config import RunConfig, upgrade_record_config
 from scalelab.config_sections import SCHEDULES, SECTIONS, check, flag
 from scalelab.errors import UsageError
@@ -154,16 +155,23 @@ def test_schedule_names_match_the_engines():
 
 
 def test_records_written_before_sections_still_load():
+    """ddp's --batch then counted items per rank: the record's own trained global batch (or
+    the config's --global-batch) is what today's --batch means; a strategy whose batch was
+    already global states the same number, and an inference record states none."""
     old = {**RunConfig(workload="mlp", strategy="ddp", batch=16, ranks=2).to_dict(),
            "extra": {}, "global_batch": None}  # fmt: skip
-    got = upgrade_record_config(old)
+    got = upgrade_record_config(old, trained_batch=32)
     assert got["batch"] == 32 and "extra" not in got and "global_batch" not in got
     assert RunConfig(**got).batch == 32
-    assert upgrade_record_config({**old, "global_batch": 64})["batch"] == 64
+    assert upgrade_record_config({**old, "global_batch": 64}, trained_batch=64)["batch"] == 64
     mpi_dp = {**old, "strategy": "mpi-dp"}  # its --batch was already global
-    assert upgrade_record_config(mpi_dp)["batch"] == 16
+    assert upgrade_record_config(mpi_dp, trained_batch=16)["batch"] == 16
+    infer = {**old, "strategy": "mpi", "train": False}
+    assert upgrade_record_config(infer)["batch"] == 16
     new = RunConfig(workload="mlp", strategy="ddp", batch=16, ranks=2).to_dict()
     assert upgrade_record_config(new) == new
+    record = {"config": old, "global_batch": 32, "strategy": "ddp"}  # as the analyses read it
+    assert config_of(record)["batch"] == 32
 
 
 def test_fsdp_records_from_before_unit_sizes_read_one_unit_per_block():

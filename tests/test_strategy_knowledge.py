@@ -7,12 +7,6 @@ from pathlib import Path
 from scalelab.strategies import STRATEGIES
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "scalelab"
-# (file, comparison) that may still name a strategy, keyed by code so a moved line stays allowed.
-# Not moved: what ddp's records written before the config had sections meant by `batch`
-# (config.py sits below strategies/, and analysis/frame.py upgrades every record it reads).
-ALLOWED = {
-    ("config.py", "out.get('strategy') == 'ddp'"),
-}
 
 
 def _names(node: ast.AST) -> set[str]:
@@ -69,8 +63,7 @@ def test_no_strategy_name_is_compared_outside_strategies():
         if rel.parts[0] == "strategies":
             continue
         for line, code in name_comparisons(path.read_text(encoding="utf-8")):
-            if (str(rel), code) not in ALLOWED:
-                found.append(f"src/scalelab/{rel}:{line}: {code}")
+            found.append(f"src/scalelab/{rel}:{line}: {code}")
     assert not found, "ask the strategy class instead of comparing its name:\n" + "\n".join(found)
 
 

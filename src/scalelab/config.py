@@ -358,17 +358,20 @@ class RunConfig:
         return asdict(self)
 
 
-def upgrade_record_config(config: dict[str, Any]) -> dict[str, Any]:
+def upgrade_record_config(
+    config: dict[str, Any], trained_batch: int | None = None
+) -> dict[str, Any]:
     """A record's `config` as this RunConfig reads it. Records written before the config had
-    sections carry `extra` and `global_batch`, and ddp's `batch` there counted items per
-    rank: it becomes the global batch (--global-batch, else per rank x ranks). Records
-    written before --fsdp-unit-mb existed ran one FSDP unit per block: 0, not today's
-    default."""
+    sections carry `extra` and `global_batch`, and their `batch` was per rank for a strategy
+    that split it: the batch becomes the global one the config named (--global-batch) or else
+    the one the record says it trained (`trained_batch`, a training record's top-level
+    `global_batch`). Records written before --fsdp-unit-mb existed ran one FSDP unit per
+    block: 0, not today's default."""
     config = {"fsdp_unit_mb": 0.0, **config}
     if "extra" not in config and "global_batch" not in config:
         return config
     out = {k: v for k, v in config.items() if k not in ("extra", "global_batch")}
-    if out.get("strategy") == "ddp" and isinstance(out.get("batch"), int):
-        given = config.get("global_batch")
-        out["batch"] = given if given else out["batch"] * int(out.get("ranks") or 1)
+    given = config.get("global_batch") or trained_batch
+    if given and isinstance(out.get("batch"), int):
+        out["batch"] = int(given)
     return out

@@ -89,9 +89,9 @@ def phase_scale(rec: dict[str, Any]) -> float:
 
 
 def config_of(rec: dict[str, Any]) -> dict[str, Any]:
-    """The record's config as today's RunConfig reads it (older records upgraded: ddp's
-    per-rank batch becomes the global batch)."""
-    return upgrade_record_config(rec.get("config") or {})
+    """The record's config as today's RunConfig reads it (older records upgraded: a per-rank
+    batch becomes the global batch the record trained)."""
+    return upgrade_record_config(rec.get("config") or {}, rec.get("global_batch"))
 
 
 def experiment_key(rec: dict[str, Any], drop: frozenset[str] = frozenset()) -> str:

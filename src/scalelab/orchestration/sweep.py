@@ -102,10 +102,11 @@ class Point:
         return config_key(self.config.to_dict())
 
 
-def config_key(config: dict[str, Any]) -> str:
+def config_key(config: dict[str, Any], trained_batch: int | None = None) -> str:
     """Identity of a resolved config. Fields a record predates take their defaults and fields
-    it has that RunConfig lost are dropped, so records survive new config fields."""
-    return key_of(upgrade_record_config(config), match_defaults())
+    it has that RunConfig lost are dropped, so records survive new config fields (an old
+    record's per-rank batch reads as the global batch it trained, `trained_batch`)."""
+    return key_of(upgrade_record_config(config, trained_batch), match_defaults())
 
 
 def match_defaults() -> dict[str, Any]:
@@ -274,7 +275,7 @@ def same_point(cfg: RunConfig, record: dict[str, Any], nodes: int | None = None)
     got = dict(record.get("config") or {})
     if cfg.threads is None:
         got["threads"] = None
-    if config_key(got) != config_key(cfg.to_dict()):
+    if config_key(got, record.get("global_batch")) != config_key(cfg.to_dict()):
         return False
     return nodes is None or job_nodes(record) == nodes
 
