@@ -1,8 +1,8 @@
-"""fsdp's optimizer step on local shards (strategies/fsdp_step.LocalShardOptimizer, which swaps
-each parameter, gradient and state into its local tensor and back every step) against an
-optimizer built once over the local tensors (what peer_gpt_train.py's `+localopt` does): the
-host milliseconds of one step, on one gloo rank, for the example GPT's 150 parameters (tiny
-widths: the step is host work). The two take turns, median of 30 steps each.
+"""fsdp's optimizer step on local shards (strategies/fsdp_step.LocalShardOptimizer: a twin of
+the optimizer built once over the local tensors, handed each step's gradient shards) against
+an optimizer built once over the local tensors by hand (what peer_gpt_train.py's `+localopt`
+does): the host milliseconds of one step, on one gloo rank, for the example GPT's 150
+parameters (tiny widths: the step is host work). The two take turns, median of 30 steps each.
 
     PYTHONPATH=src python benchmarks/local_shard_step.py
 """

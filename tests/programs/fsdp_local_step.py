@@ -62,6 +62,7 @@ def main() -> None:
             float((full(a) - full(b)).abs().max())
             for a, b in zip(ref.parameters(), ours.parameters())
         )
+        opt.publish()  # what a checkpoint does before it reads the optimizer
         opts = StateDictOptions(full_state_dict=True)
         sd_ref = get_optimizer_state_dict(ref, opt_ref, options=opts)["state"]
         sd_ours = get_optimizer_state_dict(ours, inner, options=opts)["state"]

@@ -184,7 +184,7 @@ class FSDPStrategy(DDPStrategy):
         )
         step = ShardedStep(self, workload, module, plan)
         out = run_training(self, workload, module, plan, step=step)
-        out.notes.update(self.memory_notes(module, step.opt))
+        out.notes.update(self.memory_notes(module, step.optimizer()))
         out.notes.update(self.compile_record())  # the graphs dynamo built while training
         out.notes["fsdp"] = {**out.notes.get("fsdp", {}), "optimizer_step": step.optimizer_step}
         out.model = self.full_model(workload, module)
