@@ -5,18 +5,35 @@
 # unpinned and ROUNDS times pinned (taskset) to PIN CPUs, alternated. Per launch: sequences/s,
 # the share of the host's CPU time the hypervisor took (steal, /proc/stat) and the busy share
 # of the host's CPUs while it ran, and on which CPUs the rank's busiest thread was seen
-# (sampled each second): a slow launch on a host stolen from, or on a CPU shared with another
-# busy thread, is the host's, not the loop's.
-#   benchmarks/host_modes.sh OUT_DIR [ROUNDS] [PIN]
+# (sampled each second), and how fast one other CPU (PROBE) ran a loop of small torch ops on
+# the host meanwhile (ops/s, median of half-second windows): a slow launch on a host stolen
+# from, on a CPU shared with another busy thread, or while the host's cores ran slower, is the
+# host's, not the loop's.
+#   benchmarks/host_modes.sh OUT_DIR [ROUNDS] [PIN] [PROBE]
 set -u
-OUT=$1; ROUNDS=${2:-3}; PIN=${3:-2-5}; mkdir -p "$OUT"
+OUT=$1; ROUNDS=${2:-3}; PIN=${3:-2-5}; PROBE=${4:-10}; mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" NCCL_NVLS_ENABLE=0
 { date -u +"%F %T UTC"; echo "${SCALELAB_GIT_COMMIT:-$(git rev-parse --short HEAD)}"; nvidia-smi -L
   lscpu | grep -i -E "numa|model name|^cpu\(s\)|thread\(s\) per core|mhz"; } | tee "$OUT/host.txt"
 stat_line() { head -1 /proc/stat; }  # cpu user nice system idle iowait irq softirq steal
+probe() {  # probe FILE: small torch ops per second on CPU PROBE, a line per half second
+  taskset -c "$PROBE" python3 -c '
+import sys, time, torch
+torch.set_num_threads(1)
+x, out = torch.ones(8), open(sys.argv[1], "w")
+while True:
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < 0.5:
+        for _ in range(100):
+            x = x + 1.0
+        n += 100
+    print(n / (time.perf_counter() - t0), file=out, flush=True)' "$1" &
+}
 one() {  # one LABEL PREFIX...
   local label=$1; shift
   local before after
+  probe "$OUT/$label.probe"; local prober=$!
+  sleep 3  # the probe's own start-up (torch's import) before the launch
   before=$(stat_line)
   "$@" python3 -m torch.distributed.run --standalone --nproc-per-node=1 \
     benchmarks/peer_gpt_train.py --runs fsdp+unitmb200+localopt --out "$OUT/peer.jsonl" \
@@ -27,16 +44,19 @@ one() {  # one LABEL PREFIX...
     sleep 1
   done
   after=$(stat_line)
-  python3 - "$OUT/peer.jsonl" "$label" "$before" "$after" "${seen[*]}" <<'EOF' | tee -a "$OUT/modes.txt"
-import collections, json, sys
-path, label, before, after, seen = sys.argv[1:6]
+  kill "$prober"
+  python3 - "$OUT/peer.jsonl" "$label" "$before" "$after" "${seen[*]}" "$OUT/$label.probe" <<'EOF' | tee -a "$OUT/modes.txt"
+import collections, json, statistics, sys
+path, label, before, after, seen, probe = sys.argv[1:7]
+ops = statistics.median(float(v) for v in open(probe).read().split()[6:])  # the launch's
 rate = [json.loads(line) for line in open(path)][-1]["sequences_per_s"]
 b, a = ([int(v) for v in s.split()[1:9]] for s in (before, after))
 d = [x - y for x, y in zip(a, b)]
 total = sum(d) or 1
 cpus = collections.Counter(seen.split()).most_common(3)
-print(f"{label:12s} {rate:7.1f} seq/s  steal {100 * d[7] / total:5.2f}%  "
-      f"busy {100 * (total - d[3] - d[4]) / total:5.1f}%  busiest thread on CPUs {cpus}")
+print(f"{label:12s} {rate:7.1f} seq/s  probe {ops / 1e3:6.1f} kops/s  steal "
+      f"{100 * d[7] / total:5.2f}%  busy {100 * (total - d[3] - d[4]) / total:5.1f}%  "
+      f"busiest thread on CPUs {cpus}")
 EOF
 }
 for r in $(seq "$ROUNDS"); do
