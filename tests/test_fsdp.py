@@ -385,3 +385,24 @@ def test_fsdp_host_cost_is_calibrated_on_a_one_rank_fsdp_run():
         one, fsdp_unit_mb=0.0))  # fmt: skip
     blind = predict_one(Context(figures, None, Pool([plain, other])), Scenario(cfg, 2, 2))
     assert "fsdp_host" not in blind.phases and "fsdp1" not in blind.calibration
+
+
+def test_bf16_compute_hands_the_model_its_token_ids_exactly():
+    """Token ids travel as float32 (exact); FSDP's bf16 policy casts a root's float inputs,
+    and bf16 holds integers exactly only below 256 (id 299 became 300, out of a vocabulary
+    of 300). The ids the sharded model is handed are int64, among those the plain fp32 run's
+    model is handed, and keep the odd ids above 256 that bf16 would have rounded away."""
+    from programs import seen_ids
+
+    base = dict(workload="model", model="programs.seen_ids:model", input_shape="16",
+                input_dtype="int64", vocab=300, train=True, batch=8, train_size=32,
+                heldout_size=8, epochs=1, quiet=True, threads=1)  # fmt: skip
+    seen = {}
+    for name, fields in (("local", {}), ("fsdp", {"ranks": 1, "dtype": "bf16"})):
+        seen_ids.SEEN.clear()
+        execute(RunConfig(**base, strategy=name, **fields), None)
+        kept = [ids for cls, ids in seen_ids.SEEN if name == "local" or cls.startswith("FSDP")]
+        assert kept and all(ids.dtype == torch.int64 for ids in kept), name
+        seen[name] = set(torch.cat([ids.flatten() for ids in kept]).tolist())
+    assert seen["fsdp"] <= seen["local"]
+    assert any(i > 256 and i % 2 for i in seen["fsdp"])  # ids bf16 cannot hold got through

@@ -85,13 +85,18 @@ class FSDPStrategy(DDPStrategy):
         return cfg.batch
 
     # --- placement ---------------------------------------------------------------------------
-    def mp_policy(self) -> MixedPrecisionPolicy:
+    def mp_policy(self, cast_inputs: bool = True) -> MixedPrecisionPolicy:
+        """bf16/fp16 compute over fp32 shards, gradients reduced in fp32; `cast_inputs=False`
+        for a root whose inputs are token ids in float32 (exact there; bf16 is exact only
+        below 256, fp16 below 2048: id 299 in bf16 is 300)."""
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         low = self.precision.autocast
         if low is None:
             return MixedPrecisionPolicy()
-        return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+        return MixedPrecisionPolicy(
+            param_dtype=low, reduce_dtype=torch.float32, cast_forward_inputs=cast_inputs
+        )
 
     def autocast(self) -> AbstractContextManager:
         return nullcontext()  # the MixedPrecisionPolicy casts (FSDP's own low-precision path)
@@ -116,7 +121,10 @@ class FSDPStrategy(DDPStrategy):
         policy = units.reshard_policy(self.cfg.reshard_after_forward, len(found))
         for unit, reshard in zip(found, policy):  # a list of blocks: one unit, one gather
             fully_shard(unit if len(unit) > 1 else unit[0], reshard_after_forward=reshard, **kw)
-        # the root: FSDP keeps its parameters from forward to backward whatever it is told
+        # the root: FSDP keeps its parameters from forward to backward whatever it is told;
+        # its inputs stay as prepare() made them where they are token ids (the model's own
+        # hook turns them back into ids; FSDP's cast would run first and round them)
+        kw["mp_policy"] = self.mp_policy(cast_inputs=not workload.ids_as_floats)
         fully_shard(module, reshard_after_forward=self.cfg.reshard_after_forward != "off", **kw)
         self.n_units = len(found) + 1
         self.unit_sizes = [len(u) for u in found]

@@ -144,6 +144,10 @@ class Workload(ABC):
             data = self.synthetic_inputs(n_train + n_held, self.cfg.seed + 1)
         return split_seeded(data, n_train, n_held, self.cfg.seed)
 
+    # prepare() hands token ids over as float32 (exact below 2**24): a strategy that casts a
+    # model's inputs to a lower precision leaves these alone (bf16 is exact only below 256)
+    ids_as_floats: bool = False
+
     @abstractmethod
     def prepare(self, x: torch.Tensor) -> torch.Tensor:
         """Transport form -> model input, on x's device: uint8 -> float, indices -> one-hot."""

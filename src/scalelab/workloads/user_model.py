@@ -202,9 +202,14 @@ class UserModel(Workload):
         cfg = self.cfg
         return Inputs(*corpus.sequences(cfg.data_dir, self.shape[0], n, cfg.vocab, cfg.tokenizer))
 
+    @property
+    def ids_as_floats(self) -> bool:
+        return self.cfg.input_dtype == "int64"
+
     def prepare(self, x: torch.Tensor) -> torch.Tensor:
-        """Transport form -> model input: float32 stays; token ids become floats the strategies
-        cast to their precision (exact below 2**24), turned back into ids by the model's hook."""
+        """Transport form -> model input: float32 stays; token ids become float32 (exact below
+        2**24; a strategy that casts inputs to bf16/fp16 leaves them: `ids_as_floats`), turned
+        back into ids by the model's hook."""
         return x if x.is_floating_point() else x.to(torch.float32)
 
     # --- the one layer description ---------------------------------------------------------
