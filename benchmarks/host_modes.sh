@@ -11,6 +11,8 @@
 # the host meanwhile (ops/s, median of half-second windows): a slow launch on a host stolen
 # from, on a CPU shared with another busy thread, or while the host's cores ran slower, is the
 # host's, not the loop's.
+# SCALELAB_EXTRA adds options to scalelab's run (`--threads 1`). Each launch's busiest threads
+# ten seconds in: OUT_DIR/LABEL.threads.
 #   benchmarks/host_modes.sh OUT_DIR [ROUNDS] [PIN] [PROBE]
 set -u
 OUT=$1; ROUNDS=${2:-3}; PIN=${3:-2-5}; PROBE=${4:-10}; mkdir -p "$OUT"
@@ -43,7 +45,9 @@ one() {  # one LABEL PREFIX...  (PREFIX "scalelab": scalelab's run in place of t
   sleep 3  # the probe's own start-up (torch's import) before the launch
   before=$(stat_line)
   if [[ ${1:-} == scalelab ]]; then
-    python3 -m scalelab run "${GPT[@]}" --out "$OUT/runs.jsonl" >"$OUT/$label.log" 2>&1 &
+    # shellcheck disable=SC2086  # SCALELAB_EXTRA: options, split on spaces
+    python3 -m scalelab run "${GPT[@]}" ${SCALELAB_EXTRA:-} --out "$OUT/runs.jsonl" \
+      >"$OUT/$label.log" 2>&1 &
   else
     "$@" python3 -m torch.distributed.run --standalone --nproc-per-node=1 \
       benchmarks/peer_gpt_train.py --runs fsdp+unitmb200+localopt --out "$OUT/peer.jsonl" \
@@ -52,6 +56,7 @@ one() {  # one LABEL PREFIX...  (PREFIX "scalelab": scalelab's run in place of t
   local launcher=$! seen=()
   while kill -0 "$launcher" 2>/dev/null; do  # the busiest thread of the newest python process
     seen+=("$(ps -eLo pid,psr,pcpu,comm --sort=-pcpu | awk '$4 ~ /python/ {print $2; exit}')")
+    [[ ${#seen[@]} == 10 ]] && top -H -b -n 1 -w 120 | head -25 >"$OUT/$label.threads"
     sleep 1
   done
   after=$(stat_line)
