@@ -37,7 +37,7 @@ GPT=(--model examples/models/gpt.py:gpt --model-arg vocab=50304
      --model-arg seq=1024 --model-arg width=768 --model-arg heads=12 --model-arg depth=12
      --input-shape 1024 --input-dtype int64 --vocab 50304 --train --device cuda --ranks 1
      --batch 16 --train-size 640 --heldout-size 1 --steps 40 --epochs 1 --lr 0.01
-     --momentum 0.9 --seed 0 -q --strategy fsdp --dtype bf16)
+     --momentum 0.9 --seed 0 -q --strategy fsdp --dtype bf16 --warmup 10)
 one() {  # one LABEL PREFIX...  (PREFIX "scalelab": scalelab's run in place of the peer)
   local label=$1; shift
   local before after

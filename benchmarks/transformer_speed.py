@@ -133,6 +133,7 @@ def scalelab_fields(name: str, gpus: int, compile_: bool, shape: dict, device: s
         "input_shape": str(shape["seq"]), "input_dtype": "int64", "vocab": shape["vocab"],
         "train": True, "batch": batch, "train_size": batch * steps, "heldout_size": gpus,
         "steps": steps, "epochs": 1, "lr": LR, "momentum": MOMENTUM, "seed": 0, "quiet": True,
+        "warmup": shape["warmup"],  # steady_throughput over the steps the peer times
     }  # fmt: skip
 
 

@@ -138,6 +138,21 @@ def test_steady_throughput_leaves_the_warm_up_out():
     assert 1100 / now < got["steady_throughput"] / 20  # the whole-run rate understates it
 
 
+def test_steady_throughput_leaves_at_least_the_warmup_steps_out():
+    """--warmup 10, as a peer loop timing 30 steps after 10: 40 steps whose first ten take
+    0.03 s (under twice the median: not slow enough to be found) and the rest 0.02 s; the
+    steady part is the last 30 (from step 11), and never every step."""
+    t = Timings()
+    times = np.cumsum([0.03] * 10 + [0.02] * 30)
+    t.marks = [(float(now), 16 * (i + 1)) for i, now in enumerate(times)]
+    t.add(float(times[-1]), {})
+    assert headline(t, 640)["steady"]["from_step"] == 2  # found: the first step only
+    got = headline(t, 640, warmup=10)
+    assert got["steady"]["from_step"] == 11 and got["steady"]["steps"] == 30
+    assert got["steady_throughput"] == pytest.approx(16 / 0.02)
+    assert headline(t, 640, warmup=99)["steady"]["from_step"] == 40  # one step left
+
+
 def test_a_partial_last_batch_is_left_out_of_the_steady_rate():
     """13 steps of 512 items at 0.01 s after a 2 s first step, then 320 items in 1.5 s (new
     shapes: cuDNN autotunes again): the steady rate is the full steps'."""

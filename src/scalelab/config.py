@@ -42,7 +42,10 @@ class RunConfig:
     )
     iters: int = opt(5, "Timed iterations (inference); the median is reported.", section="timing")
     warmup: int = opt(
-        2, "Untimed iterations before timing (allocator, cuDNN autotune, caches).", section="timing"
+        2,
+        "Untimed iterations before timing (allocator, cuDNN autotune, caches); training: the "
+        "optimizer steps at least that steady_throughput leaves out.",
+        section="timing",
     )
     check: bool = opt(
         False,

@@ -374,7 +374,7 @@ def build_record(
             rec.update(heldout_loss=held, perplexity=[math.exp(min(v, 700.0)) for v in held])
         else:
             rec.update(accuracy=out.history.accuracy)
-        rec.update(headline(timings, items))
+        rec.update(headline(timings, items, cfg.warmup))
     return rec
 
 

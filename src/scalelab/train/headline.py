@@ -5,8 +5,9 @@ excluded): what a user waits for. `steady_throughput` leaves out the warm-up: th
 steps pay for lazy initialisation, a CUDA graph's capture, autotuning, so items over the whole
 run understate the rate the loop settles at (a 3-epoch `ddp --fast` run: 3,268 img/s overall,
 ~54,000 steady). The steady part starts after the last step, among the first half, that took
-longer than WARM_FACTOR x the median step (and never before the second step); it is timed from
-that step's end to the end of training. A step of a partial batch (an epoch's last, when
+longer than WARM_FACTOR x the median step, and never before step `warmup` + 1 (--warmup: the
+steps a user or a peer loop leaves out, 2 by default; the second step at the least); it is
+timed from that step's end to the end of training. A step of a partial batch (an epoch's last, when
 the batch does not divide the data) is left out of the steady part too: its shapes are new,
 so cuDNN's autotuner (cudnn.benchmark) and a CUDA graph's capture start over for it (on an
 H100, 13 steps of 512 resnet18-cifar images took 0.31 s and the final 320-image step about
@@ -25,15 +26,16 @@ WARM_FACTOR = 2.0
 MIN_STEPS = 4
 
 
-def warm_steps(durations: list[float]) -> int:
-    """How many leading steps are warm-up (>= 1)."""
+def warm_steps(durations: list[float], warmup: int = 1) -> int:
+    """How many leading steps are warm-up: the slow ones among the first half, at least
+    `warmup` (and 1), never all of them."""
     median = statistics.median(durations)
     half = durations[: len(durations) // 2]
     slow = [i for i, d in enumerate(half) if d > WARM_FACTOR * median]
-    return max(slow, default=0) + 1
+    return min(max(max(slow, default=0) + 1, warmup), len(durations) - 1)
 
 
-def headline(timings: Timings, items: int) -> dict[str, Any]:
+def headline(timings: Timings, items: int, warmup: int = 1) -> dict[str, Any]:
     """time_to_train_s, steady_throughput and `steady` (where it starts, what it covers)."""
     total = sum(timings.walls)
     out: dict[str, Any] = {"time_to_train_s": total}
@@ -42,7 +44,7 @@ def headline(timings: Timings, items: int) -> dict[str, Any]:
         times = [t for t, _ in marks]
         durations = [b - a for a, b in zip([0.0, *times], times)]
         sizes = [b - a for a, b in zip([0, *(n for _, n in marks)], (n for _, n in marks))]
-        warm = warm_steps(durations)
+        warm = warm_steps(durations, warmup)
         full = [i for i in range(warm, len(marks)) if sizes[i] == max(sizes)]
         steady = {"from_step": warm + 1, "steps": len(full), "basis": "steps"}
         if len(full) < len(marks) - warm:
