@@ -7,7 +7,8 @@ run understate the rate the loop settles at (a 3-epoch `ddp --fast` run: 3,268 i
 ~54,000 steady). The steady part starts after the last step, among the first half, that took
 longer than WARM_FACTOR x the median step, and never before step `warmup` + 1 (--warmup: the
 steps a user or a peer loop leaves out, 2 by default; the second step at the least); it is
-timed from that step's end to the end of training. A step of a partial batch (an epoch's last, when
+timed from that step's end (a mark the loop takes after a device sync at step `warmup`) to
+the end of training. A step of a partial batch (an epoch's last, when
 the batch does not divide the data) is left out of the steady part too: its shapes are new,
 so cuDNN's autotuner (cudnn.benchmark) and a CUDA graph's capture start over for it (on an
 H100, 13 steps of 512 resnet18-cifar images took 0.31 s and the final 320-image step about
