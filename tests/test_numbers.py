@@ -190,6 +190,26 @@ def test_a_partial_batch_is_preceded_by_a_synced_mark():
     assert t.timings.marks[1][0] >= syncs[0] - t.epoch_t0  # read after the sync
 
 
+def test_the_mark_at_the_warmup_step_follows_a_device_sync():
+    """--warmup 3: the third step's mark (where the steady window may start) is read after one
+    device sync, the others without one."""
+    import time
+    from types import SimpleNamespace
+
+    from scalelab.train.loop import Trainer
+
+    syncs = []
+    t = Trainer.__new__(Trainer)  # the method under test needs only these fields
+    t.sync, t.timings = (lambda: syncs.append(time.perf_counter())), Timings()
+    t.cfg, t.excluded, t.trained_s, t.trained = SimpleNamespace(warmup=3), 0.0, 0.0, 0
+    t.epoch_t0 = time.perf_counter()
+    for _ in range(5):
+        t.trained += 16
+        t._mark_step()
+    assert len(syncs) == 1 and len(t.timings.marks) == 5
+    assert t.timings.marks[1][0] <= syncs[0] - t.epoch_t0 <= t.timings.marks[2][0]
+
+
 def test_steady_throughput_by_epochs_without_marks():
     t = Timings()
     for wall in (5.0, 1.0, 1.0):

@@ -253,13 +253,17 @@ class Trainer:
         """One optimizer step, by the pluggable step (tests stop a run here)."""
         return self.stepper(step)
 
-    def _after_step(self, loss: torch.Tensor, step: Step) -> None:
+    def _mark_step(self) -> None:
+        """The step's mark; at step --warmup, the steady window's earliest start (headline.py),
+        taken after the device's queue drained, as a plain loop syncs before it starts its
+        timer (a GPU-bound step queued a step ahead put ~3% of ddp's 30-step window before
+        it)."""
         if len(self.timings.marks) + 1 == self.cfg.warmup:
-            # the earliest start of the steady window (train/headline.py): its mark after the
-            # device's queue drained, as a plain loop syncs before it starts its timer (a
-            # GPU-bound step queued a step ahead put ~3% of ddp's 30-step window before it)
             self.sync()
         self._mark()
+
+    def _after_step(self, loss: torch.Tensor, step: Step) -> None:
+        self._mark_step()
         notify_step()
         done = self.history.steps
         self.guard.observe(loss, done)
