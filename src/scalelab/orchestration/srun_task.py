@@ -63,6 +63,7 @@ AGENT_GRACE_S = 20.0
 MPI_ABORT = re.compile(r"^\w+\(\d+\)\.*:|Fatal error in |MPI_Abort|OFI poll failed")
 PUMP_DRAIN_S = 5.0
 PEER_POLL_S = 0.5  # how often a watcher looks for a killed task of its step on its node
+SAID_S = 1.0  # a said line's time to reach srun before the step is cancelled
 FORWARD_S = 1.0  # a stop signal goes on to the launcher when its ranks still run this later
 WATCHED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCONT)
 
@@ -330,8 +331,11 @@ def _say(line: str) -> None:
 
 def _end_step() -> None:
     """The other ranks would wait for the dead one for ever: cancel this step (its tasks get
-    SIGTERM, then SIGKILL after KillWait)."""
+    SIGTERM, then SIGKILL after KillWait). First SAID_S for the line just said: slurmstepd
+    forwards a task's output to srun on its own time, and a cancel on the line's heels lost it
+    from srun's stderr in 2 of about 10 CI runs on 2 busy cores, the pipe already read."""
     step = f"{os.environ.get('SLURM_JOB_ID')}.{os.environ.get('SLURM_STEP_ID')}"
+    time.sleep(SAID_S)
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         subprocess.run(["scancel", "--quiet", step], capture_output=True, timeout=60)
 
