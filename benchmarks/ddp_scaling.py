@@ -52,8 +52,8 @@ CONFIGS = {  # name -> (per-GPU batch or None, global batch or None): one of the
     "strong-1024": (None, 1024),
     "strong-4096": (None, 4096),
 }
-PLAIN = ("weak-512", "weak-128", "strong-1024")  # the baselines the issues quote
-PLAIN_GPUS = (1, 2)  # the baselines were quoted on 1 and 2 GPUs
+PLAIN = ("weak-512", "weak-128", "strong-1024")  # the configurations plain DDP also runs
+PLAIN_GPUS = (1, 2)  # ... on 1 and 2 GPUs only
 TARGETS = {"weak-512": 0.95, "weak-128": 0.85, "strong-1024": 0.90, "strong-4096": 0.90}
 
 

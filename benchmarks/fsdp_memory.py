@@ -22,7 +22,7 @@ too), and on rank 0 the allocator's own trace replayed to the peak (`at_peak`: t
 alive there, grouped by the Python stack that allocated them, largest first). Predicted:
 plan/memory.device_bytes (parameters, gradients and momentum at the rank's share, DDP's
 second set of buckets, fsdp's gathered units, activations from the cost table; fsdp's peak
-at the forward's or the backward's end). The issue's bar: within 10%.
+at the forward's or the backward's end). The bar: predicted within 10% of measured.
 
 Writes OUT.json: {"rows": [one per strategy: measured per GPU, predicted, ratio, step time],
 "records": [the runs' scalelab records]}. --device cpu --fcs 2 runs the plumbing on gloo

@@ -5,7 +5,7 @@
 #
 # writes OUT_DIR/gpu_suite_<N>gpu.log (every test's outcome as it ends, the durations, the
 # summary; nvidia-smi's GPU list first) and exits with pytest's code (124: it ran past SECONDS,
-# default 300, the issue's bound for a fresh host, Triton autotuning included).
+# default 300, the time the suite must end in on a fresh host, Triton autotuning included).
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1

@@ -120,7 +120,7 @@ def test_conv_and_linear_flops_match_flop_counter(workload, model):
 
 def test_flops_per_text(workload):
     # conv 2*256*(70*7*1008 + 256*7*330 + 256*3*(108+106+104+102)) + fc 2*(8704+1024+4)*1024
-    # + layernorm 7*256*(1008+102) + relu, pool: 0.743 GFLOP (the "~0.74")
+    # + layernorm 7*256*(1008+102) + relu, pool: 0.743 GFLOP (~0.74 GFLOP a text)
     assert workload.flops_per_item() == 743_432_192
     names = [r.name for r in workload.cost_table()]
     assert names[:4] == ["conv1", "ln1", "relu1", "pool1"] and names[-1] == "fc3"

@@ -331,7 +331,7 @@ def test_sgd_on_real_mnist_split_learns(mnist_dir):
 
 @pytest.mark.slow
 def test_seed_setting_reaches_90_percent(cli, mnist_dir, tmp_path):
-    """The issue's acceptance command, through the CLI: hidden 512, lr 0.1, batch 100,
+    """The reference MNIST training command, through the CLI: hidden 512, lr 0.1, batch 100,
     20 epochs on the real MNIST images reaches >= 0.90 held-out accuracy.
 
     Measured 0.9095 (seed 0), 0.9030 (1), 0.9020 (2): a thin margin; lr 0.5 gives 0.9245.

@@ -41,7 +41,7 @@ def test_timings_phases_come_from_one_iteration_inside_its_wall():
     for wall, a, b in [(2.0, 1.0, 1.0), (1.0, 1.0, 0.0), (1.0, 0.0, 1.0), (1.1, 0.5, 0.5)]:
         t.add(wall, {"a": a, "b": b})
     medians = t.phase_medians()
-    assert medians["a"] + medians["b"] > t.wall_median  # the issue's contradiction
+    assert medians["a"] + medians["b"] > t.wall_median  # phase medians above the wall
     it = t.iteration_phases()
     assert sum(it.values()) <= t.iteration_wall() <= t.wall_median
     assert t.iteration_wall() == 1.0 and t.spread()["n"] == 4
@@ -123,7 +123,7 @@ def test_load_and_spread_warnings():
 
 # --- training headline ----------------------------------------------------------------------------
 def test_steady_throughput_leaves_the_warm_up_out():
-    """A 6.8 s capture then 10 steps of 0.025 s, 100 items each (the issue's ddp --fast)."""
+    """A 6.8 s capture then 10 steps of 0.025 s, 100 items each (as in a ddp --fast run)."""
     t = Timings()
     marks, now = [], 0.0
     for step in range(11):

@@ -16,7 +16,7 @@ from scalelab.record import read_records
 @pytest.mark.parametrize(
     "allowed, ranks, others, default, want, busy",
     [
-        (2, 1, 1.95, 2, 1, True),  # the issue's 2-core host under load: one thread
+        (2, 1, 1.95, 2, 1, True),  # a 2-core host under load: one thread
         (2, 1, 0.0, 2, 2, False),  # an idle host: torch's default
         (4, 2, 0.0, 4, 2, False),  # two ranks share four idle CPUs
         (4, 2, 3.5, 4, 1, True),  # ... a busy host: one per rank
@@ -73,7 +73,7 @@ FIXTURES = __import__("pathlib").Path(__file__).parent / "fixtures" / "predict"
 
 def _alexnet_records(tmp_path, two_rank_scale: float):
     """The fixture's alexnet mpi --split spatial records at 1 and 2 ranks, led by a warned
-    1-rank copy ten times slower (the issue's local run at CV 87%); the 2-rank run's wall
+    1-rank copy ten times slower (a local run at CV 87%); the 2-rank run's wall
     scaled by two_rank_scale."""
     import json
 
@@ -273,8 +273,8 @@ def test_layer_table_adds_up_to_the_wall(wall_s, flagged):
 
 
 def test_same_shape_layers_far_apart_are_flagged():
-    """AlexNet's c3 and c5 do the same FLOPs on the same bytes: 67.8 ms against 1.08 ms (the
-    issue's busy-host run) flags both; c1 and c4 stay unflagged."""
+    """AlexNet's c3 and c5 do the same FLOPs on the same bytes: 67.8 ms against 1.08 ms (a
+    busy-host run) flags both; c1 and c4 stay unflagged."""
     import json
     from pathlib import Path
 
@@ -357,7 +357,7 @@ def test_training_starts_its_clock_after_every_rank_arrived(cli, tmp_path, monke
 def test_a_ranks_wall_above_the_runs_is_flagged():
     from scalelab.instrument.host_checks import rank_wall_warning
 
-    (warn,) = rank_wall_warning(0.241, [0.241, 0.624])  # the issue's one-epoch mpi-dp run
+    (warn,) = rank_wall_warning(0.241, [0.241, 0.624])  # a one-epoch 2-rank mpi-dp run
     assert warn.startswith("rank skew: rank 1's wall 624 ms is 2.59x the run's 241 ms")
     assert rank_wall_warning(0.241, [0.241, 0.26]) == []
     assert rank_wall_warning(0.001, [0.001, 0.0025]) == []  # within the 2 ms slack
@@ -366,7 +366,7 @@ def test_a_ranks_wall_above_the_runs_is_flagged():
 
 # --- the report: every contradiction above absent or flagged ----------------------------------
 def test_report_from_constructed_records_flags_every_contradiction(tmp_path):
-    """The issue's busy-host demo, as records: AlexNet's per-layer run (c3 62x c5, layers
+    """A busy host's contradictions, as records: AlexNet's per-layer run (c3 62x c5, layers
     above the wall), a one-epoch 2-rank training run with a rank's wall above the run's,
     the system roofline's runs, ceilings with an unstable figure. The page names each."""
     import json

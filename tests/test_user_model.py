@@ -218,7 +218,7 @@ def _torchvision_models() -> None:
 @pytest.mark.mpi
 @pytest.mark.parametrize("name", ["resnet18", "mobilenet_v2"])
 def test_torchvision_models_at_64x64(cli, tmp_path, name):
-    """As the issue asks: torchvision's own networks just work, local and over MPI ranks."""
+    """torchvision's own networks just work, local and over MPI ranks."""
     _torchvision_models()
     out = tmp_path / "runs.jsonl"
     flags = ["--model", f"torchvision.models:{name}", "--input-shape", "3,64,64", "--batch", "2",

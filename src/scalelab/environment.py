@@ -206,9 +206,8 @@ def git_commit() -> dict[str, Any]:
     """Commit of the scalelab checkout this code runs from.
 
     SCALELAB_GIT_COMMIT, when set, names the commit a copied tree came from and wins: a copy
-    can travel with a stale .git (a remote machine's copy carried the session's first HEAD
-    under a newer working tree, and every record said that HEAD, "dirty"). Otherwise git's
-    HEAD; None without either.
+    can travel with a stale .git (an older HEAD under a newer working tree, which would have
+    every record name that HEAD, "dirty"). Otherwise git's HEAD; None without either.
     """
     if os.environ.get("SCALELAB_GIT_COMMIT"):
         return {"git_commit": os.environ["SCALELAB_GIT_COMMIT"], "git_dirty": None}

@@ -51,7 +51,8 @@ class BenchDefaults:
     overrides: dict[str, Any]
 
 
-# The reference points: batch sizes and data set shapes of the target table.
+# The GPU reference points: each workload's mode, batch size (those of the speed table in
+# docs/PERFORMANCE.md) and data set shape.
 DEFAULTS = {
     "charcnn": BenchDefaults("infer", 4096, {}),
     "alexnet": BenchDefaults("infer", 1024, {}),

@@ -34,7 +34,7 @@ from scalelab.predict.network import NetworkProfile
 from scalelab.predict.points import Found, Measured, discover
 from scalelab.strategies import STRATEGIES
 
-LIMIT = 0.15  # the per-point bound: within 15 % of the measured time
+LIMIT = 0.15  # the per-point bound predictions are held to: within 15 % of the measured time
 # A point with no one-rank measurement of its configuration on its machine: its compute is the
 # roofline's lower bound, not a calibrated prediction. Listed, but outside the MAPE and the
 # 15% bound (deepstack's 64-channel convolutions run at a fraction of the bf16 peak).

@@ -28,7 +28,9 @@ MODEL_FIELDS = {"model", "model_arg", "input_shape", "input_dtype", "vocab"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("workloads", nargs="*", help="workload names, or 'all' for the issue's four")
+    p.add_argument(
+        "workloads", nargs="*", help="workload names, or 'all' for charcnn, alexnet, resnet18, mlp"
+    )
     p.add_argument("--mode", choices=("infer", "train"), help="default: per workload")
     p.add_argument(
         "--batch", type=int, help="items per call (default: per workload and device; CPU: small)"
