@@ -236,7 +236,7 @@ def test_sane_ceilings_break_no_relation():
         assert CC.violations(json.load(f)) == []
 
 
-def test_the_issues_ceilings_break_every_relation():
+def test_contradictory_ceilings_break_every_relation():
     """fp32 GEMM 88 below fp64 149; NumPy fp64 on 2 cores 1.09 below one core 32.2; a copy
     above a cited datasheet."""
     bad = _ceilings(
@@ -308,7 +308,7 @@ def test_phase_bars_stack_to_the_ranks_mean_wall():
     assert (bars["seconds"] >= 0).all()
 
 
-def test_the_issues_impossible_record_is_flagged():
+def test_phases_longer_than_the_wall_are_flagged():
     """Rank 1's phases sum to 0.583 s in a run whose wall is 0.384 s."""
     rec = {
         "mode": "infer",
