@@ -11,10 +11,11 @@ import pytest
 
 from predict_helpers import CEILINGS, COMMITTED, FIXTURES, FOUR_GPUS
 from scalelab.config import RunConfig
+from scalelab.errors import UsageError
 from scalelab.predict.models.spatial import halo_bytes, trunk_of
 from scalelab.predict.points import discover
 from scalelab.predict.scenario import Scenario
-from scalelab.predict.validate import UNCALIBRATED, validate
+from scalelab.predict.validate import UNCALIBRATED, _count_once, validate
 from scalelab.strategies.halo import plan_trunk
 
 
@@ -243,18 +244,23 @@ def test_a_record_filed_twice_is_one_point_and_fsdp_calibrates_on_its_unit_size(
     """The fsdp unit-size study's records (2x H200: per block, 40 MB and 1000 MB units, on 1
     and 2 ranks) filed in two folders under one name: each measurement is scored once, the
     sources name the folder where the names collide, and every 2-rank point takes FSDP's host
-    cost from the one-rank run of its own unit size (none other would calibrate it)."""
+    cost from runs of its own unit size (none other would calibrate it): the one-rank run's,
+    and the 2-rank run's own under its process group (each is its own anchor, as a DDP run
+    is for DDP's host cost, so the study alone leaves nothing predicted)."""
     study = COMMITTED / "fsdp_units_h200x2" / "speed_records.jsonl"
     for folder in ("a", "b"):
         (tmp_path / folder).mkdir()
         shutil.copy(study, tmp_path / folder / study.name)
     shutil.copy(COMMITTED / "ceilings_h200x2.json", tmp_path)
     records = [json.loads(line) for line in study.read_text().splitlines() if line.strip()]
-    v = validate(tmp_path, None, None, held_out=False)
-    copies = v.skipped["copies of a measurement counted once (the same record elsewhere)"]
-    assert copies == len(v.table) > 0  # b's copy of every point a holds
-    assert v.table["source"].str.startswith("a/speed_records.jsonl:").all()
-    two = v.table[(v.table["strategy"] == "fsdp") & (v.table["ranks"] == 2)]
+    with pytest.raises(UsageError, match="3 calibration \\(FSDP host cost\\)"):
+        validate(tmp_path, None, None, held_out=False)
+    found = discover(tmp_path)
+    _count_once(found)
+    copies = found.skipped["copies of a measurement counted once (the same record elsewhere)"]
+    assert copies == len(found.points) > 0  # b's copy of every point a holds
+    assert all(p.source.startswith("a/speed_records.jsonl:") for p in found.points)
+    two = [p for p in found.points if p.scenario.cfg.strategy == "fsdp" and p.scenario.ranks == 2]
     assert len(two) == 3  # per block, 40 MB, 1000 MB
     unit_of = {f"a/{study.name}:{n}": r["config"].get("fsdp_unit_mb")
                for n, r in enumerate(records, 1)}  # fmt: skip
@@ -266,3 +272,5 @@ def test_a_record_filed_twice_is_one_point_and_fsdp_calibrates_on_its_unit_size(
             single = pool.fsdp_single(point.scenario)
             assert single is not None
             assert unit_of[single.source] == point.scenario.cfg.fsdp_unit_mb
+            anchor = pool.fsdp_anchor(point.scenario).source
+            assert anchor == f"a/{study.name}:{point.source.rsplit(':', 1)[1]}"

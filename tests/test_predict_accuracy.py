@@ -23,3 +23,20 @@ def test_amp_record_keeps_its_dtype_the_family_carries_amp():
     cfg = RunConfig(workload="resnet18", strategy="ddp", device="cuda", dtype="fp32", amp="bf16")
     assert computed_in(cfg, {"precision": "bf16"}) == cfg
     assert computed_in(cfg, {}) == cfg
+
+
+def test_repeated_one_rank_runs_calibrate_at_their_median_not_the_first_by_name():
+    # A host-bound one-GPU step varies run to run: three runs of one configuration at one
+    # batch anchor the law at their median, and each is named a calibration point.
+    from scalelab.predict.calibration import CalPoint, Pool, batch_law
+
+    cfg = RunConfig(workload="resnet18", strategy="fsdp", device="cuda", batch=16, train=True)
+    s = Scenario(cfg, 1, per_node=1)
+    times = (("a.jsonl:1", 0.049), ("b.jsonl:1", 0.0293), ("c.jsonl:1", 0.0357))
+    runs = [CalPoint(s.family(), "fsdp", None, 16, t, 0.0, src, cfg=cfg) for src, t in times]
+    pool = Pool(runs)
+    law = batch_law(pool, s)
+    assert law.point.compute_s == 0.0357 and law.seconds(16) == 0.0357
+    assert set(law.point.sources) == {"a.jsonl:1", "b.jsonl:1", "c.jsonl:1"}
+    single = pool.fsdp_single(s)
+    assert single.compute_s == 0.0357 and single.sources == law.point.sources

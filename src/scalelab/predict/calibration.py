@@ -18,6 +18,7 @@ batch size only, t is proportional to b (c = t_a / b_a).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -44,6 +45,13 @@ class CalPoint:
     warnings: tuple[str, ...] = ()  # the record's run warnings (busy host, unstable timing)
     cfg: RunConfig | None = None  # the run's configuration, where a run record gave it
     forward_host_s: float | None = None  # torch pipelining: forward actions' s per micro-batch
+    # the sources of the runs whose median this point's compute is (typical), else ()
+    pooled: tuple[str, ...] = ()
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """Every run this point's figures come from."""
+        return self.pooled or (self.source,)
 
     @property
     def bare(self) -> bool:
@@ -143,7 +151,20 @@ class Pool:
         runs = [p for p in runs if STRATEGIES.get(p.strategy).shards_parameters]
         runs = self._own([p for p in runs if _same_units(p, scenario)])
         target = max(scenario.rank_batch, 1e-9)
-        return min(runs, key=lambda p: (abs(math.log(p.batch / target)), p.source), default=None)
+        near = min(runs, key=lambda p: (abs(math.log(p.batch / target)), p.source), default=None)
+        return None if near is None else typical(runs, near)
+
+    def fsdp_anchor(self, scenario: Scenario) -> MultiPoint | None:
+        """The measured multi-rank fsdp run (fsdp_calibrated) of the scenario's family that
+        ran FSDP's units as the scenario would (unit size, resharding, replicas): the rank
+        count nearest the scenario's, then the smallest batch; None when the pool holds none."""
+        fam, cfg = scenario.family(), scenario.cfg
+        runs = [m for m in self.multis if m.scenario.family() == fam]
+        runs = self._own([m for m in runs if fsdp_calibrated(m.scenario.cfg)
+                          and _same_sharding(m.scenario.cfg, cfg)])  # fmt: skip
+        key = lambda m: (abs(math.log(m.scenario.ranks / max(1, scenario.ranks))),  # noqa: E731
+                         m.scenario.cfg.batch, m.source)  # fmt: skip
+        return min(runs, key=key, default=None)
 
     def dtensor_single(self, scenario: Scenario) -> CalPoint | None:
         """The one-rank DTensor run (dtensor_run) of the scenario's family nearest its batch
@@ -161,9 +182,36 @@ class Pool:
         return min(runs, key=key, default=None)
 
 
+# What a one-rank run executes beyond its family and batch: two runs that agree on these are
+# repeats of one configuration (they differ in iterations, warm-up, seed, bookkeeping), whose
+# times typical() pools; a one-rank pipeline of 1 and one of 8 micro-batches are not.
+RUN_SHAPE = ("split", "microbatches", "schedule", "stages", "virtual_stages", "engine",
+             "balance", "cut", "placement", "fsdp_unit_mb", "reshard_after_forward",
+             "dp_replicate", "dp", "tp", "tp_plan", "bucket_mb", "overlap", "chunks",
+             "nonblocking", "grad_compress")  # fmt: skip
+
+
+def _same_run(a: CalPoint, b: CalPoint) -> bool:
+    if a.cfg is None or b.cfg is None:
+        return a.cfg is None and b.cfg is None and a.split == b.split
+    return all(getattr(a.cfg, k, None) == getattr(b.cfg, k, None) for k in RUN_SHAPE)
+
+
 def _same_units(point: CalPoint, scenario: Scenario) -> bool:
     """Whether a one-rank point ran FSDP's units as the scenario would (--fsdp-unit-mb)."""
     return point.cfg is not None and point.cfg.fsdp_unit_mb == scenario.cfg.fsdp_unit_mb
+
+
+def _same_sharding(a: RunConfig, b: RunConfig) -> bool:
+    return (a.fsdp_unit_mb, a.reshard_after_forward, max(1, a.dp_replicate)) == (
+        b.fsdp_unit_mb, b.reshard_after_forward, max(1, b.dp_replicate))  # fmt: skip
+
+
+def fsdp_calibrated(cfg: RunConfig) -> bool:
+    """Whether cfg is a measured multi-rank run of a strategy that shards the parameters
+    (fsdp): it calibrates its family's FSDP host cost under a real process group
+    (predict/models/fsdp.py)."""
+    return cfg.ranks >= 2 and STRATEGIES.get(cfg.strategy).shards_parameters
 
 
 def dtensor_run(cfg: RunConfig) -> bool:
@@ -215,13 +263,36 @@ def anchor_key(cfg: RunConfig) -> tuple:
 def anchor(points: list[CalPoint], scenario: Scenario) -> CalPoint:
     """The one-rank point of the same configuration: same series, else the batch one rank
     ran in the scaling series (strong: the global batch; weak: the per-rank batch), else the
-    nearest batch."""
+    nearest batch (the median of the runs at that batch: typical)."""
     if scenario.series is not None:
         named = [p for p in points if p.series == scenario.series]
         if named:
             return named[0]
     target = scenario.global_batch if scenario.strong else scenario.rank_batch
-    return min(points, key=lambda p: (abs(math.log(p.batch / target)), p.source))
+    return typical(points, min(points, key=lambda p: (abs(math.log(p.batch / target)), p.source)))
+
+
+def typical(points: list[CalPoint], near: CalPoint) -> CalPoint:
+    """The anchor `near` with the median compute and host time of every one-rank run at its
+    batch (of the same strategy and split). A launch- or host-bound step on one GPU varies
+    from run to run and host to host far more than its device time does: GPT-2 small's
+    one-GPU fsdp step read 29.3, 35.7 and 37.3 ms in three runs of one call on one host and
+    29-55 ms over nine hosts and commits, so the first run by name is a draw from that spread
+    (it put a held-out one-rank run 72% high) where the median is its centre. The point keeps
+    the middle run's identity (its layer times, its configuration) and names every run it
+    took the median of (`pooled`), each a calibration point of the prediction."""
+    same = [p for p in points if p.batch == near.batch and p.strategy == near.strategy
+            and p.series is None and _same_run(p, near)]  # fmt: skip
+    if len(same) < 2 or near.series is not None:
+        return near
+    same.sort(key=lambda p: (p.compute_s, p.source))
+    mid = same[(len(same) - 1) // 2]
+    return dataclasses.replace(
+        mid,
+        compute_s=float(np.median([p.compute_s for p in same])),
+        overhead_s=float(np.median([p.overhead_s for p in same])),
+        pooled=tuple(sorted(p.source for p in same)),
+    )
 
 
 def slope(points: Iterable[CalPoint], a: CalPoint) -> float:

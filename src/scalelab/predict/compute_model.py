@@ -174,7 +174,7 @@ class ComputeModel:
 
     @property
     def sources(self) -> dict[str, str]:
-        return {} if self.law is None else {self.law.point.source: "compute"}
+        return {} if self.law is None else dict.fromkeys(self.law.point.sources, "compute")
 
     @property
     def overhead_s(self) -> float:

@@ -24,6 +24,7 @@ from scalelab.predict.calibration import (
     MultiPoint,
     Pool,
     dtensor_calibrated,
+    fsdp_calibrated,
     host_calibrated,
 )
 from scalelab.predict.hosts import Host
@@ -171,7 +172,7 @@ def _run_record(found: Found, path: Path, where: str, rec: dict[str, Any]) -> No
         point = _cal_point(rec, scenario, seconds, phase_scale(rec), where)
         point = dataclasses.replace(point, warnings=warned, forward_host_s=host)
         found.pool(path).singles.append(point)
-    elif host_calibrated(cfg) or dtensor_calibrated(cfg):
+    elif host_calibrated(cfg) or dtensor_calibrated(cfg) or fsdp_calibrated(cfg):
         found.pool(path).multis.append(MultiPoint(scenario, seconds, where, warned, host))
     if modelled_as(cfg.strategy) is None:
         found.skipped[f"{cfg.strategy} runs (no model of that strategy)"] += 1

@@ -89,7 +89,8 @@ class DDPModel(StrategyModel):
         m = ctx.pool.host_anchor(s)
         if m is None:
             return 0.0, None, NO_HOST_COST
-        bare = ctx.once(("ddp host", m.source), lambda: self.without_host(ctx, m.scenario))
+        own = ctx.of_run(m.source)  # its step less its own compute
+        bare = ctx.once(("ddp host", m.source), lambda: self.without_host(own, m.scenario))
         host = max(0.0, m.seconds - bare.seconds)
         note = (
             f"DDP host cost {host * 1e3:.3g} ms/step, calibrated on {m.source} "

@@ -102,6 +102,61 @@ class FSDPModel(StrategyModel):
         return None
 
     def predict(self, ctx: Context, s: Scenario) -> Prediction:
+        pred = self.without_host(ctx, s)
+        if s.ranks > 1 and self._group_host(ctx, s, pred):
+            return pred
+        compute = ctx.compute(s)
+        step = compute.seconds(s.rank_batch)
+        single = ctx.pool.fsdp_single(s)
+        law = compute.law
+        if single is None or law is None or law.point.sources == single.sources:
+            pred.notes.append(
+                "fsdp: FSDP's host cost not calibrated (no one-rank fsdp run of this "
+                "configuration beside a plain one): a lower bound"
+            )
+            return pred
+        host = max(0.0, single.compute_s - compute.seconds(single.batch))
+        pred.phases["fsdp_host"] = host
+        pred.calibration.update(dict.fromkeys(single.sources, "FSDP host cost"))
+        pred.notes.append(
+            f"fsdp: FSDP's host cost {host * 1e3:.3g} ms/step, calibrated on the one-rank "
+            f"fsdp run {single.source} (batch {single.batch})"
+        )
+        if s.ranks > 1 and host > HOST_BOUND * step:
+            pred.notes.append(
+                f"fsdp: FSDP's host work is {host / step:.2g}x the compute here: with a real "
+                "process group it grows per unit (2.2x one rank's on 2x H200, 62 units: "
+                "docs/PERFORMANCE.md), so this step is likely a lower bound"
+            )
+        return pred
+
+    def _group_host(self, ctx: Context, s: Scenario, pred: Prediction) -> bool:
+        """FSDP's host cost under a real process group, calibrated on a measured multi-rank
+        fsdp run of the family with the same units, resharding and replicas (Pool.fsdp_anchor):
+        its step less the model's step without host work, G = measured - (t(b) + exposed
+        collectives), held constant per step as DDP's host cost is. One rank's run does not
+        show it: there every all-gather and reduce-scatter is a copy over a group of one, where
+        on a real group each is an NCCL launch the next unit's hooks wait on, and the copies in
+        and out of the gather buffers run beside the collectives' kernels (a 62-unit stack on
+        2x H200: 122 ms of host work a step on two ranks, 56 ms on one; with the re-gather
+        before backward off, 75 ms). False when the pool holds no such run."""
+        m = ctx.pool.fsdp_anchor(s)
+        if m is None:
+            return False
+        own = ctx.of_run(m.source)  # its step less its own compute (Context.of_run)
+        bare = ctx.once(("fsdp host", m.source), lambda: self.without_host(own, m.scenario))
+        host = max(0.0, m.seconds - bare.seconds)
+        pred.phases["fsdp_host"] = host
+        pred.calibration[m.source] = "FSDP host cost"
+        pred.notes.append(
+            f"fsdp: FSDP's host cost {host * 1e3:.3g} ms/step under a process group, "
+            f"calibrated on {m.source} ({m.scenario.ranks} ranks, {m.scenario.rank_batch:g} "
+            "per rank)"
+        )
+        return True
+
+    def without_host(self, ctx: Context, s: Scenario) -> Prediction:
+        """The step without FSDP's host cost: the compute and the exposed collectives."""
         compute = ctx.compute(s)
         step = compute.seconds(s.rank_batch)
         phases = {**compute.phases(s.rank_batch), "allgather": 0.0, "reducescatter": 0.0}
@@ -115,26 +170,6 @@ class FSDPModel(StrategyModel):
             extra = {k: v for k, v in times.items() if k.endswith("_busy")}
         pred = Prediction(s, phases, COMM, compute.sources, list(compute.notes))
         pred.extra = extra
-        single = ctx.pool.fsdp_single(s)
-        if single is None or compute.law is None or compute.law.point is single:
-            pred.notes.append(
-                "fsdp: FSDP's host cost not calibrated (no one-rank fsdp run of this "
-                "configuration beside a plain one): a lower bound"
-            )
-            return pred
-        host = max(0.0, single.compute_s - compute.seconds(single.batch))
-        pred.phases["fsdp_host"] = host
-        pred.calibration[single.source] = "FSDP host cost"
-        pred.notes.append(
-            f"fsdp: FSDP's host cost {host * 1e3:.3g} ms/step, calibrated on the one-rank "
-            f"fsdp run {single.source} (batch {single.batch})"
-        )
-        if s.ranks > 1 and host > HOST_BOUND * step:
-            pred.notes.append(
-                f"fsdp: FSDP's host work is {host / step:.2g}x the compute here: with a real "
-                "process group it grows per unit (2.2x one rank's on 2x H200, 62 units: "
-                "docs/PERFORMANCE.md), so this step is likely a lower bound"
-            )
         return pred
 
     def comm_times(self, ctx: Context, s: Scenario, step: float) -> dict[str, float]:

@@ -153,7 +153,7 @@ class TensorModel(OverMPI):
         FSDP's one-rank calibration has): a lower bound on several ranks."""
         one = Scenario(single.cfg, 1, 1)
         law = ctx.compute(one).law
-        if law is None or law.point is single:  # the family's only one-rank point
+        if law is None or single.source in law.point.sources:  # the family's only one-rank point
             return 0.0, None, NO_DTENSOR_BESIDE.format(source=single.source)
         bare = ctx.once(("dtensor host", single.source), lambda: self._heads_bare(ctx, one))
         seconds = single.compute_s + single.overhead_s

@@ -1,0 +1,69 @@
+"""predict's host costs calibrated on measured multi-rank runs: FSDP's under a process group
+(a multi-rank fsdp run of the same sharding, else the one-rank fsdp run's), and each anchor's
+host cost taken against the compute its own results file calibrates."""
+
+import json
+
+import pytest
+
+from predict_helpers import CEILINGS
+from scalelab.config import RunConfig
+from scalelab.predict.calibration import CalPoint, MultiPoint, Pool
+from scalelab.predict.figures import Figures
+from scalelab.predict.frame import predict_one
+from scalelab.predict.models import Context
+from scalelab.predict.models.ddp import DDPModel
+from scalelab.predict.models.fsdp import FSDPModel
+from scalelab.predict.scenario import Scenario
+
+BASE = dict(workload="resnet18", device="cuda", train=True)
+
+
+def _figures() -> Figures:
+    return Figures(json.loads(CEILINGS.read_text()), "c.json")
+
+
+def _fsdp(ranks: int, batch: int, reshard: str = "on") -> RunConfig:
+    return RunConfig(strategy="fsdp", ranks=ranks, batch=batch, reshard_after_forward=reshard,
+                     **BASE)  # fmt: skip
+
+
+def test_fsdp_host_cost_on_several_ranks_comes_from_a_multi_rank_run_of_its_sharding():
+    """A measured 2-rank fsdp run of the family with the same units and resharding sets the
+    host cost of every multi-rank step (measured less the step without host work); a run that
+    reshards differently does not, and without one the one-rank fsdp run's cost stands."""
+    plain = RunConfig(strategy="ddp", batch=32, **BASE)
+    fam = Scenario(plain, 1, 1).family()
+    singles = [CalPoint(fam, "ddp", None, 32, 0.030, 0.0, "one.jsonl:1", cfg=plain),
+               CalPoint(fam, "fsdp", None, 32, 0.050, 0.0, "one.jsonl:2",
+                        cfg=_fsdp(1, 32))]  # fmt: skip
+    two = Scenario(_fsdp(2, 64), 2, 2)
+    other = MultiPoint(Scenario(_fsdp(2, 64, "off"), 2, 2), 0.090, "two.jsonl:2")
+    ctx = Context(_figures(), None, Pool(singles, [other]))
+    four = Scenario(_fsdp(4, 128), 4, 4)
+    assert predict_one(ctx, four).phases["fsdp_host"] == pytest.approx(0.020)  # one rank's
+    anchor = MultiPoint(two, 0.110, "two.jsonl:1")
+    ctx = Context(_figures(), None, Pool(singles, [other, anchor]))
+    bare = FSDPModel().without_host(ctx, two).seconds
+    pred = predict_one(ctx, four)
+    assert pred.phases["fsdp_host"] == pytest.approx(0.110 - bare)
+    assert pred.calibration["two.jsonl:1"] == "FSDP host cost"
+    assert predict_one(ctx, two).seconds == pytest.approx(0.110)
+
+
+def test_a_host_cost_anchor_is_taken_against_its_own_files_compute():
+    """A 2-GPU ddp run filed beside a one-GPU run of 30 ms calibrates DDP's host cost of a
+    study whose own one-GPU run took 40 ms (a slower host): the cost is the anchor's step less
+    the 30 ms step of its own file, not less the study's 40 ms."""
+    one = RunConfig(strategy="ddp", batch=32, **BASE)
+    fam = Scenario(one, 1, 1).family()
+    singles = [CalPoint(fam, "ddp", None, 32, 0.030, 0.0, "anchor.jsonl:1", cfg=one),
+               CalPoint(fam, "ddp", None, 32, 0.040, 0.0, "study.jsonl:1", cfg=one)]  # fmt: skip
+    two = Scenario(RunConfig(strategy="ddp", ranks=2, batch=64, **BASE), 2, 2)
+    pool = Pool(singles, [MultiPoint(two, 0.036, "anchor.jsonl:2")], prefer="study.jsonl")
+    ctx = Context(_figures(), None, pool)
+    exposed = DDPModel().without_host(ctx.of_run("anchor.jsonl:2"), two)
+    assert exposed.phases["compute"] == pytest.approx(0.030)
+    pred = predict_one(ctx, two)
+    assert pred.phases["compute"] == pytest.approx(0.040)
+    assert pred.phases["ddp_host"] == pytest.approx(0.036 - exposed.seconds)
