@@ -30,20 +30,29 @@ def _fsdp(ranks: int, batch: int, reshard: str = "on") -> RunConfig:
 
 def test_fsdp_host_cost_on_several_ranks_comes_from_a_multi_rank_run_of_its_sharding():
     """A measured 2-rank fsdp run of the family with the same units and resharding sets the
-    host cost of every multi-rank step (measured less the step without host work); a run that
-    reshards differently does not, and without one the one-rank fsdp run's cost stands."""
+    host cost of every multi-rank step (measured less the step without host work); one that
+    reshards otherwise does where none does, scaled by the collectives each issues (per unit
+    2 with the re-gather before backward off, 3 with it on); without either the one-rank fsdp
+    run's cost stands."""
+    from scalelab.predict.models.fsdp import collectives
+
     plain = RunConfig(strategy="ddp", batch=32, **BASE)
     fam = Scenario(plain, 1, 1).family()
     singles = [CalPoint(fam, "ddp", None, 32, 0.030, 0.0, "one.jsonl:1", cfg=plain),
                CalPoint(fam, "fsdp", None, 32, 0.050, 0.0, "one.jsonl:2",
                         cfg=_fsdp(1, 32))]  # fmt: skip
-    two = Scenario(_fsdp(2, 64), 2, 2)
-    other = MultiPoint(Scenario(_fsdp(2, 64, "off"), 2, 2), 0.090, "two.jsonl:2")
-    ctx = Context(_figures(), None, Pool(singles, [other]))
     four = Scenario(_fsdp(4, 128), 4, 4)
+    ctx = Context(_figures(), None, Pool(singles))
     assert predict_one(ctx, four).phases["fsdp_host"] == pytest.approx(0.020)  # one rank's
-    anchor = MultiPoint(two, 0.110, "two.jsonl:1")
-    ctx = Context(_figures(), None, Pool(singles, [other, anchor]))
+    off = Scenario(_fsdp(2, 64, "off"), 2, 2)
+    ctx = Context(_figures(), None, Pool(singles, [MultiPoint(off, 0.090, "two.jsonl:2")]))
+    units = collectives(off) // 2
+    assert collectives(four) == 3 * units and units > 1
+    bare = FSDPModel().without_host(ctx, off).seconds
+    assert predict_one(ctx, four).phases["fsdp_host"] == pytest.approx((0.090 - bare) * 1.5)
+    two = Scenario(_fsdp(2, 64), 2, 2)
+    anchors = [MultiPoint(off, 0.090, "two.jsonl:2"), MultiPoint(two, 0.110, "two.jsonl:1")]
+    ctx = Context(_figures(), None, Pool(singles, anchors))
     bare = FSDPModel().without_host(ctx, two).seconds
     pred = predict_one(ctx, four)
     assert pred.phases["fsdp_host"] == pytest.approx(0.110 - bare)

@@ -156,12 +156,17 @@ class Pool:
 
     def fsdp_anchor(self, scenario: Scenario) -> MultiPoint | None:
         """The measured multi-rank fsdp run (fsdp_calibrated) of the scenario's family that
-        ran FSDP's units as the scenario would (unit size, resharding, replicas): the rank
-        count nearest the scenario's, then the smallest batch; None when the pool holds none."""
+        ran FSDP's units as the scenario would (unit size and replicas; the same resharding
+        where the pool has one, else another, whose host cost fsdp.py scales by the
+        collectives each issues): the rank count nearest the scenario's, then the smallest
+        batch; None when the pool holds none."""
         fam, cfg = scenario.family(), scenario.cfg
         runs = [m for m in self.multis if m.scenario.family() == fam]
-        runs = self._own([m for m in runs if fsdp_calibrated(m.scenario.cfg)
-                          and _same_sharding(m.scenario.cfg, cfg)])  # fmt: skip
+        runs = [m for m in runs if fsdp_calibrated(m.scenario.cfg)
+                and _same_sharding(m.scenario.cfg, cfg)]  # fmt: skip
+        raf = cfg.reshard_after_forward
+        same = [m for m in runs if m.scenario.cfg.reshard_after_forward == raf]
+        runs = self._own(same or runs)
         key = lambda m: (abs(math.log(m.scenario.ranks / max(1, scenario.ranks))),  # noqa: E731
                          m.scenario.cfg.batch, m.source)  # fmt: skip
         return min(runs, key=key, default=None)
@@ -203,8 +208,7 @@ def _same_units(point: CalPoint, scenario: Scenario) -> bool:
 
 
 def _same_sharding(a: RunConfig, b: RunConfig) -> bool:
-    return (a.fsdp_unit_mb, a.reshard_after_forward, max(1, a.dp_replicate)) == (
-        b.fsdp_unit_mb, b.reshard_after_forward, max(1, b.dp_replicate))  # fmt: skip
+    return (a.fsdp_unit_mb, max(1, a.dp_replicate)) == (b.fsdp_unit_mb, max(1, b.dp_replicate))
 
 
 def fsdp_calibrated(cfg: RunConfig) -> bool:

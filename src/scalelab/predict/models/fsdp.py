@@ -91,6 +91,16 @@ def overlap(
     }
 
 
+def collectives(s: Scenario) -> int:
+    """The collectives FSDP issues per step: per unit an all-gather before forward, another
+    before backward where the unit resharded after forward (every unit under "on", all but
+    the last under "auto", none under "off": strategies/fsdp_units.reshard_policy), and a
+    reduce-scatter after backward."""
+    units = len(param_layers(s))
+    resharded = {"on": units, "off": 0}.get(s.cfg.reshard_after_forward, max(0, units - 1))
+    return max(1, 2 * units + resharded)
+
+
 @MODELS.register("fsdp", "FSDP2: per-unit all-gather and reduce-scatter, overlapped")
 class FSDPModel(StrategyModel):
     def infeasible(self, scenario: Scenario) -> str | None:
@@ -145,7 +155,10 @@ class FSDPModel(StrategyModel):
             return False
         own = ctx.of_run(m.source)  # its step less its own compute (Context.of_run)
         bare = ctx.once(("fsdp host", m.source), lambda: self.without_host(own, m.scenario))
-        host = max(0.0, m.seconds - bare.seconds)
+        # An anchor that reshards otherwise issued another number of collectives, each with
+        # its host work (its launch, the copies into and out of its buffer, the hooks that
+        # wait on it): its cost is scaled by the ratio of the collectives per step.
+        host = max(0.0, m.seconds - bare.seconds) * collectives(s) / collectives(m.scenario)
         pred.phases["fsdp_host"] = host
         pred.calibration[m.source] = "FSDP host cost"
         pred.notes.append(
