@@ -63,5 +63,10 @@ def test_every_everyday_line_runs_from_a_fresh_clone(readme_clone):
         assert "internal error" not in done.stderr, command
         ran.append(command)
     assert len(ran) >= 17
+    # the plan that measures a missing comm fit after ranking measures the host's contention
+    # curve once (the fit changes the ceilings file, not the host)
+    plan = readme_clone.run("scalelab plan alexnet")
+    assert "calibrate: scalelab ceilings --ranks 2 --backend gloo" in plan.stdout, plan.stdout
+    assert plan.stdout.count("this host's cpu_concurrency, now") == 1, plan.stdout
     # outputs land in ignored folders: the clone stays as it was cloned
     assert readme_clone.status() == readme_clone.status_at_start

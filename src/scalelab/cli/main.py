@@ -77,8 +77,12 @@ def verbosity_options() -> argparse.ArgumentParser:
     return common
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from scalelab.cli import commands  # noqa: F401  (fills COMMANDS)
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser of every command, or, given the command line, of the command it names."""
+    from scalelab.cli import commands
+
+    chosen = argv[0] if argv and argv[0] in commands.MODULES else None
+    commands.load(chosen)
 
     parser = OneLineParser(
         prog="scalelab",
@@ -90,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
     sub.required = True
     common = verbosity_options()
-    for name in COMMANDS:
+    for name in [chosen] if chosen else commands.MODULES:
         cmd = COMMANDS.get(name)
         p = sub.add_parser(
             name,
@@ -134,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     quiet_third_party_warnings()
     watch_for_hangs()
-    args = build_parser().parse_args(argv)
+    args = build_parser(argv).parse_args(argv)
     args.argv = list(argv)  # a launcher re-runs exactly this command line on every rank
     setup_logging(args)
     if job_status.start_beacon():  # a rank of a job scalelab launched: report phases

@@ -122,7 +122,8 @@ def run(args: argparse.Namespace) -> int:
     ctx = Context(figures, network, pool)
     ranked = rank.rank(ctx, spec, cfgs)
     if args.calibrate_missing and _measure_comm(ranked, figures.path):
-        figures = _contention(figures_at(figures.path), spec, args, out)
+        # the ceilings file now holds the fits; the curve measured above is still this host's
+        figures = _contention(figures_at(figures.path), spec, args, out, measure=False)
         ranked = rank.rank(Context(figures, network, pool), spec, cfgs)
     _print_plan(spec, ranked, figures.path)
     out.mkdir(parents=True, exist_ok=True)
@@ -246,15 +247,16 @@ def _calibration_command(command: list[str], why: str, what: str) -> None:
         raise UsageError(f"measuring {what} failed: {' '.join(command)}")
 
 
-def _contention(figures, spec, args, out: Path):
+def _contention(figures, spec, args, out: Path, measure: bool = True):
     """CPU ranks: the host's cpu_concurrency curve measured by this plan (now, with
-    --calibrate-missing; else an earlier plan's in the same folder), else the ceilings'."""
+    --calibrate-missing and `measure`; else the one this plan or an earlier one wrote in the
+    same folder), else the ceilings'."""
     from scalelab.plan.calibrate import with_contention
 
     path = out / "concurrency.json"
     if spec.gpu or spec.ranks_max < 2:
         return figures
-    if args.calibrate_missing:
+    if args.calibrate_missing and measure:
         return _host_contention(figures, spec, path, args.repeats, echo=True)
     return with_contention(figures, path) if path.exists() else figures
 
