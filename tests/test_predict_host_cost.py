@@ -1,6 +1,7 @@
 """predict's host costs calibrated on measured multi-rank runs: FSDP's under a process group
-(a multi-rank fsdp run of the same sharding, else the one-rank fsdp run's), and each anchor's
-host cost taken against the compute its own results file calibrates."""
+(a multi-rank fsdp run of the same sharding, else the one-rank fsdp run's), each anchor's
+host cost taken against the compute its own results file calibrates, and what a GPU rank's
+forward call costs beside the other ranks of its host (a multi-GPU batch-split run)."""
 
 import json
 
@@ -76,3 +77,25 @@ def test_a_host_cost_anchor_is_taken_against_its_own_files_compute():
     pred = predict_one(ctx, two)
     assert pred.phases["compute"] == pytest.approx(0.040)
     assert pred.phases["ddp_host"] == pytest.approx(0.036 - exposed.seconds)
+
+
+def test_gpu_ranks_pay_per_forward_call_what_a_multi_gpu_split_run_shows():
+    """A 2-GPU nccl run whose root computed its 32 images in 10 ms, where the one-GPU law
+    gives 2 ms, shows 8 ms per forward call beside the other rank: an mpi-gpu rank of the
+    family pays it once per call, 4 times under --overlap with 4 chunks (the share computed
+    chunk by chunk); the run is named a calibration point."""
+    alex = dict(workload="alexnet", device="cuda", batch=64)
+    one = RunConfig(strategy="local", **alex)
+    local = CalPoint(Scenario(one, 1, 1).family(), "local", None, 64, 0.004, 0.0, "v.jsonl:6")
+    nccl = Scenario(RunConfig(strategy="nccl", ranks=2, **alex), 2, 2)
+    run = MultiPoint(nccl, 0.012, "v.jsonl:9", compute_s=0.010)
+    ctx = Context(_figures(), None, Pool([local], [run]))
+    plain = Scenario(RunConfig(strategy="mpi-gpu", ranks=2, **alex), 2, 2)
+    pred = predict_one(ctx, plain)
+    assert pred.phases["beside"] == pytest.approx(0.008)
+    assert pred.phases["compute"] == pytest.approx(0.002)
+    assert pred.calibration["v.jsonl:9"] == "GPU ranks' compute"
+    chunked = Scenario(RunConfig(strategy="mpi-gpu", ranks=2, overlap=True, chunks=4, **alex), 2, 2)
+    assert predict_one(ctx, chunked).phases["beside"] == pytest.approx(4 * 0.008)
+    alone = Context(_figures(), None, Pool([local]))
+    assert predict_one(alone, plain).phases["beside"] == 0.0

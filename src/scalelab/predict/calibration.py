@@ -70,6 +70,7 @@ class MultiPoint:
     source: str
     warnings: tuple[str, ...] = ()
     forward_host_s: float | None = None  # torch pipelining: forward actions' s per micro-batch
+    compute_s: float | None = None  # the root's compute phase per iteration (split_calibrated)
 
 
 def unwarned(points: list) -> list:
@@ -171,6 +172,16 @@ class Pool:
                          m.scenario.cfg.batch, m.source)  # fmt: skip
         return min(runs, key=key, default=None)
 
+    def split_anchor(self, scenario: Scenario) -> MultiPoint | None:
+        """The measured multi-GPU batch-split run (split_calibrated) of the scenario's family
+        (any strategy that splits the batch: mpi-gpu's and nccl's ranks compute alike) whose
+        rank count is nearest the scenario's; None when the pool holds none."""
+        fam = scenario.family()
+        runs = [m for m in self.multis if m.compute_s is not None and m.scenario.family() == fam]
+        runs = self._own([m for m in runs if split_calibrated(m.scenario.cfg)])
+        key = lambda m: (abs(math.log(m.scenario.ranks / max(1, scenario.ranks))), m.source)  # noqa: E731
+        return min(runs, key=key, default=None)
+
     def dtensor_single(self, scenario: Scenario) -> CalPoint | None:
         """The one-rank DTensor run (dtensor_run) of the scenario's family nearest its batch
         (one replica's: tensor ranks all compute the whole batch), or None."""
@@ -216,6 +227,15 @@ def fsdp_calibrated(cfg: RunConfig) -> bool:
     (fsdp): it calibrates its family's FSDP host cost under a real process group
     (predict/models/fsdp.py)."""
     return cfg.ranks >= 2 and STRATEGIES.get(cfg.strategy).shards_parameters
+
+
+def split_calibrated(cfg: RunConfig) -> bool:
+    """Whether cfg is a measured run of GPU ranks that split the batch (no --overlap, whose
+    compute runs chunk by chunk): its compute phase against the one-GPU law at its share
+    says how much slower a rank computes beside the others (predict/models/split.py)."""
+    strategy = STRATEGIES.get(cfg.strategy)
+    return (cfg.ranks >= 2 and cfg.device == "cuda" and strategy.takes_split
+            and cfg.split == "batch" and not cfg.overlap)  # fmt: skip
 
 
 def dtensor_run(cfg: RunConfig) -> bool:

@@ -26,6 +26,7 @@ from scalelab.predict.calibration import (
     dtensor_calibrated,
     fsdp_calibrated,
     host_calibrated,
+    split_calibrated,
 )
 from scalelab.predict.hosts import Host
 from scalelab.predict.scenario import Scenario
@@ -174,6 +175,11 @@ def _run_record(found: Found, path: Path, where: str, rec: dict[str, Any]) -> No
         found.pool(path).singles.append(point)
     elif host_calibrated(cfg) or dtensor_calibrated(cfg) or fsdp_calibrated(cfg):
         found.pool(path).multis.append(MultiPoint(scenario, seconds, where, warned, host))
+    elif split_calibrated(cfg) and "compute" in (rec.get("phases") or {}):
+        computed = rec["phases"]["compute"] * phase_scale(rec)
+        found.pool(path).multis.append(
+            MultiPoint(scenario, seconds, where, warned, compute_s=computed)
+        )
     if modelled_as(cfg.strategy) is None:
         found.skipped[f"{cfg.strategy} runs (no model of that strategy)"] += 1
         return

@@ -6,11 +6,13 @@ batch (per iteration, B items over N ranks, critical path through the root):
               mpi-gpu: + h2d of the share from the pageable receive buffer
               nccl:    + h2d of the whole batch on the root first (pinned input)
     compute   t(ceil(B / N))                                       (calibration.py)
+    beside    GPU ranks: what a forward call costs beside the other ranks of the host, from
+              a measured multi-GPU batch-split run of the family (beside())
     gather    outputs (B/N x classes, compute dtype): d2h of the share (mpi-gpu, pinned),
               the wire, and on nccl the root's pageable d2h of the whole output
     overhead  the one-rank record's host time outside every phase
 --overlap (mpi-gpu) pipelines --chunks chunks: only one chunk's in- and outbound transfers
-stay exposed. broadcast: every rank gets the batch and all weights (binomial tree) and
+stay exposed, and the share is computed in one forward call per chunk. broadcast: every rank gets the batch and all weights (binomial tree) and
 computes the whole batch.
 """
 
@@ -95,14 +97,42 @@ def gather_out(ctx: Context, s: Scenario, wire: Wire, total: float) -> float:
     return t
 
 
+def beside(ctx: Context, s: Scenario) -> tuple[float, str | None]:
+    """The seconds a GPU rank's forward call takes beside the other ranks of its host over
+    what the one-GPU law says, and the run that shows it: a measured multi-GPU batch-split
+    run of the family (Pool.split_anchor), its root's compute phase less its own file's
+    one-GPU law at its share (never below 0). A short call is bound by its host's kernel
+    launches, and the ranks' processes share that host (its cores, memory bandwidth, the
+    driver): AlexNet's 32 images per GPU took 10 ms a call on each of 2 H200 ranks, mpi-gpu
+    and nccl alike, where one GPU alone took 3.9 ms for 64, and 4 chunks of 8 took 8.9 ms
+    each under --overlap: a cost per call, not per image. A long call does not see it (a
+    char-CNN's 32k images per GPU: 731 ms on each of 2, 1463 ms for 65k on one). (0, None) on
+    CPU ranks (their contention is the ceilings' cpu_concurrency) and without such a run."""
+    if s.cfg.device != "cuda" or s.ranks < 2:
+        return 0.0, None
+    m = ctx.pool.split_anchor(s)
+    if m is None or m.compute_s is None:
+        return 0.0, None
+    alone = ctx.of_run(m.source).compute(m.scenario)
+    if alone.law is None:
+        return 0.0, None
+    share = math.ceil(m.scenario.cfg.batch / m.scenario.ranks)
+    return max(0.0, m.compute_s - alone.seconds(share)), m.source
+
+
 @SPLITS.register("batch", "Scatterv the batch, compute, Gatherv")
 def batch_split(ctx: Context, s: Scenario, wire: Wire) -> Prediction:
     cfg, n = s.cfg, s.ranks
     compute = ctx.compute(s)
     share = math.ceil(cfg.batch / n)
+    # --overlap on GPUs computes the share chunk by chunk: a forward call per chunk, each
+    # paying the per-call costs (the law's fixed part, the host's beside the other ranks)
+    calls = max(cfg.chunks, 1) if cfg.overlap and wire.gpu else 1
+    per_call, shown_by = beside(ctx, s)
     phases = {
         "scatter": scatter_in(ctx, s, wire, cfg.batch * item_bytes(s)),
-        **compute.phases(share),
+        **{k: v * calls for k, v in compute.phases(share / calls).items()},
+        "beside": calls * per_call,
         "gather": gather_out(ctx, s, wire, cfg.batch * output_width(s) * storage_bytes(s)),
         "overhead": compute.overhead_s,
     }
@@ -112,7 +142,14 @@ def batch_split(ctx: Context, s: Scenario, wire: Wire) -> Prediction:
         phases["scatter"] /= chunks
         phases["gather"] /= chunks
         notes.append(f"--overlap: {chunks} chunks, one chunk's transfers exposed")
-    return Prediction(s, phases, COMM, compute.sources, notes)
+    pred = Prediction(s, phases, COMM, compute.sources, notes)
+    if shown_by is not None:
+        pred.calibration[shown_by] = "GPU ranks' compute"
+        notes.append(
+            f"beside: {per_call * 1e3:.3g} ms per forward call of a GPU rank beside the others "
+            f"of its host, as {shown_by} computed its share over the one-GPU law"
+        )
+    return pred
 
 
 @SPLITS.register("broadcast", "every rank gets the whole batch and every weight")
