@@ -40,3 +40,18 @@ def test_repeated_one_rank_runs_calibrate_at_their_median_not_the_first_by_name(
     assert set(law.point.sources) == {"a.jsonl:1", "b.jsonl:1", "c.jsonl:1"}
     single = pool.fsdp_single(s)
     assert single.compute_s == 0.0357 and single.sources == law.point.sources
+
+
+def test_the_anchor_batch_measured_in_another_file_beats_the_studys_runs_carried_there():
+    # The study ran 4 and 16 items a step, another file of the machine ran 32: at 32 that
+    # run calibrates, not the fixed + per-item law carried from 16.
+    from scalelab.predict.calibration import CalPoint, Pool, batch_law
+
+    cfg = RunConfig(workload="resnet18", strategy="ddp", device="cuda", batch=32, train=True)
+    s = Scenario(cfg, 1, per_node=1)
+    at = lambda src, b, t: CalPoint(s.family(), "ddp", None, b, t, 0.0, src, cfg=cfg)  # noqa: E731
+    own = [at("study.jsonl:1", 4, 0.033), at("study.jsonl:2", 16, 0.114)]
+    pool = Pool([*own, at("other.jsonl:1", 32, 0.207)], prefer="study.jsonl")
+    law = batch_law(pool, s)
+    assert law.point.source == "other.jsonl:1" and law.seconds(32) == 0.207
+    assert batch_law(Pool(own, prefer="study.jsonl"), s).point.source == "study.jsonl:2"

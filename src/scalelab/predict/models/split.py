@@ -12,8 +12,8 @@ batch (per iteration, B items over N ranks, critical path through the root):
               the wire, and on nccl the root's pageable d2h of the whole output
     overhead  the one-rank record's host time outside every phase
 --overlap (mpi-gpu) pipelines --chunks chunks: only one chunk's in- and outbound transfers
-stay exposed, and the share is computed in one forward call per chunk. broadcast: every rank gets the batch and all weights (binomial tree) and
-computes the whole batch.
+stay exposed, and the share is computed in one forward call per chunk. broadcast: every
+rank gets the batch and all weights (binomial tree) and computes the whole batch.
 """
 
 from __future__ import annotations
