@@ -99,3 +99,29 @@ def test_gpu_ranks_pay_per_forward_call_what_a_multi_gpu_split_run_shows():
     assert predict_one(ctx, chunked).phases["beside"] == pytest.approx(4 * 0.008)
     alone = Context(_figures(), None, Pool([local]))
     assert predict_one(alone, plain).phases["beside"] == 0.0
+
+
+def test_dtensor_forward_takes_the_longer_of_its_device_time_and_the_hosts_issue_time():
+    """A 2-rank DTensor run whose forward took 25 ms a step: the host issues the same sharded
+    ops at any rank count, so a 4-rank step's forward takes 25 ms where its device time is
+    less (dtensor_host: the difference); a run that did not time its forward falls back to a
+    cost per all-reduce."""
+    from pathlib import Path
+
+    gpt = {"model": f"{Path(__file__).resolve().parents[1] / 'examples/models/gpt.py'}:gpt",
+           "input_shape": "6", "input_dtype": "int64", "vocab": 24,
+           "model_arg": ("vocab=24", "seq=6", "width=16", "heads=4", "depth=3")}  # fmt: skip
+    base = dict(workload="model", device="cuda", train=True, batch=8, **gpt)
+    plain = RunConfig(strategy="local", **base)
+    local = CalPoint(Scenario(plain, 1, 1).family(), "local", None, 8, 0.030, 0.0, "one.jsonl:1",
+                     cfg=plain)  # fmt: skip
+    tp = lambda n: Scenario(RunConfig(strategy="tensor", engine="torch", ranks=n, **base), n, n)  # noqa: E731
+    timed = MultiPoint(tp(2), 0.040, "tp.jsonl:1", forward_s=0.025)
+    pred = predict_one(Context(_figures(), None, Pool([local], [timed])), tp(4))
+    device_fwd = (pred.phases.get("launch", 0.0) + pred.phases["compute"]) / 3
+    assert 0 < device_fwd < 0.025
+    assert pred.phases["dtensor_host"] == pytest.approx(0.025 - device_fwd)
+    assert pred.calibration["tp.jsonl:1"] == "DTensor host cost"
+    untimed = MultiPoint(tp(2), 0.040, "tp.jsonl:1")
+    old = predict_one(Context(_figures(), None, Pool([local], [untimed])), tp(4))
+    assert old.phases["dtensor_host"] != pytest.approx(pred.phases["dtensor_host"])

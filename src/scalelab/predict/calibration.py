@@ -47,6 +47,7 @@ class CalPoint:
     forward_host_s: float | None = None  # torch pipelining: forward actions' s per micro-batch
     # the sources of the runs whose median this point's compute is (typical), else ()
     pooled: tuple[str, ...] = ()
+    forward_s: float | None = None  # a training step's forward part (forward_part)
 
     @property
     def sources(self) -> tuple[str, ...]:
@@ -71,6 +72,7 @@ class MultiPoint:
     warnings: tuple[str, ...] = ()
     forward_host_s: float | None = None  # torch pipelining: forward actions' s per micro-batch
     compute_s: float | None = None  # the root's compute phase per iteration (split_calibrated)
+    forward_s: float | None = None  # a training step's forward part (forward_part)
 
 
 def unwarned(points: list) -> list:

@@ -169,12 +169,14 @@ def _run_record(found: Found, path: Path, where: str, rec: dict[str, Any]) -> No
     seconds = _step_seconds(rec, per_iteration(rec)[1])
     warned = tuple(rec.get("warnings") or ())
     host = forward_host(rec) if cfg.engine == "torch" else None
+    fwd = forward_part(rec, seconds)
     if ranks == 1:
         point = _cal_point(rec, scenario, seconds, phase_scale(rec), where)
-        point = dataclasses.replace(point, warnings=warned, forward_host_s=host)
+        point = dataclasses.replace(point, warnings=warned, forward_host_s=host, forward_s=fwd)
         found.pool(path).singles.append(point)
     elif host_calibrated(cfg) or dtensor_calibrated(cfg) or fsdp_calibrated(cfg):
-        found.pool(path).multis.append(MultiPoint(scenario, seconds, where, warned, host))
+        multi = MultiPoint(scenario, seconds, where, warned, host, forward_s=fwd)
+        found.pool(path).multis.append(multi)
     elif split_calibrated(cfg) and "compute" in (rec.get("phases") or {}):
         computed = rec["phases"]["compute"] * phase_scale(rec)
         found.pool(path).multis.append(
@@ -185,6 +187,16 @@ def _run_record(found: Found, path: Path, where: str, rec: dict[str, Any]) -> No
         return
     key = ("record", rec["id"]) if rec.get("id") else ("at", path.name, where, seconds)
     found.points.append(Measured(scenario, seconds, where, path, warned, key))
+
+
+def forward_part(rec: dict[str, Any], seconds: float) -> float | None:
+    """A training record's forward seconds per step: its step times the forward phase's share
+    of its compute phase (both totals over the same steps), or None without those phases."""
+    phases = rec.get("phases") or {}
+    fwd, whole = phases.get("compute/forward"), phases.get("compute")
+    if rec.get("mode") != "train" or not fwd or not whole:
+        return None
+    return seconds * min(1.0, fwd / whole)
 
 
 def forward_host(rec: dict[str, Any]) -> float | None:
