@@ -212,3 +212,17 @@ def test_uncertainty_band_and_extrapolations(tmp_path):
     assert notes[0].startswith("extrapolates to 4 ranks") and "most" in notes[0]
     assert any("--schedule 1f1b" in n for n in notes)
     assert extrapolations(pool, ran, [2]) == []
+
+
+def test_a_one_stage_pipeline_run_calibrates_at_its_micro_batch():
+    """A one-rank pipeline step of 8 micro-batches is 8 forward-backward passes of 32 images:
+    it calibrates t(32) at an eighth of its step, not t(256); one micro-batch stays whole."""
+    from scalelab.predict.points import _cal_point
+
+    eight = Scenario(_vgg(), 1, 1)
+    point = _cal_point({}, eight, 0.0927, 1.0, "p.jsonl:2")
+    assert (point.batch, point.compute_s) == (32, pytest.approx(0.0927 / 8))
+    one = _cal_point({}, Scenario(_vgg(microbatches=1), 1, 1), 0.0709, 1.0, "p.jsonl:1")
+    assert (one.batch, one.compute_s) == (256, 0.0709)
+    torch_run = Scenario(_vgg(engine="torch"), 1, 1)
+    assert _cal_point({}, torch_run, 0.3, 1.0, "t.jsonl:1").batch == 256
