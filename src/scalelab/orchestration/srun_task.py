@@ -1,28 +1,23 @@
 """A rank that srun started, watched from its own task: who died, where, of what, when.
 
-Under `srun -n N scalelab run ...` srun is the launcher and nothing of scalelab outlives a
-killed rank: srun prints `task 1: Killed` and keeps waiting, while the other ranks wait in
-their halo exchange or collective for ever (MPICH over pmi2 does not notice the peer is gone).
-So each srun task keeps a thin parent (the task srun sees) that runs the rank as its one child
-with the task's environment and file descriptors unchanged (PMI_FD included), and waits:
-
-- the child killed by a signal: the parent prints the dead-rank line (`scalelab: rank 1 on n2
-  died (signal 9) during halo; job aborted after 0.8 s`, phase from the child's status page),
-  appends the `failed` record, and ends the step with `scancel JOB.STEP` so no rank hangs;
-- the child's one line (a refusal, a failure) comes to the parent as a note, as under
-  mpiexec: a refusal (every rank refuses alike) is printed by task 0 only;
-- the parent itself signalled (scancel, a time limit, the step ended by a dead peer): quiet;
-  so is a child that aborted (SIGABRT) or failed because a peer died, once the dead rank's
-  task cancels the step (PEER_GRACE_S); the MPI library's own abort stack is kept back;
-- a peer task on this node killed (its watcher gone, so nobody names its rank): the parents
-  on that node watch each other's folders and the step's task list, and one of them names
-  it, records it and cancels the step.
+Under `srun -n N scalelab run ...` srun prints `task 1: Killed` for a killed rank and waits,
+while the others wait in their halo exchange or collective for ever. So each srun task keeps
+a thin parent (the task srun sees) running the rank as its one child, environment and file
+descriptors unchanged (PMI_FD included), and waits:
+- the child killed by a signal: the parent says the dead-rank line (`scalelab: rank 1 on n2
+  died (signal 9) during halo; job aborted after 0.8 s`, the phase from the child's status
+  page), appends the `failed` record and ends the step (`scancel JOB.STEP`);
+- the child's one line (a refusal, a failure) comes as a note, as under mpiexec; a refusal
+  (every rank refuses alike) is said by task 0 only;
+- the parent itself signalled (scancel, a time limit, a dead peer's cancel), or a child that
+  aborted or failed because a peer died, once that peer's task cancels the step
+  (PEER_GRACE_S): quiet, the MPI library's own abort stack kept back;
+- a peer task on this node killed (nobody left to name its rank): its node's parents watch
+  each other's folders and the step's tasks, and one names it, records it and cancels.
 
 A one-task step that starts its own ranks (`srun -n1 scalelab run ... --ranks 2`) runs its
 launcher under `agent`, as a node's torchrun: a stop is passed on, recorded and exits 143.
-
-The parent does not start ranks (srun did); it is what torchrun's per-node agent is to its
-workers, for one worker.
+The parent starts no rank (srun did): it is to its rank what torchrun's agent is to a worker.
 """
 
 from __future__ import annotations
@@ -108,6 +103,11 @@ def watch(argv: list[str], cfg: RunConfig, results: Path | None) -> tuple[int, d
         pump.start()
         code = _wait_watching_peers(child, step, stopped, cfg, results)
         ended = time.time()
+        if code is not None and code < 0 and code != -signal.SIGABRT and not stopped:
+            # killed: named before the pump's drain (up to PUMP_DRAIN_S), which on 2 busy
+            # cores let a peer's PMI abort SIGKILL this task before any line or record (_name)
+            _name(_dead_line(Path(folder), code, ended), cfg, results)
+            return 1, None
         pump.join(timeout=PUMP_DRAIN_S)
         if code and code > 0 and not stopped and not jobs.notes(Path(folder)):
             _say("".join(held).rstrip("\n"))  # nothing else explains the failure
@@ -134,9 +134,8 @@ def _clean(step: Path, folder: Path) -> None:
 
 
 def _pump(source, held: list[str]) -> None:
-    """The rank's stderr on to this task's, but for its MPI library's abort (MPICH's error
-    stack, `Abort(N) on node`, `MPI_Abort`): a peer's death makes it, and the dead rank's
-    watcher names that death in one line; `held` keeps it for a failure nobody explains."""
+    """The rank's stderr on to this task's, but for its MPI library's abort (a peer's death
+    makes it; the dead rank's watcher names it): `held` keeps it for a failure nobody explains."""
     for raw in iter(source.readline, b""):
         line = raw.decode(errors="replace")
         if MPI_ABORT.search(line) or any(p.search(line) for p in jobs.NOISE):
@@ -180,8 +179,8 @@ def _wait_watching_peers(
 
 
 def _dead_peer(step: Path, peers: set[int], seen: set[int]) -> tuple[int, Path | None] | None:
-    """(rank, its folder) of a peer task on this node that was killed: its watcher gone with
-    its folder left, or (killed before it made one) gone from the step's tasks on this node."""
+    """(rank, folder) of a killed peer task on this node: its watcher gone, its folder left,
+    or (killed before it made one) gone from the step's tasks here."""
     for folder in step.glob("task*.*"):
         rank, _, pid = folder.name[len("task") :].partition(".")
         if rank.isdigit() and pid.isdigit():
@@ -218,27 +217,21 @@ def _step_tasks_here() -> set[int]:
 
 def _claim(step: Path, rank: int) -> bool:
     """One watcher names a dead peer: the one that creates its marker."""
-    try:
+    with contextlib.suppress(OSError):
         os.close(os.open(step / f"named{rank}", os.O_CREAT | os.O_EXCL))
-    except OSError:
-        return False
-    return True
+        return True
+    return False
 
 
 def _say_dead_peer(dead: tuple[int, Path | None], cfg: RunConfig, results: Path | None) -> None:
     rank, folder = dead
     status = jobs.statuses(folder) if folder is not None else {}
-    line = jobs.dead_line((rank, _node(), None), status, time.time(), vanished=True)
     if folder is not None:
         shutil.rmtree(folder, ignore_errors=True)
-    _say(line)
-    if results is not None:
-        _record(cfg, results, line)
-    _end_step()
+    _name(jobs.dead_line((rank, _node(), None), status, time.time(), vanished=True), cfg, results)
 
 
-def _node() -> str:
-    """This node as Slurm names it (the name a user gave srun -w), else the host's."""
+def _node() -> str:  # this node as Slurm names it (as srun -w takes it), else the host's
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
@@ -264,11 +257,7 @@ def _outcome(
         if stopped:
             return _stopped(stopped, rank == 0, cfg, results, before)
     if code < 0:
-        line = jobs.dead_line((rank, _node(), -code), jobs.statuses(folder), ended)
-        _say(line)
-        if results is not None:
-            _record(cfg, results, line)
-        _end_step()
+        _name(_dead_line(folder, code, ended), cfg, results)
         return 1
     notes = jobs.notes(folder)
     if notes and notes[0][0] != 2 and not job_status.is_check_failure(notes[0][1]):
@@ -323,6 +312,23 @@ def _wait_for(stopped: list[int], seconds: float) -> None:
         time.sleep(0.05)
 
 
+def _dead_line(folder: Path, code: int, ended: float) -> str:
+    """This task's rank, killed by signal -code: who, where, of what, in which phase."""
+    return jobs.dead_line((job_status.this_rank(), _node(), -code), jobs.statuses(folder), ended)
+
+
+def _name(line: str, cfg: RunConfig, results: Path | None) -> None:
+    """A death said and recorded first (a few ms: a peer's MPI library may abort the step
+    through PMI the moment the rank died, and Slurm SIGKILLs every task), then the wait for
+    slurmstepd to take the line (jobs.until_read) and the cancel."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+    if results is not None:
+        _record(cfg, results, line)
+    jobs.until_read(sys.stderr)
+    _end_step()
+
+
 def _say(line: str) -> None:
     sys.stderr.write(line + "\n")
     sys.stderr.flush()
@@ -330,10 +336,8 @@ def _say(line: str) -> None:
 
 
 def _end_step() -> None:
-    """The other ranks would wait for the dead one for ever: cancel this step (its tasks get
-    SIGTERM, then SIGKILL after KillWait). First SAID_S for the line just said: slurmstepd
-    forwards a task's output to srun on its own time, and a cancel on the line's heels lost it
-    from srun's stderr in 2 of about 10 CI runs on 2 busy cores, the pipe already read."""
+    """The other ranks would wait for the dead one for ever: cancel this step (SIGTERM, then
+    SIGKILL after KillWait), SAID_S after the line said: slurmstepd forwards it on its own time."""
     step = f"{os.environ.get('SLURM_JOB_ID')}.{os.environ.get('SLURM_STEP_ID')}"
     time.sleep(SAID_S)
     with contextlib.suppress(OSError, subprocess.SubprocessError):
