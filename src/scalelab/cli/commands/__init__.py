@@ -1,7 +1,6 @@
 """One module per subcommand; importing one registers it in COMMANDS. A process imports only
 the module of the command it runs (`load`): every rank of a launched job runs `scalelab run`,
-and importing the other seventeen (plan, predict, bench, demo and what they import) cost each
-process about 0.2 s of CPU before it did any work."""
+and imported the other seventeen (plan, predict, bench, demo and what they import) too."""
 
 from __future__ import annotations
 
