@@ -103,20 +103,20 @@ def watch(argv: list[str], cfg: RunConfig, results: Path | None) -> tuple[int, d
         pump.start()
         code = _wait_watching_peers(child, step, stopped, cfg, results)
         ended = time.time()
-        if code is not None and code < 0 and code != -signal.SIGABRT and not stopped:
-            # killed: named before the pump's drain (up to PUMP_DRAIN_S), which on 2 busy
-            # cores let a peer's PMI abort SIGKILL this task before any line or record (_name)
-            _name(_dead_line(Path(folder), code, ended), cfg, results)
-            return 1, None
-        pump.join(timeout=PUMP_DRAIN_S)
-        if code and code > 0 and not stopped and not jobs.notes(Path(folder)):
-            _say("".join(held).rstrip("\n"))  # nothing else explains the failure
         if code is None:  # a peer task died: named, recorded, the step cancelled; our rank
             _clean(step, Path(folder))  # first: its PMI abort may SIGKILL this task at once
             child.kill()  # waits for the dead one (in MPI_Init it may not heed a SIGTERM)
             child.wait()
             return (stop_code(stopped) if stopped else 1), None
+        if code > 0:  # a failure: what the pump held back may be all that explains it
+            pump.join(timeout=PUMP_DRAIN_S)
+            if not stopped and not jobs.notes(Path(folder)):
+                _say("".join(held).rstrip("\n"))
+        # a killed rank is named here before anything waits: a peer's PMI abort may SIGKILL
+        # this task the moment the rank died (_name); the drain came first once, and on 2 busy
+        # cores neither the line nor the record got written
         outcome = _outcome(Path(folder), code, ended, stopped, cfg, results, before)
+        pump.join(timeout=PUMP_DRAIN_S)  # the rank's last lines on their way to srun
         return outcome, jobs.handed_record(Path(folder))
     finally:
         for s, handler in previous.items():
