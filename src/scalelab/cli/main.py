@@ -16,7 +16,7 @@ import sys
 import typing
 import warnings
 
-from scalelab import __version__
+from scalelab import __version__, eager_process
 from scalelab.cli.base import COMMANDS
 from scalelab.comm import job_status
 from scalelab.comm.launch import die_with_parent
@@ -137,6 +137,7 @@ def setup_logging(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     quiet_third_party_warnings()
+    eager_process.stay_eager()  # until something compiles: no torch._dynamo import (~2 s CPU)
     watch_for_hangs()
     args = build_parser(argv).parse_args(argv)
     args.argv = list(argv)  # a launcher re-runs exactly this command line on every rank

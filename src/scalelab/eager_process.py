@@ -1,0 +1,105 @@
+"""A process that never compiles does not import torch._dynamo.
+
+torch wraps ~300 of its own functions in `torch._disable_dynamo` (the optimizer's
+`add_param_group` and `zero_grad`, the Python meta kernels of addmm, relu and round, DTensor's
+constructor, activation checkpointing), so that dynamo never traces into them. The wrapper
+imports torch._dynamo at its first call and caches `torch._dynamo.disable(fn)` on the function
+as `fn.__dynamo_disable`. That import costs 1.6-2.0 s of CPU (sympy, torch.fx passes, the
+inductor config), as much as `import torch` itself: every training rank and every process that
+runs a model on the meta device paid it, for a wrapper that does nothing while nothing is being
+compiled. `stay_eager()` puts the function itself in that cache (its first call then runs it
+directly), for the wrappers torch has made so far and for every one it makes later.
+
+The moment anything imports torch._dynamo (a `--compile` run, `bench`'s compiled peers, a user's
+model that compiles itself, DDP's constructor, torch.export), every seeded cache is emptied
+first and the decorator restored, so from then on torch wraps them as it always did: nothing
+that is compiled ever sees a seeded function. Where torch changes how the wrapper caches, the
+seed is simply never read and the import happens as before.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.abc
+import sys
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch._compile
+
+_CACHE = "__dynamo_disable"  # the attribute torch._compile's wrapper caches its disable in
+_DYNAMO = "torch._dynamo"
+
+
+def _noop() -> None:
+    return None
+
+
+_WRAPPER_CODE = torch._compile._disable_dynamo(_noop).__code__  # every wrapper's code object
+_FREE = _WRAPPER_CODE.co_freevars  # ("fn", "recursive")
+_seeded: list[Callable[..., Any]] = []
+_original = torch._compile._disable_dynamo
+
+
+def _seed(wrapper: Any) -> None:
+    """The function a wrapper calls is its closure's `fn` (not `__wrapped__`, which torch._refs
+    rewrites on some of them)."""
+    if getattr(wrapper, "__code__", None) is not _WRAPPER_CODE or "fn" not in _FREE:
+        return
+    fn = wrapper.__closure__[_FREE.index("fn")].cell_contents
+    if getattr(fn, _CACHE, None) is None:
+        setattr(fn, _CACHE, fn)
+        _seeded.append(fn)
+
+
+def _seeding(fn: Callable[..., Any] | None = None, recursive: bool = True) -> Any:
+    """torch._disable_dynamo, whose wrappers are seeded as they are made."""
+    if fn is None:
+        return lambda f: _seeding(f, recursive)
+    wrapper = _original(fn, recursive)
+    _seed(wrapper)
+    return wrapper
+
+
+class _RestoreBeforeDynamo(importlib.abc.MetaPathFinder):
+    """Empties the seeded caches and restores the decorator before torch._dynamo loads. It
+    stays on sys.meta_path afterwards (idle): the import system is iterating that list."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
+        if name == _DYNAMO:
+            restore()
+        return None
+
+
+_finder = _RestoreBeforeDynamo()
+
+
+def stay_eager() -> None:
+    """Seed every dynamo-disable wrapper torch has made and will make (idempotent); a no-op
+    once torch._dynamo is loaded."""
+    if _DYNAMO in sys.modules:
+        return
+    if _finder not in sys.meta_path:
+        sys.meta_path.insert(0, _finder)
+    torch._compile._disable_dynamo = _seeding
+    torch._disable_dynamo = _seeding
+    for obj in gc.get_objects():
+        if type(obj) is types.FunctionType and obj.__code__ is _WRAPPER_CODE:
+            _seed(obj)
+
+
+def restore() -> None:
+    """torch's own behaviour back: the caches empty, the decorator torch's."""
+    torch._compile._disable_dynamo = _original
+    torch._disable_dynamo = _original
+    while _seeded:
+        fn = _seeded.pop()
+        if getattr(fn, _CACHE, None) is fn:
+            delattr(fn, _CACHE)
+
+
+def seeded() -> int:
+    """How many wrappers are seeded now (0 once restored)."""
+    return len(_seeded)
