@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from rank_procs import environ, wait_past_setup
+from scalelab.instrument.spans import SLOW_RANK_ENV
 from scalelab.record import read_records
 from test_slurm_cluster import ALEXNET, PY, slurm, wait_for
 
@@ -90,7 +91,7 @@ def test_a_one_task_step_that_starts_its_ranks_ends_each_way(tmp_path, mnist_dir
     exit 143 and a record saying scancel), one with rank 1 SIGKILLed
     (named on the node Slurm chose for it, not `localhost`)."""
     token = uuid.uuid4().hex
-    env = {**os.environ, "SCALELAB_TEST_TOKEN": token}
+    env = {**os.environ, "SCALELAB_TEST_TOKEN": token, **IDLE_LONG}
     args = [*MLP_LONG, "--data-dir", str(mnist_dir)]
     jobs = {}
     for name in ("cancelled", "killed"):
@@ -134,6 +135,10 @@ def test_a_one_task_step_that_starts_its_ranks_ends_each_way(tmp_path, mnist_dir
     assert rec["status"] == "failed" and rec["error"] == said[0].removeprefix("scalelab: ")
 
 
+# The long points only have to be running when they are ended (a time limit of a minute, a
+# scancel, a killed rank): rank 0 sleeps 0.1 s in each compute phase and its peer waits for it
+# in the all-reduce, so they idle instead of taking the cores the rest of the suite runs on.
+IDLE_LONG = {SLOW_RANK_ENV: "0:0.1"}
 MLP_LONG = ["run", "mlp", "--train", "--strategy", "ddp", "--ranks", "2", "--epochs", "100000"]
 MLP_LONG += ["--hidden", "16", "--batch", "20", "--train-size", "200", "--heldout-size", "100"]
 MLP_LONG += ["--quiet"]
@@ -191,7 +196,7 @@ def test_a_mixed_study_ends_each_way_with_one_record_per_attempt(tmp_path, mnist
     long_ddp = scripts[3].read_text()
     bogus.write_text(long_ddp.replace("launch=(srun ", "launch=(srun --mpi=bogus "))
     token = uuid.uuid4().hex
-    env = {"SCALELAB_TEST_TOKEN": token}
+    env = {"SCALELAB_TEST_TOKEN": token, **IDLE_LONG}
     ids = [slurm(["sbatch", "--parsable", str(s)], tmp_path, **env).stdout.strip() for s in
            (*scripts, cancel, bogus)]  # fmt: skip
     mpi_ok, timed_out, ddp_ok, killed_job, cancelled, bogus_job = ids
