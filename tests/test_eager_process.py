@@ -36,12 +36,14 @@ def test_meta_kernels_and_an_optimizer_leave_dynamo_unimported():
         "print(json.dumps({'dynamo': 'torch._dynamo' in sys.modules,"
         " 'seeded': eager_process.seeded()}))"
     )
-    assert got == {"dynamo": False, "seeded": got["seeded"]} and got["seeded"] > 100
+    assert got["dynamo"] is False and got["seeded"] > 100, got
 
 
 def test_without_the_seed_the_same_ops_import_dynamo():
     """The reference: torch itself imports dynamo for them (else the test above says nothing)."""
-    got = _run("import json, sys\n" + META_OPS + "print(json.dumps('torch._dynamo' in sys.modules))")
+    got = _run(
+        "import json, sys\n" + META_OPS + "print(json.dumps('torch._dynamo' in sys.modules))"
+    )
     assert got is True
 
 

@@ -5,10 +5,13 @@ torch wraps ~300 of its own functions in `torch._disable_dynamo` (the optimizer'
 constructor, activation checkpointing), so that dynamo never traces into them. The wrapper
 imports torch._dynamo at its first call and caches `torch._dynamo.disable(fn)` on the function
 as `fn.__dynamo_disable`. That import costs 1.6-2.0 s of CPU (sympy, torch.fx passes, the
-inductor config), as much as `import torch` itself: every training rank and every process that
-runs a model on the meta device paid it, for a wrapper that does nothing while nothing is being
-compiled. `stay_eager()` puts the function itself in that cache (its first call then runs it
-directly), for the wrappers torch has made so far and for every one it makes later.
+inductor config), as much as `import torch` itself, for a wrapper that does nothing while
+nothing is being compiled: every process that probes a model on the meta device (a user's model,
+plan, predict, fit, fsdp's and the pipeline's meta builds) or builds an optimizer paid it.
+`stay_eager()` puts the function itself in that cache (its first call then runs it directly),
+for the wrappers torch has made so far and for every one it makes later. A training step still
+imports dynamo (torch.optim's `step` wrapper calls `torch._dynamo.graph_break()`), and so do
+DDP's constructor and torch's pipelining tracer: those processes pay it as before.
 
 The moment anything imports torch._dynamo (a `--compile` run, `bench`'s compiled peers, a user's
 model that compiles itself, DDP's constructor, torch.export), every seeded cache is emptied
