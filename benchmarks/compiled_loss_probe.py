@@ -1,0 +1,121 @@
+"""What compiling a language model's loss buys on one GPU: the example GPT with every
+position's logits (`lm=True`), bf16 autocast, SGD with momentum, trained as a plain loop with
+the model compiled whole or block by block, its next-token cross-entropy eager or compiled.
+
+    python benchmarks/compiled_loss_probe.py --out F.jsonl [--runs whole,blocks,...]
+
+A step's (B, T, V) logits at GPT-2 small's shape are 16 x 1024 x 50304: 1.65 GB in bf16, 3.3
+GB once upcast to fp32 for the softmax. Eager cross-entropy writes the fp32 copy, its log-
+softmax and their gradients; a compiled one reads the bf16 logits and writes their bf16
+gradient. Runs (each a fresh model, the same seed):
+  whole        torch.compile(model), loss eager (scalelab bench's compiled peer)
+  whole+loss   torch.compile(model), the loss compiled as its own function
+  fused        one compiled function: model and loss (nanoGPT's forward returns the loss)
+  blocks       each block compiled in place, the rest eager (scalelab's --compile)
+  blocks+loss  each block compiled, the loss compiled
+Steady sequences/s over --steps after --warmup, between two device syncs; rounds alternate.
+One JSON line per run and round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+GPT_FILE = Path(__file__).resolve().parents[1] / "examples" / "models" / "gpt.py"
+
+
+def load_gpt():
+    spec = importlib.util.spec_from_file_location("probe_gpt_model", GPT_FILE)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.GPT
+
+
+def lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """scalelab's next-token loss: logits (B, T, V) upcast, y (B, T)."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def one_run(name: str, args: argparse.Namespace, rnd: int) -> dict:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    gpt = load_gpt()(args.vocab, args.seq, args.width, args.heads, args.depth, lm=True).cuda()
+    opt = torch.optim.SGD(gpt.parameters(), lr=0.01, momentum=0.9, foreach=True)
+    loss_fn = lm_loss
+    if name.startswith("whole"):
+        model = torch.compile(gpt)
+    else:
+        model = gpt
+        for block in gpt.blocks:
+            block.compile()
+    if name.endswith("+loss"):
+        loss_fn = torch.compile(lm_loss)
+
+    def step_loss(x, y):
+        return loss_fn(model(x), y)
+
+    if name == "fused":
+        step_loss = torch.compile(lambda x, y: lm_loss(gpt(x), y))
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda", generator=g)
+    y = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda", generator=g)
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = step_loss(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    t0 = time.perf_counter()
+    for _ in range(args.warmup):
+        step()
+    torch.cuda.synchronize()
+    warm_s = time.perf_counter() - t0
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    return {
+        "run": name,
+        "round": rnd,
+        "seq_per_s": round(args.batch * args.steps / dt, 1),
+        "step_ms": round(dt / args.steps * 1e3, 2),
+        "warmup_s": round(warm_s, 1),
+        "peak_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--runs", default="whole,whole+loss,fused,blocks,blocks+loss")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--width", type=int, default=768)
+    p.add_argument("--depth", type=int, default=12)
+    p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--vocab", type=int, default=50304)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--warmup", type=int, default=8)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    with open(args.out, "a") as f:
+        for rnd in range(args.rounds):
+            for name in args.runs.split(","):
+                row = one_run(name, args, rnd)
+                print(json.dumps(row), flush=True)
+                f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
