@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -34,6 +35,7 @@ GPT_FILE = Path(__file__).resolve().parents[1] / "examples" / "models" / "gpt.py
 def load_gpt():
     spec = importlib.util.spec_from_file_location("probe_gpt_model", GPT_FILE)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dynamo resolves the model's globals through its module
     spec.loader.exec_module(mod)
     return mod.GPT
 
