@@ -69,10 +69,12 @@ def test_auto_reshards_every_unit_but_the_last():
 @pytest.mark.mpi
 @pytest.mark.slow
 def test_compiled_ddp_and_fsdp_train_what_one_eager_process_trains(tmp_path):
+    # ddp's and fsdp's GPT is a language model ((N, T, V) logits): its loss is compiled too
+    lm = {"model_arg": (*GPT["model_arg"], "lm=True")}
     runs = {
-        "ddp": {**GPT, "strategy": "ddp", "ranks": 2, "dtype": "fp64"},
+        "ddp": {**GPT, **lm, "strategy": "ddp", "ranks": 2, "dtype": "fp64"},
         # one unit per block (the default joins blocks this small): the policy per unit
-        "fsdp": {**GPT, "strategy": "fsdp", "ranks": 2, "dtype": "fp64", "fsdp_unit_mb": 0},
+        "fsdp": {**GPT, **lm, "strategy": "fsdp", "ranks": 2, "dtype": "fp64", "fsdp_unit_mb": 0},
         "fsdp-bf16": {**GPT, "strategy": "fsdp", "ranks": 2, "dtype": "bf16",
                       "compile": False, "check": False},
     }  # fmt: skip
@@ -93,6 +95,7 @@ def test_compiled_ddp_and_fsdp_train_what_one_eager_process_trains(tmp_path):
         assert rec["status"] == "ok" and rec["check_passed"], (name, rec.get("relerr"))
         assert rec["compile"]["scope"] == "per-block" and rec["compile"]["blocks"] == 2
         assert rec["compile"]["graphs"] >= 1 and rec["compile"]["backend"] == "aot_eager"
+        assert rec["compile"]["loss"] == "compiled" and rec["task"] == "next-token"
     fsdp = recs["fsdp"]["fsdp"]
     assert fsdp["units"] == 3 and fsdp["reshard_after_forward"] == [True, False, True]
     assert fsdp["mp_policy"] == {"param_dtype": None, "reduce_dtype": None}
@@ -103,13 +106,14 @@ def test_compiled_ddp_and_fsdp_train_what_one_eager_process_trains(tmp_path):
 
 @pytest.mark.slow
 def test_local_compile_with_amp_passes_its_check(tmp_path):
-    tiny = ("vocab=32", "seq=8", "width=8", "heads=2", "depth=2")
+    tiny = ("vocab=32", "seq=8", "width=8", "heads=2", "depth=2", "lm=True")  # loss compiled
     fields = {**GPT, "model_arg": tiny, "compile_backend": "inductor"}
     cfg = RunConfig(**{**fields, "strategy": "local", "amp": "bf16", "steps": 1})
     rec = execute(cfg, tmp_path / "r.jsonl").record
     assert rec["status"] == "ok" and rec["check_passed"], rec.get("relerr")
     assert rec["precision"] == "bf16" and rec["compile"]["scope"] == "per-block"
     assert rec["compile"]["backend"] == "inductor" and rec["compile"]["graphs"] >= 1
+    assert rec["compile"]["loss"] == "compiled"
 
 
 @pytest.mark.gpu

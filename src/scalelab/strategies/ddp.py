@@ -135,6 +135,7 @@ class DDPStrategy(TorchDistStrategy):
         module = self.place(model)
         plan = self.train_plan(workload, module, train, heldout)
         net = self.wrap(module)
+        self.compile_loss(workload)
         fast = self.fast_trainer(workload, net, plan)
         out = run_training(self, workload, net, plan, make_trainer=fast)
         out.notes.update(self.bucket_notes())

@@ -180,6 +180,7 @@ class FSDPStrategy(DDPStrategy):
     ) -> RunOutput:
         train, heldout = self.train_data(data)
         module = self.shard_model(workload, self.place(model))
+        self.compile_loss(workload)
         plan = self.train_plan(
             workload,
             module,

@@ -138,6 +138,13 @@ class TorchStrategy(Strategy):
             model, self.compile_notes = compile_whole(model, backend=self.cfg.compile_backend)
         return model
 
+    def compile_loss(self, workload: Workload) -> None:
+        """--compile: the workload's loss compiled beside the model where it pays (a
+        language model's cross-entropy: measured on one H200 at GPT-2 small's shape, 378 ->
+        458 sequences/s and 17 -> 10.5 GB peak); said in the record's `compile`."""
+        if self.cfg.compile and workload.compile_loss(self.cfg.compile_backend):
+            self.compile_notes = {**(self.compile_notes or {}), "loss": "compiled"}
+
     def compile_record(self) -> dict:
         """The record's `compile` field: the scope chosen and the graphs dynamo built."""
         if self.compile_notes is None:
@@ -200,6 +207,7 @@ class TorchStrategy(Strategy):
         train, heldout = data
         model = self.place(model)
         net = self.compiled(model)  # model itself, or its whole compiled wrapper
+        self.compile_loss(workload)
         history = TrainHistory()
         plan = default_plan(self, workload, model, train, heldout)
         make_trainer = None

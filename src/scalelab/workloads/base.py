@@ -218,6 +218,12 @@ class Workload(ABC):
         wide = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
         return nn.functional.cross_entropy(wide, y)
 
+    def compile_loss(self, backend: str) -> bool:
+        """--compile: compile this workload's loss where that pays (a language model's
+        cross-entropy over its (B, T, V) logits); whether it did. A classifier's (N, K)
+        cross-entropy is too small to pay its compile."""
+        return False
+
     def blank_targets(self, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """n placeholder targets of the right shape (a pipeline's shape pass): (n,) labels."""
         return torch.zeros(n, dtype=torch.int64, device=device)
