@@ -91,7 +91,7 @@ def test_a_one_task_step_that_starts_its_ranks_ends_each_way(tmp_path, mnist_dir
     exit 143 and a record saying scancel), one with rank 1 SIGKILLed
     (named on the node Slurm chose for it, not `localhost`)."""
     token = uuid.uuid4().hex
-    env = {**os.environ, "SCALELAB_TEST_TOKEN": token}
+    env = {**os.environ, "SCALELAB_TEST_TOKEN": token, **IDLE_LONG}
     args = [*MLP_LONG, "--data-dir", str(mnist_dir)]
     jobs = {}
     for name in ("cancelled", "killed"):
@@ -135,11 +135,11 @@ def test_a_one_task_step_that_starts_its_ranks_ends_each_way(tmp_path, mnist_dir
     assert rec["status"] == "failed" and rec["error"] == said[0].removeprefix("scalelab: ")
 
 
-# The mixed study's long points only have to be running when they are ended (a time limit of
-# a minute, a scancel, a killed rank): rank 0 sleeps 0.1 s in each compute phase and its peer
-# waits for it in the all-reduce, so they idle instead of taking the cores the rest of the
-# suite runs on. (The one-task test above trains at full speed: with the sleep, its scancelled
-# step once printed a thread's traceback.)
+# The long points only have to be running when they are ended (a time limit of a minute, a
+# scancel, a killed rank): rank 0 sleeps 0.1 s in each compute phase and its peer waits for it
+# in the all-reduce, so they idle instead of taking the cores the rest of the suite runs on.
+# (Slower to stop, the scancelled one-task step's torchrun once ended while the task read its
+# /proc entry: a traceback, since fixed in jobs.child_pids and tested in test_slurm_ends.py.)
 IDLE_LONG = {SLOW_RANK_ENV: "0:0.1"}
 MLP_LONG = ["run", "mlp", "--train", "--strategy", "ddp", "--ranks", "2", "--epochs", "100000"]
 MLP_LONG += ["--hidden", "16", "--batch", "20", "--train-size", "200", "--heldout-size", "100"]

@@ -18,7 +18,7 @@ import pytest
 from scalelab.cli import slurm_point
 from scalelab.config import RunConfig
 from scalelab.instrument.host_checks import ranks_on_host
-from scalelab.orchestration import srun_task
+from scalelab.orchestration import jobs, srun_task
 from scalelab.record import read_records
 
 pytestmark = pytest.mark.slurm
@@ -280,3 +280,29 @@ def test_a_killed_peer_task_on_this_node_is_found_once(tmp_path, monkeypatch):
     assert srun_task._dead_peer(tmp_path, {1, 2}, seen) is None  # task 2 still listed
     listed.discard(2)  # killed before its watcher made a folder
     assert srun_task._dead_peer(tmp_path, {1, 2}, seen) == (2, None)
+
+
+def test_a_launcher_ending_while_its_children_are_read_raises_nothing(monkeypatch):
+    """The forwarding timer reads the task's launchers' children from /proc; a launcher that
+    ends between looking for its folder and scanning it must read as no children (it raised
+    FileNotFoundError out of the timer's thread: a traceback on a scancelled step)."""
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        assert child.pid in jobs.child_pids(os.getpid())  # the real /proc reading
+    finally:
+        child.kill()
+        child.wait()
+    assert child.pid not in jobs.child_pids(os.getpid())
+    assert jobs.child_pids(child.pid) == []  # ended: nothing, no error
+    # the folder is there when looked for, gone when scanned (either way of scanning it)
+    for name in ("listdir", "scandir"):
+        real = getattr(os, name)
+
+        def vanished(path=".", real=real):
+            if str(path).startswith("/proc/") and str(path).endswith("/task"):
+                raise FileNotFoundError(path)
+            return real(path)
+
+        monkeypatch.setattr(os, name, vanished)
+    assert jobs.child_pids(os.getpid()) == []
+    srun_task._forward(signal.SIGTERM)  # no launcher left to pass it to: returns quietly

@@ -11,6 +11,7 @@ forwarded.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -27,6 +28,20 @@ from typing import TextIO
 
 from scalelab.comm.job_status import JOB_DIR_VAR, PEER_GONE, RECORD_FILE, is_check_failure
 from scalelab.comm.launch import die_with_parent, mpiexec_command, torchrun_command
+
+
+def child_pids(pid: int) -> list[int]:
+    """pid's child processes; none once it has ended, even while its /proc entry is read (a
+    launcher ending there raised out of the forwarding timer: a traceback on stderr)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+    out = []
+    for task in tasks:
+        with contextlib.suppress(OSError, ValueError):
+            out += [int(p) for p in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
+    return out
 
 
 def dies_with_parent(sig: int = signal.SIGKILL):

@@ -384,19 +384,11 @@ def _forward(sig: int) -> None:
     every process of the step, and the ranks, which keep no handler, are gone by now): send
     it on to the launcher, which stops its ranks. Not at once: a second SIGTERM while
     torchrun stops its workers breaks its shutdown into a traceback."""
-    launchers = _children(os.getpid())
-    if any(_children(pid) for pid in launchers):
+    launchers = jobs.child_pids(os.getpid())
+    if any(jobs.child_pids(pid) for pid in launchers):
         for pid in launchers:
             with contextlib.suppress(OSError):
                 os.kill(pid, sig)
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        with contextlib.suppress(OSError, ValueError):
-            out += [int(p) for p in (task / "children").read_text().split()]
-    return out
 
 
 def _agent_outcome(outcome, stopped, cfg, results, before: int) -> int:
