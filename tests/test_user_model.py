@@ -172,6 +172,20 @@ def test_bad_factories_give_one_line_and_exit_2(cli, tmp_path, spec, shape, need
     assert len(err.strip().splitlines()) == 1 and needle in err, err
 
 
+def test_a_vocab_past_the_models_embedding_is_refused_in_one_line(cli, tmp_path):
+    """--vocab 64 for a GPT whose embedding has 32 rows: ids up to 63 would end in an
+    IndexError inside a strategy; refused before any work, naming the embedding."""
+    gpt = Path(__file__).resolve().parents[1] / "examples" / "models" / "gpt.py"
+    out_file = tmp_path / "runs.jsonl"
+    code, out, err = cli("run", "--model", f"{gpt}:gpt", "--model-arg", "vocab=32",
+                         "--model-arg", "seq=8", "--model-arg", "width=8", "--model-arg",
+                         "heads=2", "--model-arg", "depth=1", "--input-shape", "8",
+                         "--input-dtype", "int64", "--vocab", "64", "--out", out_file)  # fmt: skip
+    assert code == 2 and out == "" and not out_file.exists()
+    want = "--vocab 64: token ids reach 63 but the model's embedding 'tok' has 32 rows"
+    assert len(err.strip().splitlines()) == 1 and want in err, err
+
+
 def test_layers_predict_and_fit_give_numbers(cli):
     flags = _flags(MODELS["rescnn"])
     code, out, _ = cli("layers", *flags)

@@ -101,11 +101,16 @@ class UserModel(Workload):
             return
         self.probe  # noqa: B018 (builds the model and runs one item through it)
         if self.cfg.input_dtype == "int64":  # the largest id --vocab allows, before any work
-            top = torch.full((1, *self.shape), self.cfg.vocab - 1)
-            model_spec.check_vocab(self.spec, self.build_model(), self.prepare(top), self.cfg.vocab)
+            self._check_vocab(self.probe.module)  # the probe's model: no second build
         if len(_PROBES) >= _PROBES_KEPT:
             _PROBES.pop(next(iter(_PROBES)))
         _PROBES[key] = self.probe
+
+    def _check_vocab(self, model: nn.Module) -> None:
+        """One item of the largest id --vocab allows through model (refused in one line
+        naming the embedding it overflows)."""
+        top = torch.full((1, *self.shape), self.cfg.vocab - 1)
+        model_spec.check_vocab(self.spec, model, self.prepare(top), self.cfg.vocab)
 
     # --- the model -----------------------------------------------------------------------
     @cached_property
@@ -143,6 +148,8 @@ class UserModel(Workload):
         try:
             call = ml.trace(model, x)
         except Exception as exc:
+            if self.cfg.input_dtype == "int64":  # ids past an embedding: said as such
+                self._check_vocab(model)
             got = f"({', '.join(map(str, x.shape))}) {self.cfg.input_dtype}"
             raise UsageError(
                 f"--model {self.spec}: a {got} input fails in its forward: "
