@@ -280,3 +280,24 @@ def test_a_record_filed_twice_is_one_point_and_fsdp_calibrates_on_its_unit_size(
             assert unit_of[single.source] == point.scenario.cfg.fsdp_unit_mb
             anchor = pool.fsdp_anchor(point.scenario).source
             assert anchor == f"a/{study.name}:{point.source.rsplit(':', 1)[1]}"
+
+
+def test_a_records_relative_model_file_is_found_from_any_folder(tmp_path, monkeypatch):
+    """A record names `--model models/m.py:net` relative to the checkout it ran in; validate
+    run from elsewhere finds the file in the first folder above the records that holds it
+    (from another folder it once dropped 57 of the committed points as `no such file`)."""
+    from scalelab.predict.points import _model_found
+
+    (tmp_path / "repo" / "models").mkdir(parents=True)
+    (tmp_path / "repo" / "models" / "m.py").write_text("net = None\n")
+    records = tmp_path / "repo" / "results" / "study" / "runs.jsonl"
+    records.parent.mkdir(parents=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    cfg = RunConfig(workload="model", model="models/m.py:net")
+    assert _model_found(cfg, records).model == f"{tmp_path / 'repo' / 'models' / 'm.py'}:net"
+    for kept in ("missing/m.py:net", "torch.nn:Linear", "hf:llama", None):
+        assert _model_found(RunConfig(workload="model", model=kept), records).model == kept
+    monkeypatch.chdir(tmp_path / "repo")  # found from here: left as the record wrote it
+    assert _model_found(cfg, records).model == "models/m.py:net"

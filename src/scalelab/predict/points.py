@@ -134,7 +134,7 @@ def _run_record(found: Found, path: Path, where: str, rec: dict[str, Any]) -> No
         found.skipped["malformed run records"] += 1
         return
     found.saw_host(path, Host.of_record(rec))
-    cfg = computed_in(run_config(rec), rec)
+    cfg = _model_found(computed_in(run_config(rec), rec), path)
     ranks = int(rec.get("ranks") or cfg.ranks)
     cores = (rec.get("env") or {}).get("cpu_count")
     if cfg.device == "cpu" and cores and ranks * (cfg.threads or 1) > cores:
@@ -351,3 +351,16 @@ def _pipeline_summary(found: Found, path: Path, where: str, rec: dict) -> None:
         seconds = int(batch) / float(img_s)
         point = CalPoint(s.family(), "local", None, int(batch), seconds, 0.0, f"{where} b{batch}")
         found.pool(path).singles.append(point)
+
+
+def _model_found(cfg: RunConfig, records: Path) -> RunConfig:
+    """A record's `--model FILE.py:FACTORY` with FILE relative to where it ran (a checkout's
+    root: `examples/models/gpt.py`) read from wherever validate runs: where FILE is not
+    found from here, the first folder above the records file that holds it."""
+    file, sep, factory = (cfg.model or "").rpartition(":")
+    if not sep or not file.endswith(".py") or Path(file).is_absolute() or Path(file).exists():
+        return cfg
+    for folder in records.resolve().parents:
+        if (folder / file).is_file():
+            return dataclasses.replace(cfg, model=f"{folder / file}:{factory}")
+    return cfg
