@@ -5,7 +5,9 @@
 #
 #   benchmarks/hf_models_gpu.sh OUT_DIR [TYPES] [STRATEGIES]
 #
-# TYPES default "llama gpt2 mistral qwen2"; STRATEGIES default "local ddp fsdp". Writes
+# TYPES default "llama gpt2 mistral qwen2"; STRATEGIES default "local ddp fsdp"; MODES (the
+# environment) the precision flags of each run, `|`-separated, default "--dtype fp32|--dtype
+# bf16" (MODES="--amp bf16 --compile": each model compiled, its loss too). Writes
 # OUT_DIR/hf_runs.jsonl (the records), OUT_DIR/hf_models.log and, last, one line per run:
 # type, strategy, dtype, status, check, relerr, tokens/s, MFU against the datasheet peak.
 set -u
@@ -24,11 +26,12 @@ runs="$OUT_DIR/hf_runs.jsonl"
   "$PYTHON" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
   for t in $TYPES; do
     for s in $STRATEGIES; do
-      for d in fp32 bf16; do
-        echo "== hf:$t $s $d"
+      IFS='|' read -ra modes <<< "${MODES:---dtype fp32|--dtype bf16}"
+      for m in "${modes[@]}"; do
+        echo "== hf:$t $s $m"
         timeout 300 "$PYTHON" -m scalelab run --model "hf:$t" --model-arg hidden_size=256 \
           --model-arg intermediate_size=512 --input-shape 128 --input-dtype int64 \
-          --vocab 4096 --batch 8 --strategy "$s" --dtype "$d" --device "$DEVICE" --train \
+          --vocab 4096 --batch 8 --strategy "$s" $m --device "$DEVICE" --train \
           --steps 6 --check --out "$runs" 2>&1 | tail -4
       done
     done
@@ -40,7 +43,8 @@ for line in open(sys.argv[1]):
     r = json.loads(line)
     c = r.get("config", {})
     mfu = (r.get("mfu") or {}).get("datasheet")
-    print(c.get("model"), r.get("strategy"), c.get("dtype"), r.get("status"),
+    print(c.get("model"), r.get("strategy"), r.get("precision"), (r.get("compile") or {}).get("loss"),
+          r.get("status"),
           r.get("check_passed"), f"{r.get('relerr') or float('nan'):.2e}",
           f"{r.get('tokens_per_s') or float('nan'):.0f} tok/s", f"mfu {mfu}")
 PY
