@@ -5,6 +5,7 @@ Environments are the ones Slurm 22.05 sets (tests/test_slurm_cluster.py runs the
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -236,3 +237,16 @@ def test_a_rank_aborted_by_a_dead_peer_stays_quiet_when_the_step_is_cancelled(
     code = srun_task._outcome(tmp_path, -signal.SIGABRT, 0.0, [], cfg, None)
     err = capsys.readouterr().err
     assert code == 1 and ended and err.startswith("scalelab: rank 0 on n1 died (signal 6)")
+
+
+def test_rendezvous_ports_stay_below_the_ports_linux_gives_clients():
+    """Linux gives outgoing connections local ports from 32768-60999 (ip_local_port_range's
+    default): a rendezvous port there may be held by any client socket on the head node, and
+    a two-node ddp point under load then failed (both agents took themselves for clients of
+    a store nobody served). The batch script's shell line gives the port Python gives."""
+    assert max(slurm.rendezvous_port(j) for j in range(slurm.RDZV_PORT_SPAN)) < 32768
+    assert min(slurm.rendezvous_port(j) for j in range(slurm.RDZV_PORT_SPAN)) >= 1024
+    for job in (0, 77, 46174046, 2**31 - 1):
+        shell = f"SLURM_JOB_ID={job}; {slurm.RDZV_PORT_SHELL}; echo $port"
+        out = subprocess.run(["bash", "-c", shell], capture_output=True, text=True, check=True)
+        assert int(out.stdout) == slurm.rendezvous_port(job)

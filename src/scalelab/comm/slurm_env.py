@@ -16,8 +16,14 @@ from collections.abc import Mapping
 # Set (to the count) where scalelab took the thread count from the CPUs Slurm gave the task,
 # not from --threads: the record then says so.
 THREADS_VAR = "SCALELAB_THREADS_FROM_SLURM"
-RDZV_PORT_BASE = 20000  # per-job rendezvous ports: BASE + job id % SPAN
-RDZV_PORT_SPAN = 20000
+# Per-job rendezvous ports, BASE + job id % SPAN: 20000-31999, below Linux's default range
+# for outgoing connections' local ports (ip_local_port_range, 32768-60999). A port in that
+# range may be held by any client socket on the head node; both nodes' torchrun agents then
+# found it taken, each took itself for a client and waited 60 s for a store nobody served.
+RDZV_PORT_BASE = 20000
+RDZV_PORT_SPAN = 12000
+# The same port, computed by a batch script in the shell (its torchrun's --rdzv-endpoint).
+RDZV_PORT_SHELL = f"port=$(({RDZV_PORT_BASE} + SLURM_JOB_ID % {RDZV_PORT_SPAN}))"
 
 
 def in_job(env: Mapping[str, str] | None = None) -> bool:

@@ -10,6 +10,7 @@ from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
 
+from scalelab.comm import slurm_env as slurm
 from scalelab.errors import UsageError
 from scalelab.orchestration.slurm_jobs import (
     SAFE_PATH,
@@ -127,7 +128,7 @@ def preamble(opts: SlurmOptions, lay: Layout) -> list[str]:
         # (`head -n 1` could SIGPIPE scontrol, which pipefail turns into a failed job).
         lines += [
             'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',
-            "port=$((20000 + SLURM_JOB_ID % 20000))",
+            slurm.RDZV_PORT_SHELL,
         ]
     return [*lines, RUN_POINT]
 
