@@ -381,24 +381,31 @@ class UserModel(Workload):
     # --- training ------------------------------------------------------------------------
     def loss(self, model: nn.Module, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The module's own loss(output, target) where it defines one, else cross-entropy."""
-        own = getattr(getattr(model, "module", model), "loss", None)
-        if not callable(own):
-            own = getattr(self._loss_owner, "loss", None)
-        if callable(own):
+        own = self._own_loss(model)
+        if own is not None:
             return own(logits, y)
         if logits.dim() == 3:  # next-token logits (B, T, V), targets (B, T)
-            return self.__dict__.get("_token_loss", next_token.loss)(logits, y)
+            return self._token_loss(logits, y)
         return super().loss(model, logits, y)
+
+    _token_loss = staticmethod(next_token.loss)  # compile_loss: a compiled one instead
+
+    def _own_loss(self, model: nn.Module | None = None):
+        """The module's own loss(output, target) (model's, else the probe's), or None."""
+        for owner in (getattr(model, "module", model), self._loss_owner):
+            own = getattr(owner, "loss", None)
+            if callable(own):
+                return own
+        return None
 
     def compile_loss(self, backend: str) -> bool:
         """A language model's next-token cross-entropy compiled (its module's own loss, where
         it has one, stays as written): the (B, T, V) logits are then read in their own dtype
         instead of upcast, log-softmaxed and kept in fp32 (at GPT-2 small's 16 x 1024 x 50304,
         6.6 GB written and read again in backward)."""
-        own = getattr(self._loss_owner, "loss", None)
-        if self.task != next_token.TASK or callable(own):
+        if self.task != next_token.TASK or self._own_loss() is not None:
             return False
-        self.__dict__["_token_loss"] = torch.compile(next_token.loss, backend=backend)
+        self._token_loss = torch.compile(next_token.loss, backend=backend)
         return True
 
     def blank_targets(self, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
