@@ -1,5 +1,6 @@
 """PhaseTimer: nesting, laps, the instrumentation hub (intervals, step hooks), CUDA events."""
 
+import gc
 import time
 
 import pytest
@@ -88,6 +89,25 @@ def test_timed_iterations_steps_hooks_and_drops_warmup():
     assert all(lap["compute"] <= wall for lap, wall in zip(timings.laps, timings.walls))
     assert timings.device_laps == [] and timings.device_phase_medians() == {}
     notify_step()  # no hooks: a no-op
+
+
+def test_no_garbage_collection_inside_a_timed_iteration_and_back_on_after():
+    """A collection of a large heap would land between phases: timed steps run without it,
+    warm-up and the caller's own code with it, and a caller that had it off keeps it off."""
+    seen = []
+
+    def step():
+        seen.append(gc.isenabled())
+
+    timer = PhaseTimer()
+    timed_iterations(step, timer, warmup=1, iters=2)
+    assert seen == [True, False, False] and gc.isenabled()
+    gc.disable()
+    try:
+        timed_iterations(step, timer, warmup=0, iters=1)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def test_timings_device_medians():

@@ -10,6 +10,7 @@ instrumentation session (`HUB`), so instrumentation costs nothing when off.
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from collections import defaultdict
@@ -294,14 +295,31 @@ def timed_iterations(
         progress.tick(warmup + i)  # before the barrier: outside the next timed wall
         timer.settle()
         barrier()
-        start = time.perf_counter()
-        result = step()
-        timer.settle()
-        wall = time.perf_counter() - start
+        with _no_collection():
+            start = time.perf_counter()
+            result = step()
+            timer.settle()
+            wall = time.perf_counter() - start
         timings.add(wall, timer.lap(), timer.last_device_lap)
         notify_step()
     progress.tick(warmup + iters)
     return timings, result
+
+
+@contextmanager
+def _no_collection() -> Iterator[None]:
+    """No cyclic garbage collection inside a timed iteration, as timeit does: in a process
+    with a large heap (a notebook, a test session, a caller's own program) one collection
+    costs milliseconds and starts at whichever allocation crosses the threshold, often the
+    timer's own bookkeeping between phases, so the wall would hold time no phase holds. The
+    collection runs after the iteration instead (its garbage is still counted)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _iteration_progress(warmup: int, iters: int):
