@@ -24,6 +24,7 @@ from scalelab.instrument.timer import PhaseTimer
 from scalelab.layout import partition as part
 from scalelab.layout import profiling
 from scalelab.results import RunOutput
+from scalelab.strategies.pipeline.placements import PLACEMENTS
 from scalelab.strategies.pipeline.report import summary_line
 from scalelab.strategies.torch_base import TorchStrategy
 from scalelab.workloads.base import Inputs, Workload
@@ -67,8 +68,7 @@ class ManualPlacement(TorchStrategy):
     """Registered through `pipeline` (`--placement manual`)."""
 
     name = "pipeline"
-    reads = ("pipeline", "placement", "engine", "checkpoint")
-    reads = ("pipeline", "placement", "engine", "checkpoint")
+    reads = PLACEMENTS["manual"].reads
 
     def make_comm(self) -> Comm:
         return SelfComm()

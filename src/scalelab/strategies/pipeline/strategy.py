@@ -61,7 +61,7 @@ class PipelineStrategy(TorchStrategy):
     gpu_first = True
     splits_model = True
     pipelined = True
-    reads = ("pipeline", "placement", "engine", "gpus", "layout", "compile", "checkpoint")
+    reads = PLACEMENTS["scheduled"].reads
 
     @classmethod
     def build(cls, cfg: RunConfig) -> Strategy:
@@ -80,7 +80,7 @@ class PipelineStrategy(TorchStrategy):
     @classmethod
     def reads_for(cls, cfg: RunConfig) -> tuple[str, ...]:
         """The sections of the placement the config names."""
-        return PLACEMENTS[placement_name(cfg)].load().reads
+        return PLACEMENTS[placement_name(cfg)].reads  # declared there: no engine import
 
     @classmethod
     def preflight(cls, cfg: RunConfig) -> int:
@@ -107,7 +107,7 @@ class PipelineStrategy(TorchStrategy):
     @classmethod
     def read_with(cls, cfg: RunConfig, section: str) -> str | None:
         """The flag under which a section this run does not read would be read."""
-        torch_reads = PLACEMENTS["torch"].load().reads
+        torch_reads = PLACEMENTS["torch"].reads
         if cfg.engine != "torch" and section in torch_reads:
             return "--engine torch"
         return "--engine scalelab" if cfg.engine == "torch" and section in cls.reads else None

@@ -44,6 +44,7 @@ from scalelab.results import RunOutput
 from scalelab.strategies import penalty as pen
 from scalelab.strategies.mesh import Layout, MeshGroups
 from scalelab.strategies.pipeline import torch_trace as tr
+from scalelab.strategies.pipeline.placements import PLACEMENTS
 from scalelab.strategies.pipeline.torch_report import RunLog, torch_pipeline_notes
 from scalelab.strategies.pipeline.torch_stages import (
     Clock,
@@ -61,7 +62,7 @@ from scalelab.workloads.base import Inputs, Workload
 
 class TorchPipeline(TorchDistStrategy):
     name = "pipeline"
-    reads = ("pipeline", "engine", "mesh", "interleave", "layout", "checkpoint")
+    reads = PLACEMENTS["torch"].reads
     needs_data_everywhere = True
 
     def __init__(self, cfg) -> None:
