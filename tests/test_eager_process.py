@@ -79,3 +79,58 @@ def test_a_user_models_inference_run_imports_no_dynamo(tmp_path):
         "print(json.dumps({'code': code, 'dynamo': 'torch._dynamo' in sys.modules}))"
     )
     assert got == {"code": 0, "dynamo": False}
+
+
+# Two SGD optimizers with momentum on the same weights and gradients: torch's own step (the
+# reference) and eager_step's, three steps each under an LR scheduler, with a post-step hook.
+TWO_STEPPERS = """
+import json, sys, copy, torch
+from scalelab import eager_process
+torch.manual_seed(0)
+ref = torch.nn.Linear(8, 3)
+mine = copy.deepcopy(ref)
+x, y = torch.randn(16, 8), torch.randn(16, 3)
+hooked = []
+def make(model, eager):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = eager_process.eager_step(opt) if eager else opt
+    opt.register_step_post_hook(lambda o, a, k: hooked.append(eager))
+    return opt, torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+def train(model, opt, sched):
+    for _ in range(3):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        sched.step()
+"""
+
+
+def test_an_eager_step_is_torchs_step_without_importing_dynamo():
+    """The same update, hooks and schedule as torch's step (weights bitwise), no dynamo."""
+    got = _run(
+        TWO_STEPPERS + "eager_process.stay_eager()\n"
+        "mine_opt = make(mine, True)\ntrain(mine, *mine_opt)\n"
+        "dynamo = 'torch._dynamo' in sys.modules\n"
+        "train(ref, *make(ref, False))\n"
+        "same = all(torch.equal(a, b) for a, b in zip(ref.parameters(), mine.parameters()))\n"
+        "print(json.dumps({'dynamo_after_eager': dynamo, 'same': same, 'hooked': hooked,"
+        " 'own_step': 'step' in vars(mine_opt[0]),"
+        " 'dynamo_after_torch': 'torch._dynamo' in sys.modules}))"
+    )
+    assert got["own_step"] and got["dynamo_after_eager"] is False, got
+    assert got["dynamo_after_torch"] is True  # torch's own step does import it (the reference)
+    assert got["same"] and got["hooked"] == [True] * 3 + [False] * 3, got
+
+
+def test_once_dynamo_is_loaded_an_eager_step_is_torchs_own():
+    """A compile anywhere in the process: the step goes through torch's wrapper again."""
+    got = _run(
+        TWO_STEPPERS + "import torch._dynamo\n"
+        "seen = []\n"
+        "orig = torch._dynamo.graph_break\n"
+        "torch._dynamo.graph_break = lambda: seen.append(1) or orig()\n"
+        "train(mine, *make(mine, True))\ntrain(ref, *make(ref, False))\n"
+        "same = all(torch.equal(a, b) for a, b in zip(ref.parameters(), mine.parameters()))\n"
+        "print(json.dumps({'breaks': len(seen), 'same': same}))"
+    )
+    assert got == {"breaks": 12, "same": True}, got  # 2 per step, 6 steps

@@ -18,6 +18,14 @@ model that compiles itself, DDP's constructor, torch.export), every seeded cache
 first and the decorator restored, so from then on torch wraps them as it always did: nothing
 that is compiled ever sees a seeded function. Where torch changes how the wrapper caches, the
 seed is simply never read and the import happens as before.
+
+An optimizer's `step` imports it too: torch.optim wraps every `step` in `_use_grad`, which
+imports torch._dynamo to call `graph_break()` (a no-op unless dynamo is tracing the step).
+`eager_step(opt)` gives the optimizer a step that sets the same grad mode and calls the same
+update and hooks without that import, and calls torch's own wrapper instead once
+torch._dynamo is loaded (a compiled step then sees torch's graph breaks). An MPI rank that
+trains (mpi-dp, the scheduled pipeline, tensor) and a one-process training run save the
+import; ddp's constructor and FSDP2's sharding import dynamo themselves.
 """
 
 from __future__ import annotations
@@ -106,3 +114,50 @@ def restore() -> None:
 def seeded() -> int:
     """How many wrappers are seeded now (0 once restored)."""
     return len(_seeded)
+
+
+def _use_grad_code() -> Any:
+    import torch.optim.optimizer as optimizer_module  # the submodule, not torch.optim's names
+
+    wrap = getattr(optimizer_module, "_use_grad_for_differentiable", None)
+    return None if wrap is None else wrap(_noop).__code__
+
+
+_USE_GRAD_CODE = _use_grad_code()  # the code of torch.optim's `_use_grad` wrapper
+
+
+def eager_step(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """opt, whose step skips `_use_grad`'s torch._dynamo import while dynamo is not loaded.
+
+    torch patched the class's step at construction: profile_hook_step(_use_grad(update)),
+    each with `__wrapped__`. Where the chain is not that (another torch, an optimizer of its
+    own), opt is returned as it is. The instance's step is a bound method (LR schedulers
+    rewrap `opt.step.__func__`)."""
+    hooked = type(opt).step
+    use_grad = getattr(hooked, "__wrapped__", None)
+    update = getattr(use_grad, "__wrapped__", None)
+    if (
+        _USE_GRAD_CODE is None
+        or not getattr(hooked, "hooked", False)
+        or getattr(use_grad, "__code__", None) is not _USE_GRAD_CODE
+        or update is None
+    ):
+        return opt
+
+    def in_grad_mode(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        before = torch.is_grad_enabled()
+        torch.set_grad_enabled(self.defaults["differentiable"])  # as _use_grad does
+        try:
+            return update(self, *args, **kwargs)
+        finally:
+            torch.set_grad_enabled(before)
+
+    with_hooks = torch.optim.Optimizer.profile_hook_step(in_grad_mode)
+
+    def step(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        if _DYNAMO in sys.modules:  # something compiles: torch's own step, graph breaks included
+            return hooked(self, *args, **kwargs)
+        return with_hooks(self, *args, **kwargs)
+
+    opt.step = types.MethodType(step, opt)  # type: ignore[method-assign]
+    return opt

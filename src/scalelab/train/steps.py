@@ -6,6 +6,8 @@ schedule's step (strategies/pipeline/schedule_step.py, torch_engine.py)."""
 
 from __future__ import annotations
 
+import sys
+
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
@@ -101,10 +103,12 @@ def single_tensor_if_mixed(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
     shards and plain tensors (tensor parallelism: replicated embeddings, norms and heads beside
     sharded Linears). On CUDA torch picks foreach by default and it refuses the mix ("got mixed
     torch.Tensor and DTensor", seen on 2x H200 training the GPT under tensor parallelism); the
-    single-tensor loop computes the same update, tensor by tensor. CPU runs never took foreach."""
-    from torch.distributed.tensor import DTensor
-
-    kinds = {isinstance(p, DTensor) for g in opt.param_groups for p in g["params"]}
+    single-tensor loop computes the same update, tensor by tensor. CPU runs never took foreach.
+    A process that never imported DTensor holds none (importing it only to ask costs ~1 s)."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is None:
+        return opt
+    kinds = {isinstance(p, dtensor.DTensor) for g in opt.param_groups for p in g["params"]}
     if len(kinds) > 1:
         for group in opt.param_groups:
             group["foreach"] = False

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from scalelab import eager_process
 from scalelab.config import RunConfig
 from scalelab.errors import UsageError
 from scalelab.registry import Registry
@@ -235,7 +236,8 @@ class Workload(ABC):
         return float((logits.argmax(dim=1).to(y.device) == y).sum())
 
     def optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
-        return torch.optim.SGD(model.parameters(), lr=self.cfg.lr, momentum=self.cfg.momentum)
+        opt = torch.optim.SGD(model.parameters(), lr=self.cfg.lr, momentum=self.cfg.momentum)
+        return eager_process.eager_step(opt)  # no torch._dynamo import for its step
 
 
 def split_seeded(data: Inputs, n_train: int, n_held: int, seed: int) -> tuple[Inputs, Inputs]:
