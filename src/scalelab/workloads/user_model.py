@@ -99,9 +99,7 @@ class UserModel(Workload):
         if key in _PROBES:  # validated before in this process
             self.__dict__["probe"] = _PROBES[key]
             return
-        self.probe  # noqa: B018 (builds the model and runs one item through it)
-        if self.cfg.input_dtype == "int64":  # the largest id --vocab allows, before any work
-            self._check_vocab(self.probe.module)  # the probe's model: no second build
+        self.probe  # noqa: B018 (one item through the model, the largest id --vocab allows in it)
         if len(_PROBES) >= _PROBES_KEPT:
             _PROBES.pop(next(iter(_PROBES)))
         _PROBES[key] = self.probe
@@ -144,7 +142,12 @@ class UserModel(Workload):
     def probe(self) -> ml.Call:
         """One item through the model in eval mode: the call tree every view derives from."""
         model = self.build_model()
-        x = self.prepare(self.synthetic_inputs(1, self.cfg.seed).x)
+        x = self.synthetic_inputs(1, self.cfg.seed).x
+        if self.cfg.input_dtype == "int64":
+            # the largest id --vocab allows, in the item: an embedding it overflows fails this
+            # forward (an IndexError on the CPU), before any work, with no second forward
+            x[(0, *(s - 1 for s in self.shape))] = self.cfg.vocab - 1
+        x = self.prepare(x)
         try:
             call = ml.trace(model, x)
         except Exception as exc:
