@@ -105,7 +105,12 @@ def test_compiled_ddp_and_fsdp_train_what_one_eager_process_trains(tmp_path):
 
 
 @pytest.mark.slow
-def test_local_compile_with_amp_passes_its_check(tmp_path):
+def test_local_compile_with_amp_passes_its_check(tmp_path, monkeypatch):
+    import torch._inductor.config as inductor
+
+    # its ~25 kernels compiled in this process: a pool of compile workers would first start
+    # two more processes that import torch (7 s of CPU on a 2-core host, no wall saved)
+    monkeypatch.setattr(inductor, "compile_threads", 1)
     tiny = ("vocab=32", "seq=8", "width=8", "heads=2", "depth=2", "lm=True")  # loss compiled
     fields = {**GPT, "model_arg": tiny, "compile_backend": "inductor"}
     cfg = RunConfig(**{**fields, "strategy": "local", "amp": "bf16", "steps": 1})
