@@ -7,7 +7,6 @@ schedule's step (strategies/pipeline/schedule_step.py, torch_engine.py)."""
 from __future__ import annotations
 
 import sys
-
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
