@@ -146,6 +146,23 @@ def test_an_internal_error_is_exit_3(cli, monkeypatch):
     assert code == 3 and len(err.strip().splitlines()) == 1 and "internal error" in err
 
 
+def test_an_mpi_librarys_error_is_a_failed_run_not_a_bug(cli, monkeypatch):
+    """mpi4py's MPI.Exception (here MPI_ERR_IN_STATUS, what a halo exchange's Waitall raised
+    on rank 0 when rank 1 was killed) is the run failing in the library: exit 1, one line."""
+    mpi = pytest.importorskip("mpi4py.MPI")
+    import scalelab.cli.commands.layers as layers
+
+    def in_mpi(*args, **kwargs):
+        raise mpi.Exception(mpi.ERR_IN_STATUS)
+
+    monkeypatch.setattr(layers, "workload_config", in_mpi)
+    monkeypatch.delenv("SCALELAB_DEBUG", raising=False)
+    code, _, err = cli("layers", "alexnet")
+    assert code == 1 and err.strip().splitlines() == [
+        "scalelab layers: failed: MPI: See the MPI_ERROR field in MPI_Status for the error code"
+    ], err
+
+
 @pytest.mark.parametrize(
     "command,shown,hidden",
     [

@@ -103,6 +103,20 @@ def test_a_rank_that_vanished_unreported_is_named_over_the_peer_it_broke(tmp_pat
     )
 
 
+def test_a_rank_that_vanished_is_named_over_an_mpi_error_naming_no_cause(tmp_path):
+    """Seen in CI: rank 1 SIGKILLed while rank 0 waited in a halo exchange; rank 0's Waitall
+    raised MPI_ERR_IN_STATUS, whose text names no cause, and its MPI_Abort ended mpiexec
+    before hydra saw the kill. The silent rank is named (it was an internal error, exit 3)."""
+    line = "scalelab run: failed: MPI: See the MPI_ERROR field in MPI_Status for the error code"
+    folder = job(tmp_path, 2, {0: (1, line)})
+    captured = ["MPICH: Builtin communicator 44000000 has pending 1 references.", ABORT]
+    out = explain(folder, captured, 1, ENDED, "mpi")
+    assert (out.code, out.message) == (
+        1,
+        "scalelab: rank 1 on nodeA died during halo; job aborted after 0.5 s",
+    )
+
+
 @pytest.mark.parametrize(
     "ranks, notes, captured, launcher, expected",
     [
@@ -171,6 +185,8 @@ MPI_CUT = (
         (MPI_PEER_GONE, True, True),
         (MPI_CUT, True, True),  # two records in one srun study before: the rank's and the watcher's
         (MPI_CUT, False, False),  # no launcher or watcher to write it: the rank does
+        ("MPI: See the MPI_ERROR field in MPI_Status for the error code", True, True),
+        ("MPI_ERR_IN_STATUS: error code in status", True, True),  # Open MPI's words
         ("ValueError: shapes (4, 3) and (2, 3) do not match", True, False),
     ],
 )

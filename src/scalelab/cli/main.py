@@ -200,6 +200,8 @@ def _failure(args: argparse.Namespace, exc: Exception) -> int:
         return _one_line(args, "failed", f"out of memory: {exc}", EXIT_FAILED)
     if code == EXIT_FAILED:
         return _one_line(args, "failed", exc, EXIT_FAILED)
+    if type(exc).__module__ == "mpi4py.MPI":  # the MPI library's error: the run failed in it
+        return _one_line(args, "failed", f"MPI: {exc}", EXIT_FAILED)
     if isinstance(exc, UnicodeDecodeError):  # a user's file: only readers decode bytes
         return _one_line(args, "error", f"a file is not UTF-8 text ({exc.reason})", EXIT_USAGE)
     text = f"{type(exc).__name__}: {exc} (a bug: please report it; SCALELAB_DEBUG=1: traceback)"

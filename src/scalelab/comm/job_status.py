@@ -33,8 +33,11 @@ PEER_GONE = re.compile(
 )
 # An MPI library's error (mpi4py's MPI.Exception: "Other MPI error, error stack: ..."): its
 # text is cut at MPI_MAX_ERROR_STRING, often before the cause (MPICH over OFI/tcp when the peer
-# of an allreduce was SIGKILLed), so it cannot tell a dead peer from its own fault.
-MPI_ERROR = re.compile(r"\bMPI error, error stack:")
+# of an allreduce was SIGKILLed), so it cannot tell a dead peer from its own fault. A
+# Waitall whose receives failed says only MPI_ERR_IN_STATUS (MPICH: "See the MPI_ERROR field
+# in MPI_Status for the error code"; Open MPI: "MPI_ERR_IN_STATUS: error code in status"),
+# as rank 0's halo exchange did when rank 1 was SIGKILLed.
+MPI_ERROR = re.compile(r"\bMPI error, error stack:|MPI_ERROR field in MPI_Status|MPI_ERR_IN_STATUS")
 
 
 # --- the rank's side -----------------------------------------------------------------------
@@ -88,6 +91,11 @@ def launcher_records(error: str) -> bool:
     one, and records this rank's line if not."""
     if not os.environ.get(JOB_DIR_VAR):
         return False
+    return may_blame_a_peer(error)
+
+
+def may_blame_a_peer(error: str) -> bool:
+    """The error says a peer vanished, or is the MPI library's own (which may be one)."""
     return PEER_GONE.search(error) is not None or MPI_ERROR.search(error) is not None
 
 

@@ -26,7 +26,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from scalelab.comm.job_status import JOB_DIR_VAR, PEER_GONE, RECORD_FILE, is_check_failure
+from scalelab.comm.job_status import (
+    JOB_DIR_VAR,
+    RECORD_FILE,
+    is_check_failure,
+    may_blame_a_peer,
+)
 from scalelab.comm.launch import die_with_parent, mpiexec_command, torchrun_command
 
 
@@ -199,11 +204,12 @@ def _vanished_rank(
     said: list[tuple[int, str]], silent: set[int], status: dict
 ) -> tuple[int, str, None] | None:
     """(rank, host, None) of the one rank that left no line while every line the others
-    left says a peer vanished. A survivor's MPI call can fail on the killed rank and its
-    MPI_Abort end mpiexec before hydra reports the kill: then MPICH prints only the Abort
-    line (no BAD TERMINATION box, no signal). With several silent ranks (the launcher's
+    left says a peer vanished or is the MPI library's error (whose text may name no cause).
+    A survivor's MPI call can fail on the killed rank and its MPI_Abort end mpiexec before
+    hydra reports the kill: then MPICH prints only the Abort line (no BAD TERMINATION box,
+    no signal). With several silent ranks (the launcher's
     cleanup kills the rest too) which one vanished first is unknown: None."""
-    if not said or len(silent) != 1 or not all(PEER_GONE.search(line) for _, line in said):
+    if not said or len(silent) != 1 or not all(may_blame_a_peer(line) for _, line in said):
         return None
     (rank,) = silent
     return rank, status[rank][1], None
