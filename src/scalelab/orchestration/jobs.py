@@ -207,8 +207,8 @@ def _vanished_rank(
     left says a peer vanished or is the MPI library's error (whose text may name no cause).
     A survivor's MPI call can fail on the killed rank and its MPI_Abort end mpiexec before
     hydra reports the kill: then MPICH prints only the Abort line (no BAD TERMINATION box,
-    no signal). With several silent ranks (the launcher's
-    cleanup kills the rest too) which one vanished first is unknown: None."""
+    no signal). With several silent ranks (the launcher's cleanup kills the rest too)
+    which one vanished first is unknown: None."""
     if not said or len(silent) != 1 or not all(may_blame_a_peer(line) for _, line in said):
         return None
     (rank,) = silent
