@@ -13,6 +13,10 @@ gradient. Runs (each a fresh model, the same seed):
   fused        one compiled function: model and loss (nanoGPT's forward returns the loss)
   blocks       each block compiled in place, the rest eager (scalelab's --compile)
   blocks+loss  each block compiled, the loss compiled
+A run named NAME@MODE compiles with torch.compile's mode MODE (fused@max-autotune-no-cudagraphs,
+fused@reduce-overhead: CUDA graphs around the compiled forward and backward).
+--profile NAME traces 3 of that run's steps after timing and adds the step's GPU time by kernel
+family (GEMM, attention, Triton-fused, optimizer, other) to its line: where an MFU goes.
 Steady sequences/s over --steps after --warmup, between two device syncs; rounds alternate.
 One JSON line per run and round.
 """
@@ -45,26 +49,68 @@ def lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
+FAMILIES = (  # kernel name fragments, first match wins
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "matmul")),
+    ("optimizer", ("multi_tensor", "foreach")),
+    ("triton", ("triton",)),
+)
+
+
+def kernel_family(name: str) -> str:
+    low = name.lower()
+    for family, keys in FAMILIES:
+        if any(k in low for k in keys):
+            return family
+    return "other"
+
+
+def profile_steps(step, steps: int = 3) -> dict:
+    """GPU ms per step by kernel family over `steps` traced steps, and the traced wall."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    by: dict[str, float] = {}
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if ev.device_type.name == "CUDA" and us:
+            fam = kernel_family(ev.key)
+            by[fam] = by.get(fam, 0.0) + us / 1e3 / steps
+    return {
+        "traced_step_ms": round(wall / steps * 1e3, 2),
+        "kernel_ms": {k: round(v, 2) for k, v in sorted(by.items(), key=lambda kv: -kv[1])},
+        "kernel_ms_total": round(sum(by.values()), 2),
+    }
+
+
 def one_run(name: str, args: argparse.Namespace, rnd: int) -> dict:
+    name, _, mode = name.partition("@")
+    mode = mode or None
     torch._dynamo.reset()
     torch.manual_seed(0)
     gpt = load_gpt()(args.vocab, args.seq, args.width, args.heads, args.depth, lm=True).cuda()
     opt = torch.optim.SGD(gpt.parameters(), lr=0.01, momentum=0.9, foreach=True)
     loss_fn = lm_loss
     if name.startswith("whole"):
-        model = torch.compile(gpt)
+        model = torch.compile(gpt, mode=mode)
     else:
         model = gpt
         for block in gpt.blocks:
-            block.compile()
+            block.compile(mode=mode)
     if name.endswith("+loss"):
-        loss_fn = torch.compile(lm_loss)
+        loss_fn = torch.compile(lm_loss, mode=mode)
 
     def step_loss(x, y):
         return loss_fn(model(x), y)
 
     if name == "fused":
-        step_loss = torch.compile(lambda x, y: lm_loss(gpt(x), y))
+        step_loss = torch.compile(lambda x, y: lm_loss(gpt(x), y), mode=mode)
     g = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda", generator=g)
     y = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda", generator=g)
@@ -87,14 +133,18 @@ def one_run(name: str, args: argparse.Namespace, rnd: int) -> dict:
         step()
     torch.cuda.synchronize()
     dt = time.perf_counter() - t0
-    return {
-        "run": name,
+    label = name + (f"@{mode}" if mode else "")
+    row = {
+        "run": label,
         "round": rnd,
         "seq_per_s": round(args.batch * args.steps / dt, 1),
         "step_ms": round(dt / args.steps * 1e3, 2),
         "warmup_s": round(warm_s, 1),
         "peak_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2),
     }
+    if label in args.profile.split(","):
+        row.update(profile_steps(step))
+    return row
 
 
 def main() -> None:
@@ -109,6 +159,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--profile", default="", help="comma list of runs to trace after timing")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     with open(args.out, "a") as f:
