@@ -19,14 +19,19 @@ from scalelab.train import checkpoint as ckpt
 from scalelab.train.guards import TrainingDiverged
 from scalelab.workloads.base import state_dict_float64
 
+# One torch thread: runs compared bit for bit here must sum in one order. Without --threads
+# each run takes the CPUs free at its start, and MKL on a Xeon sums this MLP's 32x784 by 784x8
+# GEMM differently at 1 and 2 threads (the same seed's epoch-1 loss 2.144952697753906 against
+# 2.1449527486165363 in a CI run on a busy host).
 SMALL = dict(
     workload="mlp", train=True, hidden=8, train_size=150, heldout_size=40, batch=32,
-    epochs=2, lr=0.5, momentum=0.9, quiet=True,
+    epochs=2, lr=0.5, momentum=0.9, quiet=True, threads=1,
 )  # fmt: skip
 SCALELAB = [sys.executable, "-m", "scalelab"]
 ARGS = [
     "run", "mlp", "--train", "--hidden", "8", "--train-size", "150", "--heldout-size", "40",
     "--batch", "32", "--epochs", "2", "--lr", "0.5", "--momentum", "0.9", "--quiet",
+    "--threads", "1",
 ]  # fmt: skip
 
 
@@ -38,13 +43,18 @@ def trained(tmp_path, name, **kw):
 
 def test_resume_mid_epoch_is_bitwise(tmp_path):
     """Stop at step 7 (epoch 2, step 2) with a checkpoint, resume: the uninterrupted run's
-    weights, loss curve and held-out accuracy, bit for bit."""
-    whole, w_whole = trained(tmp_path, "whole")
-    trained(tmp_path, "part", steps=7, ckpt_dir=str(tmp_path / "ck"))
+    weights, loss curve and held-out accuracy, bit for bit. Both trained at 2 threads; the
+    resume has no --threads and takes the checkpoint's 2, whatever this host's load picks."""
+    whole, w_whole = trained(tmp_path, "whole", threads=2)
+    trained(tmp_path, "part", threads=2, steps=7, ckpt_dir=str(tmp_path / "ck"))
     (path,) = (tmp_path / "ck").glob("*.pt")
     state = torch.load(path)
     assert state["position"] == {"epoch": 1, "step": 2, "steps": 7, "items": 64}
-    resumed, w_resumed = trained(tmp_path, "resumed", resume=str(path))
+    assert state["threads"] == 2
+    resumed, w_resumed = trained(tmp_path, "resumed", threads=None, resume=str(path))
+    assert resumed["threads"]["threads"] == 2 and resumed["threads"]["source"] == "checkpoint"
+    given, _ = trained(tmp_path, "given", threads=1, resume=str(path))
+    assert given["threads"] == {"threads": 1, "source": "--threads", "why": "given by --threads"}
     assert all(torch.equal(w_whole[k], w_resumed[k]) for k in w_whole)
     assert resumed["loss"] == whole["loss"] and resumed["accuracy"] == whole["accuracy"]
     assert resumed["steps"] == whole["steps"] == 10 and resumed["items"] == 150 - 64
@@ -189,10 +199,10 @@ def test_progress_reports_epochs_on_stderr(cli, tmp_path):
 
 
 def test_compare_devices_matches_two_separate_runs(tmp_path):
-    """The report's per-epoch differences are those of two independent runs' weights. One
-    torch thread for all of them: without --threads each run takes the CPUs free at its start,
-    and on a busy host two runs summed in different orders (fp32 relerr 6.2e-8 against 5.8e-8)."""
-    cfg = RunConfig(**{**SMALL, "momentum": 0.0, "threads": 1})
+    """The report's per-epoch differences are those of two independent runs' weights (one
+    torch thread, SMALL's: on a busy host two runs without it summed in different orders,
+    fp32 relerr 6.2e-8 against 5.8e-8)."""
+    cfg = RunConfig(**{**SMALL, "momentum": 0.0})
     report = compare_devices(cfg, [("cpu", "fp64"), ("cpu", "fp32")])
     assert [row["epoch"] for row in report.rows] == [1, 2]
     for epochs in (1, 2):
@@ -201,7 +211,6 @@ def test_compare_devices_matches_two_separate_runs(tmp_path):
                 **{
                     **SMALL,
                     "momentum": 0.0,
-                    "threads": 1,
                     "epochs": epochs,
                     "dtype": "fp64",
                     "save_weights": str(tmp_path / "a.pt"),
@@ -214,7 +223,6 @@ def test_compare_devices_matches_two_separate_runs(tmp_path):
                 **{
                     **SMALL,
                     "momentum": 0.0,
-                    "threads": 1,
                     "epochs": epochs,
                     "save_weights": str(tmp_path / "b.pt"),
                 }

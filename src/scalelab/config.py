@@ -77,7 +77,9 @@ class RunConfig:
     threads: int | None = opt(
         None,
         "torch intra-op threads on CPU (None: the CPUs free for the run shared by its "
-        "ranks on the host, at most torch's default; the record's `threads` says why).",
+        "ranks on the host, at most torch's default, or a resume's checkpoint's count; the "
+        "record's `threads` says why). A CPU run repeats its bits at one count: BLAS may sum "
+        "in another order at another, so give it to compare runs on a busy host.",
         section="run",
     )
 

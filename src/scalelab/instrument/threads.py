@@ -28,7 +28,9 @@ SAMPLE_S = 0.1  # how long the host is watched before a run: long enough for 10 
 @dataclass(frozen=True)
 class ThreadChoice:
     threads: int
-    source: str  # "--threads", "chosen", "torch default" (a GPU run), "BLAS default" (serial)
+    # "--threads", "chosen", "Slurm", "checkpoint" (a resume), "torch default" (a GPU run),
+    # "BLAS default" (serial)
+    source: str
     why: str
 
     def as_record(self) -> dict[str, Any]:
@@ -90,6 +92,14 @@ def given(user: int, env: dict[str, str] | None = None) -> ThreadChoice:
     return ThreadChoice(threads=user, source="--threads", why="given by --threads")
 
 
+def from_checkpoint(n: int) -> ThreadChoice:
+    """A CPU resume without --threads: the count the checkpoint trained with. The bits of a
+    step depend on it (MKL on a Xeon sums a 32x784 by 784x8 GEMM in another order at 1 and at
+    2 threads), and a resume promises the uninterrupted run's bits."""
+    why = "the count the checkpoint trained with, so the resumed steps sum as the first did"
+    return ThreadChoice(threads=n, source="checkpoint", why=why)
+
+
 def blas() -> ThreadChoice:
     """The serial (NumPy float64) strategy's threads: NumPy's BLAS held to one thread where
     threadpoolctl is installed, else the BLAS's own default (the whole host, busy or not)."""
@@ -105,5 +115,5 @@ def summary_line(rec: dict[str, Any]) -> str | None:
     got = rec.get("threads")
     if not isinstance(got, dict):
         return None
-    tail = "; --threads sets it" if got["source"] == "chosen" else ""
+    tail = "; --threads sets it" if got["source"] in ("chosen", "checkpoint") else ""
     return f"  threads: {got['threads']} per rank ({got['source']}: {got['why']}{tail})"

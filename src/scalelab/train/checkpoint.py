@@ -8,6 +8,7 @@ split the model gather it first), so it loads under any strategy and rank count:
     epoch_loss_sums, history        so a resumed run reports the same loss curve
     schedule                        seed, training items, global batch: the data order
     rng                             torch's CPU generator
+    threads                         torch's intra-op threads: a CPU resume sums as before
 
 Resuming mid-epoch continues the epoch's data order at the same item; that needs the same
 seed and training set, and a global batch that divides the items already done. Anything else
@@ -287,6 +288,7 @@ def export_training_state(t: Trainer) -> dict[str, Any] | None:
         "epoch_loss_total": total,
         "history": {"loss": list(t.history.loss), "accuracy": list(t.history.accuracy)},
         "rng": torch.get_rng_state(),
+        "threads": torch.get_num_threads(),  # a resume without --threads takes it (loop.py)
         "config": cfg.to_dict(),
     }
 

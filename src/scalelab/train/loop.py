@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from scalelab.errors import UsageError
+from scalelab.instrument import threads
 from scalelab.instrument.progress import Progress
 from scalelab.instrument.timer import PhaseTimer, Timings, device_sync, notify_step
 from scalelab.results import RunOutput, TrainHistory
@@ -313,9 +314,30 @@ class Trainer:
                 )
         self.excluded += time.perf_counter() - start
 
+    def _threads_of(self, state: dict) -> None:
+        """A CPU resume on as many ranks without --threads takes the checkpoint's thread count:
+        the count this host's load would pick now may sum the steps in another order, and the
+        resumed run would leave the uninterrupted one's bits. Another rank count cannot repeat
+        them anyway and keeps its own choice."""
+        n, s = state.get("threads"), self.strategy
+        choice = getattr(s, "thread_choice", None)
+        if (
+            self.cfg.threads is not None
+            or not isinstance(n, int)
+            or n < 1
+            or choice is None
+            or getattr(s, "reference", False)  # serial: NumPy's BLAS, not torch's threads
+            or s.device.type != "cpu"
+            or state["world_size"] != s.comm.size
+        ):
+            return
+        torch.set_num_threads(n)  # TorchStrategy.close() puts the process's count back
+        s.thread_choice = threads.from_checkpoint(n)
+
     def _resume(self) -> None:
         state = ckpt.load_checkpoint(self.cfg.resume)
         skip = ckpt.check_resume(state, self)
+        self._threads_of(state)
         ckpt.import_training_state(self, state, skip)
         if self.finished:
             raise UsageError(
