@@ -314,18 +314,17 @@ class Trainer:
                 )
         self.excluded += time.perf_counter() - start
 
-    def _threads_of(self, state: dict) -> None:
+    def _resume_threads(self, state: dict) -> None:
         """A CPU resume on as many ranks without --threads takes the checkpoint's thread count:
         the count this host's load would pick now may sum the steps in another order, and the
         resumed run would leave the uninterrupted one's bits. Another rank count cannot repeat
         them anyway and keeps its own choice."""
         n, s = state.get("threads"), self.strategy
-        choice = getattr(s, "thread_choice", None)
         if (
             self.cfg.threads is not None
             or not isinstance(n, int)
             or n < 1
-            or choice is None
+            or getattr(s, "thread_choice", None) is None  # a torch strategy's choice
             or getattr(s, "reference", False)  # serial: NumPy's BLAS, not torch's threads
             or s.device.type != "cpu"
             or state["world_size"] != s.comm.size
@@ -337,7 +336,7 @@ class Trainer:
     def _resume(self) -> None:
         state = ckpt.load_checkpoint(self.cfg.resume)
         skip = ckpt.check_resume(state, self)
-        self._threads_of(state)
+        self._resume_threads(state)
         ckpt.import_training_state(self, state, skip)
         if self.finished:
             raise UsageError(
