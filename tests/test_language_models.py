@@ -198,3 +198,15 @@ def test_held_out_forwards_are_sized_by_the_logits_they_produce():
     assert eval_batch(last, 1) == 512
     mlp = WORKLOADS.get("mlp")(RunConfig(workload="mlp", hidden=16))  # no class count set
     assert eval_batch(mlp, 20) == 512 and eval_batch(mlp, 600) == 600
+
+
+def test_every_hf_model_type_builds_at_the_small_size():
+    """hf:TYPE for types whose config derives a field SMALL sets (falcon's head_dim is a
+    read-only property: the config was refused), and the families the tensor and pipeline
+    tests run: each builds and maps (B, T) ids to (B, T, V) logits."""
+    pytest.importorskip("transformers")
+    for kind in ("falcon", "opt", "qwen3", "phi3", "gemma"):
+        wl = WORKLOADS.get("model")(RunConfig(**{**LM, "dtype": "fp32"}, model=f"hf:{kind}"))
+        ids = torch.randint(0, 40, (2, 8))
+        with torch.no_grad():
+            assert wl.build_model()(ids).shape == (2, 8, 40), kind

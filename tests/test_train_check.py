@@ -143,6 +143,7 @@ def test_torchrun_strategies_and_meshes_train_what_one_process_trains(tmp_path):
         "bn_ddp_sync": {**RES, "ranks": 4, "strategy": "ddp", "sync_bn": True},
         "bn_pipe_torch": {**RES, **torch_engine, "ranks": 4, "strategy": "pipeline",
                           "stages": 4, "microbatches": 1},
+        "fp32_inside": {**MLP, "model": f"{NETS}:fp32_norm_mlp", "ranks": 4, "strategy": "ddp"},
     }  # fmt: skip
     recs = _launch("torchrun", 4, runs, tmp_path, code=1)
     verdicts = {n: (r["status"], r.get("relerr"), r.get("error")) for n, r in recs.items()}
@@ -153,6 +154,13 @@ def test_torchrun_strategies_and_meshes_train_what_one_process_trains(tmp_path):
     assert recs["dp_pp"]["config"]["dp"] == recs["dp_tp"]["config"]["tp"] == 2
     _fails_by_batchnorm(recs["bn_ddp"], "each rank's share")
     assert recs["bn_ddp_sync"]["train_check"]["sync_bn"] is True
+    # A norm computing in float32 inside an fp64 model: each rank's share of its gradient
+    # rounds to fp32 apart from the whole batch's; judged at the fp32 floor, the module named.
+    inside = recs["fp32_inside"]
+    assert inside["status"] == "ok" and inside["check_passed"], verdicts
+    assert 1e-12 < inside["relerr"] <= inside["tolerance"] == 1e-5, verdicts
+    assert inside["train_check"]["float32_inside"] == ["2"], inside["train_check"]
+    assert "fp32 floor" in inside["train_check"]["basis"]
 
 
 @pytest.mark.mpi
@@ -216,3 +224,39 @@ def test_ddp_on_gpus_syncs_batchnorm_with_torch_syncbatchnorm(tmp_path):
                    tmp_path, code=1)  # fmt: skip
     _passes(recs["sync"])
     _fails_by_batchnorm(recs["per_rank"], "each rank's share")
+
+
+def test_dropout_off_finds_the_probabilities_a_forward_hands_to_f_dropout():
+    """Hugging Face's OPT keeps dropout, activation_dropout and layerdrop as floats and calls
+    F.dropout: with nn.Dropout modules only found, two ranks drew different masks and a
+    2-stage pipeline's --check failed at relerr 1e-2. After dropout_off a training-mode
+    forward repeats itself, and the modules are named."""
+    from scalelab.run.train_check import dropout_off
+
+    class Functional(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(6, 6)
+            self.dropout, self.layerdrop, self.drop_last = 0.5, 0.3, True
+            self.inner = nn.Dropout(0.2)
+
+        def forward(self, x):
+            h = nn.functional.dropout(self.lin(x), p=self.dropout, training=self.training)
+            if self.training and torch.rand(()) < self.layerdrop:
+                return h
+            return self.inner(self.lin(h))
+
+    model, x = Functional().train(), torch.randn(4, 6)
+    assert not torch.equal(model(x), model(x))
+    assert dropout_off(model) == ["Functional", "inner"]
+    assert (model.dropout, model.layerdrop, model.drop_last, model.inner.p) == (0.0, 0.0, True, 0.0)
+    assert torch.equal(model(x), model(x))
+
+
+def test_float32_inside_names_the_modules_that_compute_in_float32():
+    from programs.user_nets import fp32_norm_mlp, mlp
+    from scalelab.run.train_check import float32_inside
+
+    x = torch.randn(2, 3, 4, dtype=torch.float64)
+    assert float32_inside(fp32_norm_mlp().double(), x) == ["2"]
+    assert float32_inside(mlp().double(), x) == []

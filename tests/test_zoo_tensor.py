@@ -32,6 +32,10 @@ MODELS = {
 if importlib.util.find_spec("transformers") is not None:  # the `hf` extra
     MODELS["hf_llama"] = {"model": f"{ZOO}:hf_llama", **IDS}
     MODELS["hf_gpt2"] = {"model": f"{ZOO}:hf_gpt2", **IDS}
+    # Qwen3 declares q_norm/k_norm "replicated_with_grad_allreduce" (a rank's gradient is its
+    # heads' share); Phi-3 a fused qkv_proj "colwise_gather_output" (every head after it)
+    MODELS["hf_qwen3"] = {"model": "hf:qwen3", **IDS}
+    MODELS["hf_phi3"] = {"model": "hf:phi3", **IDS}
 INFER = dict(workload="model", batch=4, iters=1, warmup=0, check=True, quiet=True, threads=1,
              dtype="fp64")  # fmt: skip
 TRAIN = dict(workload="model", train=True, train_size=8, heldout_size=4, batch=4, epochs=1,

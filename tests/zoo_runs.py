@@ -22,7 +22,11 @@ MODELS = {
     "nanogpt": {"model": f"{ZOO}:nanogpt", **TOKENS},
     "nanogpt-untied": {"model": f"{ZOO}:nanogpt", **TOKENS, "model_arg": ["tied=False"]},
     **({"hf_llama": {"model": f"{ZOO}:hf_llama", **TOKENS},
-        "hf_gpt2": {"model": f"{ZOO}:hf_gpt2", **TOKENS}} if HF else {}),
+        "hf_gpt2": {"model": f"{ZOO}:hf_gpt2", **TOKENS},
+        # OPT: a traced cut handing on a tuple; its F.dropout floats off, as hf_gpt2's pdrop
+        # (the multi-rank runs here train without --check, which turns dropout off)
+        "hf_opt": {"model": "hf:opt", **TOKENS, "model_arg": [
+            "dropout=0.0", "attention_dropout=0.0", "activation_dropout=0.0"]}} if HF else {}),
     "encoder": {"model": f"{ZOO}:encoder", "input_shape": "5,6"},
     "tuple_blocks": {"model": f"{ZOO}:tuple_blocks", **TOKENS},
 }  # fmt: skip

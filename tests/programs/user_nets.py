@@ -87,6 +87,26 @@ def mlp(p: float = 0.3) -> nn.Module:
     return MLP(p)
 
 
+class Float32Norm(nn.Module):
+    """Gemma's RMSNorm as Hugging Face writes it: input and weight in float32, the result
+    cast back, whatever the model's dtype."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(width))
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return (h * (1.0 + self.weight.float())).type_as(x)
+
+
+def fp32_norm_mlp() -> nn.Module:
+    """(N, 3, 4) -> (N, 4) with a float32-inside norm between its Linears."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(12, 16), Float32Norm(16), nn.GELU(),
+                         nn.Linear(16, 4))  # fmt: skip
+
+
 class Branchy(nn.Module):
     """Two heads added: no chain of modules to cut."""
 

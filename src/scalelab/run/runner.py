@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import sys
 import threading
 import traceback
@@ -70,6 +71,8 @@ def execute(cfg: RunConfig, results: Path | None) -> RunReport:
         if strategy.comm.size > 1 and not isinstance(exc, (SystemExit, RunFailed)):
             # One rank failing alone would leave the others blocked in a collective.
             code, line = rank_failure_line(strategy.comm.rank, exc)
+            if os.environ.get("SCALELAB_DEBUG"):  # the one line's traceback, as main's
+                traceback.print_exc()
             if not job_status.report(line, code):
                 sys.stderr.write(f"{line}; aborting all ranks\n")
                 sys.stderr.flush()

@@ -81,12 +81,20 @@ def _transformers(spec: str):
 
 
 def _from_type(transformers, spec: str, kind: str, over: dict[str, Any]) -> nn.Module:
-    fields = {**SMALL, **over}
+    # SMALL's fields a type derives (falcon's head_dim is a read-only property) stay derived
+    cls = transformers.CONFIG_MAPPING[kind]
+    small = {k: v for k, v in SMALL.items() if not _read_only(cls, k)}
+    fields = {**small, **over}
     try:
         config = transformers.AutoConfig.for_model(kind, **fields)
     except Exception as exc:
         raise UsageError(f"--model {spec}: config {kind} refused {_line(exc)}") from None
     return _build(transformers, spec, config)
+
+
+def _read_only(cls: type, name: str) -> bool:
+    attr = getattr(cls, name, None)
+    return isinstance(attr, property) and attr.fset is None
 
 
 def _from_file(

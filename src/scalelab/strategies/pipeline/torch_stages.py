@@ -73,6 +73,11 @@ class OwnedOutput(nn.Module):
 
     def forward(self, *args: Any) -> Any:
         out = self.piece(*args)
+        if isinstance(out, (tuple, list)):  # a traced cut handing on several values (OPT's)
+            return type(out)(self._laid_out(o) for o in out)
+        return self._laid_out(out)
+
+    def _laid_out(self, out: Any) -> Any:
         if not isinstance(out, torch.Tensor):
             return out
         if not out.is_contiguous():

@@ -14,12 +14,36 @@ The patterns are put under the path the HF model sits at inside the user's modul
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from scalelab.errors import UsageError
+
+
+class ReplicatedGradSum(ParallelStyle):
+    """HF's "replicated_with_grad_allreduce": the module's parameters whole on every rank, each
+    gradient summed over the tensor group as backward reaches it. Qwen3's q_norm and k_norm
+    (RMSNorm weights of head_dim) run on each rank's own heads, so a rank's gradient is its
+    heads' share: left alone, a 2-rank fp64 run trained q_norm 1.8e-4 away from one process."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        group = device_mesh.get_group()
+        for p in module.parameters():
+            if p.requires_grad:
+                p.register_hook(partial(_summed, group=group))
+        return module
+
+
+def _summed(grad: torch.Tensor, group) -> torch.Tensor:
+    total = grad.clone()  # a hook must not change the gradient autograd hands it
+    dist.all_reduce(total, group=group)
+    return total
+
 
 # HF style name -> the torch style (None: the module stays replicated on every rank).
 STYLES: dict[str, Callable[[], ParallelStyle] | None] = {
@@ -33,7 +57,7 @@ STYLES: dict[str, Callable[[], ParallelStyle] | None] = {
     "embedding_colwise": lambda: ColwiseParallel(output_layouts=Replicate()),
     "replicate": None,
     "local_params": None,
-    "replicated_with_grad_allreduce": None,
+    "replicated_with_grad_allreduce": ReplicatedGradSum,
 }
 
 

@@ -26,6 +26,7 @@ from fnmatch import fnmatch
 
 import torch
 from torch import nn
+from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -149,7 +150,7 @@ def _attention(model: nn.Module, plan: HeadPlan) -> None:
     for a in att.attention_modules(model):
         lins = att.projections(model, a)
         sharded = {c: plan.styles[f"{a}.{c}"] for c, _ in lins if f"{a}.{c}" in plan.styles}
-        if not any(isinstance(s, ColwiseParallel) for s in sharded.values()):
+        if not any(_splits_heads(s) for s in sharded.values()):
             continue
         m = model.get_submodule(a)
         out = next((c for c, _ in lins if isinstance(sharded.get(c), RowwiseParallel)), None)
@@ -158,7 +159,7 @@ def _attention(model: nn.Module, plan: HeadPlan) -> None:
         plan.heads[a] = head_attrs(m) + widths
         if widths:
             plan.narrow[a] = width
-        col = [(c, lin) for c, lin in lins if isinstance(sharded.get(c), ColwiseParallel)]
+        col = [(c, lin) for c, lin in lins if _splits_heads(sharded.get(c))]
         if any(att.in_out(lin)[1] == width for _, lin in col):
             col = []  # separate q, k, v: no fused projection (a 3x MLP is not one)
         for child, lin in col:
@@ -166,6 +167,15 @@ def _attention(model: nn.Module, plan: HeadPlan) -> None:
                 plan.fused[f"{a}.{child}"] = width
                 if att.is_conv1d(lin):
                     plan.conv1d.append(f"{a}.{child}")
+
+
+def _splits_heads(style: ParallelStyle | None) -> bool:
+    """A column split whose output stays sharded: the attention after it sees the rank's heads.
+    One that gathers its output (HF's colwise_gather_output: Phi-3's fused qkv_proj) hands on
+    every head, so the head counts stay whole and a fused projection keeps its row order."""
+    if not isinstance(style, ColwiseParallel):
+        return False
+    return not isinstance(style.output_layouts[0], Replicate)
 
 
 def _matches(pattern: str, name: str) -> bool:
