@@ -79,6 +79,22 @@ def report(line: str, code: int) -> bool:
     return True
 
 
+# How long a failed rank under a watcher or launcher waits before it aborts the job. Its
+# failure may be a peer's death (a halo exchange with a rank SIGKILLed under srun): MPICH's
+# MPI_Abort goes through PMI and Slurm SIGKILLs every task at once, the dead rank's watcher
+# with them, before it said who died (1 CI run in 3 on a loaded 2-core host said nothing).
+# The dead rank's side names it and cancels the step well inside this; a rank that failed
+# alone ends this much later.
+PEER_NAMES_S = 3.0
+
+
+def before_abort(code: int) -> None:
+    """A reported failure's pause before the abort (PEER_NAMES_S): refusals (2) go at once,
+    every rank refuses alike."""
+    if code != 2 and os.environ.get(JOB_DIR_VAR):
+        time.sleep(PEER_NAMES_S)
+
+
 def is_check_failure(line: str) -> bool:
     """A rank's line saying the run finished and its check failed: no rank died."""
     return CHECK_FAILED in line

@@ -76,6 +76,8 @@ def execute(cfg: RunConfig, results: Path | None) -> RunReport:
             if not job_status.report(line, code):
                 sys.stderr.write(f"{line}; aborting all ranks\n")
                 sys.stderr.flush()
+            else:  # a watcher or launcher has the line: a dead peer's side may name it first
+                job_status.before_abort(code)
             strategy.comm.abort(code)
         raise
     finally:
