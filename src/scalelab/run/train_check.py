@@ -135,20 +135,16 @@ def _judge_float32_inside(cfg: RunConfig, initial: dict[str, np.ndarray], result
     another order (a pipeline's micro-batches) moves those modules' weights by fp32 rounding
     (5.8e-8 in Gemma's norms, relerr 3e-11 in all). Such a model is judged at the fp32 floor,
     said with the modules; a model computing in fp64 throughout keeps the fp64 floor."""
-    _, model = _one_process_model(cfg, initial, "fp64", "cpu")
-    found = float32_inside(model.to(torch.float64), _one_item(cfg))
+    _, workload, model = _one_process_model(cfg, initial, "fp64", "cpu")
+    x = workload.prepare(workload.synthetic_inputs(1, cfg.seed).x)
+    x = x.to(torch.float64) if x.is_floating_point() else x  # (1, ...) as the fp64 run's
+    found = float32_inside(model.to(torch.float64), x)
     if not found:
         return
     shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
     result.tolerance = max(result.tolerance, PRECISIONS["fp32"].tolerance)
     result.basis = f"the fp32 floor (precision.py): the model computes in float32 in {shown}"
     result.notes["float32_inside"] = found
-
-
-def _one_item(cfg: RunConfig) -> torch.Tensor:
-    workload = WORKLOADS.get(cfg.workload)(cfg)
-    x = workload.prepare(workload.synthetic_inputs(1, cfg.seed).x)
-    return x.to(torch.float64) if x.is_floating_point() else x  # (1, ...) as the fp64 run's
 
 
 def float32_inside(model: nn.Module, x: torch.Tensor) -> list[str]:
@@ -191,17 +187,18 @@ def _state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def _one_process_model(
     cfg: RunConfig, initial: dict[str, np.ndarray], dtype: str, device: str
-) -> tuple[RunConfig, nn.Module]:
-    """The one `local` process's config and its model at `initial`, dropout off."""
+) -> tuple[RunConfig, Any, nn.Module]:
+    """The one `local` process's config, workload and model at `initial`, dropout off."""
     keep = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.metadata["section"] in SAME}
     one = replace(
         RunConfig(**keep), strategy="local", ranks=1, dtype=dtype, device=device, check=False,
         quiet=True, weights=None, save_weights=None, sync_bn=False,
     )  # fmt: skip
-    model = WORKLOADS.get(one.workload)(one).build_model()
+    workload = WORKLOADS.get(one.workload)(one)
+    model = workload.build_model()
     dropout_off(model)
     model.load_state_dict({k: torch.from_numpy(v) for k, v in initial.items()})
-    return one, model
+    return one, workload, model
 
 
 def reference(
@@ -209,8 +206,7 @@ def reference(
 ) -> dict[str, torch.Tensor]:
     """The weights and buffers one `local` process trains from `initial` in dtype on device
     (the same batches in the same order: every strategy's data order is one process's)."""
-    one, model = _one_process_model(cfg, initial, dtype, device)
-    workload = WORKLOADS.get(one.workload)(one)
+    one, workload, model = _one_process_model(cfg, initial, dtype, device)
     strategy = STRATEGIES.get("local").build(one)
     try:
         out = strategy.train(workload, model, workload.training_data())
